@@ -1,0 +1,5 @@
+import sys
+
+from llmgw.services.cli import main
+
+sys.exit(main())

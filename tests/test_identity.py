@@ -1,0 +1,301 @@
+"""Identity and permissions against a real nats-server with real certificates.
+
+Each refusal is asserted twice: the refused party sees the refusal, and an
+operator listening on everything sees nothing delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import shutil
+
+import pytest
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from nats.js.errors import KeyNotFoundError
+
+from llmgw.shared import bus, pki, subjects as S
+from llmgw.shared.errors import BusError, InvalidName
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Tap:
+    """An operator subscription on everything, to prove what was (not) delivered."""
+
+    def __init__(self):
+        self.msgs = []
+
+    async def start(self, connector, subject=">"):
+        self.nc = await connector.as_new("ops", "operator")
+
+        async def cb(msg):
+            self.msgs.append(msg.subject)
+
+        await self.nc.subscribe(subject, cb=cb)
+        await self.nc.flush()
+        return self
+
+    def saw(self, subject: str) -> bool:
+        return subject in self.msgs
+
+
+def violations(connector, label) -> list[str]:
+    # nats-py lower-cases the server's -ERR text; compare lower-case.
+    return [str(e).lower() for e in connector.errors.get(label, []) if "permissions" in str(e).lower()]
+
+
+async def settle(*ncs):
+    for nc in ncs:
+        await nc.flush()
+    await asyncio.sleep(0.3)
+
+
+# --------------------------------------------------------------------------
+# 1-4: who may connect at all
+# --------------------------------------------------------------------------
+
+
+async def _refused(connector, tls, tap, probe):
+    try:
+        nc = await bus.connect(connector.server.url, tls, name="intruder", initial_attempts=1, connect_timeout=2)
+    except BusError as e:
+        refused = e
+    else:  # pragma: no cover - only reached when the server wrongly accepts
+        await nc.publish(probe, b"x")
+        await nc.flush()
+        await nc.close()
+        refused = None
+    await settle(tap.nc)
+    assert refused is not None, "the server accepted a connection it must refuse"
+    assert not tap.saw(probe)
+    return refused
+
+
+async def test_client_without_certificate_is_refused(connector, tmp_path):
+    tap = await Tap().start(connector)
+    import ssl
+
+    import nats
+
+    ctx = ssl.create_default_context(cafile=str(connector.server.pki_dir / pki.CA_CERT))
+    with pytest.raises(Exception):
+        nc = await nats.connect(connector.server.url, tls=ctx, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0)
+        await nc.publish("llmgw.node.node01.heartbeat", b"x")  # pragma: no cover
+    await settle(tap.nc)
+    assert not tap.saw("llmgw.node.node01.heartbeat")
+
+
+async def test_certificate_from_another_ca_is_refused(connector, tmp_path):
+    tap = await Tap().start(connector)
+    other = tmp_path / "other-pki"
+    pki.init_ca(other)
+    issued = pki.issue(other, "node01", "node", tmp_path / "other-out")
+    # Same name, same role, but the wrong authority.
+    tls = bus.TlsFiles(ca=str(connector.server.pki_dir / pki.CA_CERT), cert=str(issued.cert_path), key=str(issued.key_path))
+    await _refused(connector, tls, tap, S.heartbeat("node01"))
+
+
+async def test_expired_certificate_is_refused(connector, tmp_path):
+    tap = await Tap().start(connector)
+    now = dt.datetime.now(dt.timezone.utc)
+    issued = pki.issue(
+        connector.server.pki_dir,
+        "node07",
+        "node",
+        tmp_path / "expired",
+        not_before=now - dt.timedelta(days=10),
+        not_after=now - dt.timedelta(days=1),
+    )
+    connector.server.reload()
+    tls = bus.TlsFiles(ca=str(issued.ca_path), cert=str(issued.cert_path), key=str(issued.key_path))
+    await _refused(connector, tls, tap, S.heartbeat("node07"))
+
+
+async def test_certificate_not_in_ledger_is_refused(connector, tmp_path):
+    """Signed by the right authority, but never recorded: the server does not know it."""
+    tap = await Tap().start(connector)
+    shadow = tmp_path / "shadow-pki"
+    shadow.mkdir()
+    for f in (pki.CA_CERT, pki.CA_KEY):
+        shutil.copy(connector.server.pki_dir / f, shadow / f)
+    issued = pki.issue(shadow, "node09", "node", tmp_path / "shadow-out")
+    connector.server.reload()
+    tls = bus.TlsFiles(ca=str(issued.ca_path), cert=str(issued.cert_path), key=str(issued.key_path))
+    await _refused(connector, tls, tap, S.heartbeat("node09"))
+
+
+async def test_revoked_certificate_is_refused_and_its_connection_closed(connector):
+    tap = await Tap().start(connector)
+    tls = connector.identity("node03", "node")
+    dropped = asyncio.Event()
+
+    async def on_disconnect():
+        dropped.set()
+
+    nc = await connector.connect(tls, label="node03", on_disconnect=on_disconnect)
+    await nc.publish(S.heartbeat("node03"), b"before")
+    await settle(nc, tap.nc)
+    assert tap.saw(S.heartbeat("node03")), "the valid certificate should have been accepted first"
+
+    pki.revoke(connector.server.pki_dir, "node03")
+    connector.server.reload()
+    await asyncio.wait_for(dropped.wait(), 5)
+    tap.msgs.clear()
+    # Whatever it still tries is not delivered, and a fresh connection is refused.
+    try:
+        await nc.publish(S.heartbeat("node03"), b"after")
+    except (ConnectionError, OSError):
+        pass  # the transport is gone: also a refusal
+    await asyncio.sleep(0.5)
+    with contextlib.suppress(ConnectionError, OSError):
+        await nc.close()
+    await _refused(connector, tls, tap, S.heartbeat("node03"))
+    assert not tap.saw(S.heartbeat("node03"))
+
+
+# --------------------------------------------------------------------------
+# 5-8: what a node may do
+# --------------------------------------------------------------------------
+
+
+async def test_node_cannot_publish_as_another_node(connector):
+    tap = await Tap().start(connector)
+    node01 = await connector.as_new("node01", "node")
+    await node01.publish(S.heartbeat("node02"), b"forged")
+    await node01.publish(S.heartbeat("node01"), b"own")
+    await settle(node01, tap.nc)
+    assert not tap.saw(S.heartbeat("node02"))
+    assert tap.saw(S.heartbeat("node01")), "its own subject must still work"
+    assert any("node02" in v for v in violations(connector, "node/node01"))
+
+
+async def test_node_cannot_listen_to_another_nodes_commands(connector):
+    node01 = await connector.as_new("node01", "node")
+    sched = await connector.as_new("scheduler", "scheduler")
+    got = []
+
+    async def cb(msg):
+        got.append(msg.subject)
+
+    await node01.subscribe(S.cmd_space("node02"), cb=cb)
+    await node01.subscribe(S.cmd_space("node01"), cb=cb)
+    await settle(node01)
+    await sched.publish(S.cmd_launch("node02"), b"{}")
+    await sched.publish(S.cmd_launch("node01"), b"{}")
+    await settle(sched, node01)
+    assert got == [S.cmd_launch("node01")]
+    assert any("llmgw.cmd.node02" in v for v in violations(connector, "node/node01"))
+
+
+@pytest.mark.parametrize("inbox", ["_INBOX.>", "_INBOX_scheduler_scheduler.>", "_INBOX_node_node02.>"])
+async def test_node_cannot_read_other_inboxes(connector, inbox):
+    node01 = await connector.as_new("node01", "node")
+    sched = await connector.as_new("scheduler", "scheduler")
+    node02 = await connector.as_new("node02", "node")
+    stolen = []
+
+    async def thief(msg):
+        stolen.append(msg.subject)
+
+    await node01.subscribe(inbox, cb=thief)
+    await settle(node01)
+
+    # A real request/reply whose reply goes to the scheduler's inbox.
+    async def answer(msg):
+        await msg.respond(b"ack")
+
+    await node02.subscribe(S.cmd_launch("node02"), cb=answer)
+    await settle(node02)
+    reply = await sched.request(S.cmd_launch("node02"), b"{}", timeout=2)
+    assert reply.data == b"ack"
+    await settle(sched, node01)
+    assert stolen == []
+    assert violations(connector, "node/node01")
+
+
+async def test_node_answers_commands_only_through_responses(connector):
+    """allow_responses lets node01 reply; it still cannot publish into others' inboxes."""
+    node01 = await connector.as_new("node01", "node")
+    sched = await connector.as_new("scheduler", "scheduler")
+
+    async def answer(msg):
+        await msg.respond(b"ack")
+
+    await node01.subscribe(S.cmd_launch("node01"), cb=answer)
+    await settle(node01)
+    assert (await sched.request(S.cmd_launch("node01"), b"{}", timeout=2)).data == b"ack"
+    await node01.publish("_INBOX_scheduler_scheduler.forged", b"x")
+    await settle(node01)
+    assert any("_inbox_scheduler_scheduler" in v for v in violations(connector, "node/node01"))
+
+
+async def test_node_has_no_jetstream_rights(connector):
+    # The registry is the nodes bucket's single writer; even the operator may not write it.
+    registry = await connector.as_new("registry", "registry")
+    kvs = await bus.provision(registry.jetstream(), (S.BUCKET_NODES,), events=False)
+    await kvs[S.BUCKET_NODES].put("node01", b"genuine")
+
+    node01 = await connector.as_new("node01", "node")
+    njs = node01.jetstream(timeout=1)
+    with pytest.raises((NatsTimeout, NoRespondersError, Exception)):
+        await njs.account_info()
+    with pytest.raises(Exception):
+        await njs.key_value(S.BUCKET_NODES)
+    await node01.publish(f"$KV.{S.BUCKET_NODES}.node01", b"forged")
+    await node01.publish(f"$KV.{S.BUCKET_NODES}.node02", b"forged")
+    await settle(node01)
+    assert (await kvs[S.BUCKET_NODES].get("node01")).value == b"genuine"
+    with pytest.raises(KeyNotFoundError):
+        await kvs[S.BUCKET_NODES].get("node02")
+    assert len(violations(connector, "node/node01")) >= 2
+
+
+# --------------------------------------------------------------------------
+# 9-10: names
+# --------------------------------------------------------------------------
+
+
+async def test_node_named_like_a_service_gets_none_of_its_rights(connector):
+    ops = await connector.as_new("ops", "operator")
+    kvs = await bus.provision(ops.jetstream())
+    tap = await Tap().start(connector)
+    impostor = await connector.as_new("scheduler", "node")  # CN=scheduler,OU=node
+    real = await connector.as_new("scheduler", "scheduler")
+    got = []
+
+    async def cb(msg):
+        got.append(msg.subject)
+
+    # The scheduler's rights: read agent statuses, command nodes, write replicas, read its replies.
+    await impostor.subscribe(S.ALL_STATUS, cb=cb)
+    await impostor.subscribe("_INBOX_scheduler_scheduler.>", cb=cb)
+    await impostor.subscribe(S.api_space("scheduler"), cb=cb)
+    await settle(impostor)
+    await impostor.publish(S.cmd_launch("node01"), b"{}")
+    await impostor.publish(f"$KV.{S.BUCKET_REPLICAS}.r-1", b"forged")
+    await impostor.publish(S.event("replica", "r-1", "ready"), b"forged")
+    node01 = await connector.as_new("node01", "node")
+    await node01.publish(S.status("node01"), b"{}")
+    await settle(impostor, node01, tap.nc, real)
+    assert got == []
+    assert not tap.saw(S.cmd_launch("node01"))
+    assert not tap.saw(S.event("replica", "r-1", "ready"))
+    with pytest.raises(KeyNotFoundError):
+        await kvs[S.BUCKET_REPLICAS].get("r-1")
+    assert len(violations(connector, "node/scheduler")) >= 6
+    # …while the real scheduler does have them.
+    await real.publish(S.cmd_launch("node01"), b"{}")
+    await settle(real, tap.nc)
+    assert tap.saw(S.cmd_launch("node01"))
+    assert violations(connector, "scheduler/scheduler") == []
+
+
+@pytest.mark.parametrize("bad", ["", "Node01", "node.01", "node 01", "node*", ">", "-node", "node-", "n" * 64, "nöde"])
+def test_invalid_node_id_is_never_issued(tmp_path, bad):
+    pki.init_ca(tmp_path / "pki")
+    with pytest.raises(InvalidName, match="invalid node id"):
+        pki.issue(tmp_path / "pki", bad, "node", tmp_path / "out")
+    assert pki.ledger(tmp_path / "pki") == []
+    assert not (tmp_path / "out").exists()
