@@ -250,6 +250,9 @@ class DeploymentSpec(Base):
     env: dict[str, str] = {}
     startup_timeout: float = 600.0
     applied_at: float = 0.0
+    # Maintained by the scheduler, not the operator: the last replica generation
+    # issued for this deployment, so generations only ever grow (fencing).
+    last_generation: int = 0
 
 
 ReplicaState = Literal[
