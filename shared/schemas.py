@@ -76,7 +76,7 @@ class FabricMembership(Base):
     problem: str = ""
 
 
-class Inventory(Base):
+class Inventory(Base, kw_only=True):
     node_id: str
     boot_id: str
     hostname: str = ""
@@ -223,7 +223,7 @@ class NodeRecord(Base):
 LeaseState = Literal["ready", "suspect", "lost"]
 
 
-class Lease(Base):
+class Lease(Base, kw_only=True):
     """``llmgw_leases[<node>]``, written by the health monitor alone.
 
     Times are the monitor's own wall clock, never the agent's.
