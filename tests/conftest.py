@@ -122,3 +122,20 @@ async def connector(nats_server):
     c = Connector(nats_server)
     yield c
     await c.close()
+
+
+def service_config(server: NatsServer, role: str, name: str | None = None, **sections):
+    """A ServiceConfig for an in-process service under a freshly issued certificate."""
+    from llmgw.shared.config import GatewaySection, HealthSection, SchedulerSection, ServiceConfig, TlsSection
+
+    tls = server.issue(name or role, role)
+    kinds = {"health": HealthSection, "scheduler": SchedulerSection, "gateway": GatewaySection}
+    built = {k: kinds[k](**v) if isinstance(v, dict) else v for k, v in sections.items()}
+    return ServiceConfig(
+        server=[server.url],
+        tls=TlsSection(ca=tls.ca, cert=tls.cert, key=tls.key),
+        reconnect_base=0.1,
+        reconnect_max=0.5,
+        source=f"<test {role}>",
+        **built,
+    )

@@ -1,0 +1,125 @@
+"""``llmgw health``: the single writer of node leases (``llmgw_leases``).
+
+Heartbeats come in on ``llmgw.node.*.heartbeat``; the pure ``LeaseBook`` turns
+them and the passage of time into transitions; this shell stores leases and
+publishes each transition as an event. Several monitors may run: one leads
+(``llmgw_leaders``), the others stand by and, on taking over, continue from the
+stored leases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from llmgw.shared import subjects as S
+from llmgw.shared.errors import WireError
+from llmgw.shared.schemas import Heartbeat, Lease, decode, encode
+
+from .leases import LeaseBook, Timings, Transition
+from .runtime import ServiceRuntime, run_service
+
+HEARTBEATS = Counter("llmgw_health_heartbeats_total", "Heartbeats received, by result", ["result"])
+LEASES = Gauge("llmgw_health_leases", "Node leases, by state", ["state"])
+TRANSITIONS = Counter("llmgw_health_transitions_total", "Lease transitions", ["to"])
+WRITE_SECONDS = Histogram("llmgw_health_lease_write_seconds", "Time to store a batch of leases")
+
+
+class HealthMonitor(ServiceRuntime):
+    role = "health"
+    buckets = (S.BUCKET_LEASES, S.BUCKET_LEADERS)
+
+    async def setup(self) -> None:
+        h = self.cfg.health
+        self.book = LeaseBook(Timings(h.heartbeat_interval, h.suspect_after_missed, h.node_lost_after))
+        self.leases_kv = self.kv[S.BUCKET_LEASES]
+        self.acting = False
+        self.lead(h.leader_ttl)
+        await self.nc.subscribe(S.ALL_HEARTBEATS, cb=self.on_heartbeat)
+        self.spawn(self.tick_loop())
+
+    async def _load(self) -> None:
+        leases: dict[str, Lease] = {}
+        try:
+            keys = await self.leases_kv.keys()
+        except Exception:
+            keys = []  # empty bucket
+        for k in keys:
+            try:
+                leases[k] = decode((await self.leases_kv.get(k)).value, Lease)
+            except Exception as e:
+                self.log.warning("stored lease %s unreadable (%s); it starts afresh", k, e)
+        self.book.load(leases, time.time())
+        self.log.info("continuing from %d stored leases", len(leases))
+
+    async def on_heartbeat(self, msg) -> None:
+        if not self.acting:
+            return
+        node = S.node_of(msg.subject)
+        try:
+            hb = decode(msg.data, Heartbeat)
+        except WireError as e:
+            HEARTBEATS.labels("malformed").inc()
+            self.log.warning("heartbeat from %s rejected: %s", node, e)
+            return
+        if hb.node_id != node:
+            HEARTBEATS.labels("inconsistent").inc()
+            self.log.warning("heartbeat on %s claims node_id %r; ignored", msg.subject, hb.node_id)
+            return
+        HEARTBEATS.labels("accepted").inc()
+        tr = self.book.heartbeat(hb, time.time())
+        if tr:
+            await self._apply([tr])
+
+    async def tick_loop(self) -> None:
+        h = self.cfg.health
+        # Check often enough that "lost" is declared within a fraction of a heartbeat.
+        period = min(h.heartbeat_interval / 4, 1.0)
+        while True:
+            await asyncio.sleep(period)
+            leading = bool(self.leadership and self.leadership.is_leader)
+            if leading and not self.acting:
+                await self._load()
+                self.acting = True
+            elif not leading and self.acting:
+                self.acting = False
+            if not self.acting:
+                continue
+            try:
+                await self._apply(self.book.expire(time.time()))
+                await self._flush()
+            except Exception as e:
+                self.log.warning("lease tick failed: %s", e)
+
+    async def _apply(self, transitions: list[Transition]) -> None:
+        for tr in transitions:
+            await self._store(tr.lease)
+            TRANSITIONS.labels(tr.new).inc()
+            what = "joined" if tr.old == "" else tr.new
+            self.log.info("node %s %s → %s (%s)", tr.node_id, tr.old or "new", tr.new, tr.detail)
+            await self.events.emit("node", tr.node_id, what, tr.detail, at=tr.lease.since, previous=tr.old or "none")
+        if transitions:
+            self._gauge()
+
+    async def _store(self, lease: Lease) -> None:
+        await self.leases_kv.put(lease.node_id, encode(lease))
+        self.book.stored(lease)
+
+    async def _flush(self) -> None:
+        due = self.book.due_writes(time.time())
+        if not due:
+            return
+        with WRITE_SECONDS.time():
+            # Bounded concurrency: acks are awaited in parallel, not one round trip each.
+            for i in range(0, len(due), 256):
+                await asyncio.gather(*(self._store(l) for l in due[i : i + 256]))
+
+    def _gauge(self) -> None:
+        for state in ("ready", "suspect", "lost"):
+            LEASES.labels(state).set(sum(1 for l in self.book.leases.values() if l.state == state))
+
+
+def main(args) -> int:
+    return run_service(HealthMonitor, args)

@@ -1,0 +1,183 @@
+"""``llmgw registry``: the single writer of node records (``llmgw_nodes``).
+
+It turns inventories into node records and holds each node's admin state
+(active, cordoned, draining). The server's permissions already bind a node's
+subject to its certificate, so ``llmgw.node.node02.inventory`` can only come
+from ``CN=node02,OU=node``; the registry still checks that the payload claims
+the same node, because a bug in an agent must not move one node's GPUs onto
+another's record. A rejected inventory leaves the previous record in place.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from prometheus_client import Counter, Gauge
+
+from llmgw.shared import subjects as S
+from llmgw.shared.errors import LlmgwError, WireError
+from llmgw.shared.names import is_valid_name
+from llmgw.shared.pki import subject_dn
+from llmgw.shared.schemas import Inventory, NodeRecord, decode, encode, now
+
+from .runtime import ServiceRuntime, run_service
+
+INVENTORIES = Counter("llmgw_registry_inventories_total", "Inventories received, by result", ["result"])
+NODES = Gauge("llmgw_registry_nodes", "Node records, by admin state", ["admin"])
+
+
+class UnknownNode(LlmgwError):
+    code = "unknown_node"
+
+
+class NodeRequest(msgspec.Struct, kw_only=True):
+    node_id: str
+
+
+class Registry(ServiceRuntime):
+    role = "registry"
+    buckets = (S.BUCKET_NODES,)
+
+    async def setup(self) -> None:
+        self.nodes_kv = self.kv[S.BUCKET_NODES]
+        await self.nc.subscribe(S.ALL_INVENTORIES, cb=self.on_inventory, queue="llmgw-registry")
+        await self.add_api({"cordon": self.api_cordon, "uncordon": self.api_uncordon, "drain": self.api_drain})
+        await self._load_admin()
+        await self._count()
+
+    # -- inventories -----------------------------------------------------------
+    async def on_inventory(self, msg) -> None:
+        node = S.node_of(msg.subject)
+        try:
+            inv = decode(msg.data, Inventory)
+        except WireError as e:
+            INVENTORIES.labels("malformed").inc()
+            self.log.warning("inventory from %s rejected: %s", node or msg.subject, e)
+            return
+        if inv.node_id != node or not is_valid_name(node):
+            INVENTORIES.labels("inconsistent").inc()
+            self.log.warning("inventory on %s claims node_id %r; rejected, previous record kept", msg.subject, inv.node_id)
+            return
+        if len({g.index for g in inv.gpus}) != len(inv.gpus):
+            INVENTORIES.labels("inconsistent").inc()
+            self.log.warning("inventory from %s lists a GPU index twice; rejected, previous record kept", node)
+            return
+        try:
+            await self._apply_inventory(inv)
+            INVENTORIES.labels("accepted").inc()
+        except Exception as e:
+            INVENTORIES.labels("error").inc()
+            self.log.warning("inventory from %s not stored: %s", node, e)
+
+    async def _apply_inventory(self, inv: Inventory) -> None:
+        for _ in range(5):  # CAS loop: an admin change may race an inventory
+            try:
+                entry = await self.nodes_kv.get(inv.node_id)
+                old = decode(entry.value, NodeRecord)
+                rev = entry.revision
+            except KeyNotFoundError:
+                old, rev = None, 0
+            record = NodeRecord(
+                node_id=inv.node_id,
+                identity=subject_dn("node", inv.node_id),
+                hostname=inv.hostname,
+                mgmt_addr=inv.mgmt_addr,
+                mgmt_interface=inv.mgmt_interface,
+                boot_id=inv.boot_id,
+                gpus=inv.gpus,
+                fabrics=inv.fabrics,
+                hcas=inv.hcas,
+                admin=old.admin if old else "active",
+                registered_at=old.registered_at if old else now(),
+                updated_at=now(),
+            )
+            if old is not None and _same_facts(old, record):
+                return  # the periodic re-send: nothing changed, write nothing
+            try:
+                if rev:
+                    await self.nodes_kv.update(inv.node_id, encode(record), last=rev)
+                else:
+                    await self.nodes_kv.create(inv.node_id, encode(record))
+            except KeyWrongLastSequenceError:
+                continue
+            except Exception as e:
+                if "wrong last sequence" in str(e) or "key exists" in str(e).lower():
+                    continue
+                raise
+            if old is None:
+                await self.events.emit("node", inv.node_id, "joined", f"{len(inv.gpus)} GPUs, fabrics {', '.join(f.name for f in inv.fabrics) or 'none'}")
+            else:
+                await self.events.emit("node", inv.node_id, "inventory", _describe_change(old, record))
+            await self._count(inv.node_id, record.admin)
+            return
+
+    async def _load_admin(self) -> None:
+        self.admin: dict[str, str] = {}
+        try:
+            keys = await self.nodes_kv.keys()
+        except Exception:
+            keys = []  # nats-py raises on an empty bucket
+        for key in keys:
+            try:
+                self.admin[key] = decode((await self.nodes_kv.get(key)).value, NodeRecord).admin
+            except (KeyNotFoundError, WireError):
+                continue
+
+    async def _count(self, node: str | None = None, admin: str | None = None) -> None:
+        if node is not None and admin is not None:
+            self.admin[node] = admin
+        for state in ("active", "cordoned", "draining"):
+            NODES.labels(state).set(sum(1 for a in self.admin.values() if a == state))
+
+    # -- admin API ---------------------------------------------------------------
+    async def _set_admin(self, data: bytes, admin: str, what: str) -> NodeRecord:
+        req = decode(data, NodeRequest)
+        for _ in range(5):
+            try:
+                entry = await self.nodes_kv.get(req.node_id)
+            except KeyNotFoundError:
+                raise UnknownNode(f"no node {req.node_id!r} in the registry") from None
+            rec = decode(entry.value, NodeRecord)
+            if rec.admin == admin:
+                return rec
+            new = msgspec.structs.replace(rec, admin=admin, updated_at=now())
+            try:
+                await self.nodes_kv.update(req.node_id, encode(new), last=entry.revision)
+            except KeyWrongLastSequenceError:
+                continue
+            await self.events.emit("node", req.node_id, what, f"admin state {rec.admin} → {admin}")
+            self.log.info("node %s %s", req.node_id, what)
+            await self._count(req.node_id, admin)
+            return new
+        raise LlmgwError(f"node {req.node_id} is changing too fast; try again")
+
+    async def api_cordon(self, data: bytes) -> NodeRecord:
+        return await self._set_admin(data, "cordoned", "cordoned")
+
+    async def api_uncordon(self, data: bytes) -> NodeRecord:
+        return await self._set_admin(data, "active", "uncordoned")
+
+    async def api_drain(self, data: bytes) -> NodeRecord:
+        return await self._set_admin(data, "draining", "draining")
+
+
+def _same_facts(a: NodeRecord, b: NodeRecord) -> bool:
+    keys = ("hostname", "mgmt_addr", "mgmt_interface", "boot_id", "gpus", "fabrics", "hcas")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def _describe_change(old: NodeRecord, new: NodeRecord) -> str:
+    parts = []
+    if old.boot_id != new.boot_id:
+        parts.append("agent restarted")
+    if len(old.gpus) != len(new.gpus):
+        parts.append(f"GPUs {len(old.gpus)} → {len(new.gpus)}")
+    if [(f.name, f.usable) for f in old.fabrics] != [(f.name, f.usable) for f in new.fabrics]:
+        parts.append("fabrics " + ", ".join(f"{f.name}{'' if f.usable else ' (unusable)'}" for f in new.fabrics))
+    if old.mgmt_addr != new.mgmt_addr:
+        parts.append(f"mgmt_addr {old.mgmt_addr} → {new.mgmt_addr}")
+    return "; ".join(parts) or "inventory changed"
+
+
+def main(args) -> int:
+    return run_service(Registry, args)

@@ -1,0 +1,140 @@
+"""What every control-plane service process shares: connect, provision, metrics,
+events, its nats.micro API, leadership, and a clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import uuid
+
+from nats.micro import add_service
+from nats.micro.request import Request
+from prometheus_client import start_http_server
+
+from llmgw.shared import bus, subjects as S
+from llmgw.shared.config import ServiceConfig, load_service_config
+from llmgw.shared.errors import ConfigError, LlmgwError, WireError
+from llmgw.shared.events import EventPublisher
+from llmgw.shared.leader import Leadership
+from llmgw.shared.schemas import ApiError, encode
+
+VERSION = "0.1.0"
+
+
+class ServiceRuntime:
+    role: str = ""
+    buckets: tuple[str, ...] = ()
+    log: logging.Logger
+
+    def __init__(self, cfg: ServiceConfig):
+        self.cfg = cfg
+        self.log = logging.getLogger(f"llmgw.{self.role}")
+        self.nc = None
+        self.js = None
+        self.kv: dict = {}
+        self.events: EventPublisher | None = None
+        self.micro = None
+        self.leadership: Leadership | None = None
+        self.stopping = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+        role, name = cfg.tls_files().identity()
+        if role != self.role:
+            raise ConfigError(f"{cfg.source}: tls.cert is a '{role}' certificate (CN={name}); the {self.role} needs one issued with --role {self.role}")
+        self.identity = name
+        # Unique per process, so a restarted instance never mistakes an old lease for its own.
+        self.instance = f"{name}@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+    # -- lifecycle -----------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.cfg
+        if cfg.metrics_listen:
+            host, _, port = cfg.metrics_listen.rpartition(":")
+            try:
+                start_http_server(int(port), addr=host or "0.0.0.0")
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"{cfg.source}: metrics_listen {cfg.metrics_listen}: {e}") from None
+        self.nc = await bus.connect(
+            cfg.server,
+            cfg.tls_files(),
+            name=self.role,
+            reconnect_base=cfg.reconnect_base,
+            reconnect_max=cfg.reconnect_max,
+            logger=self.log,
+        )
+        self.js = self.nc.jetstream(timeout=5)
+        self.kv = await bus.provision(self.js, self.buckets, events=True, replicas=cfg.kv_replicas)
+        self.events = EventPublisher(self.js, self.role)
+        await self.setup()
+
+    async def setup(self) -> None:
+        """Subscriptions, watchers and API endpoints of the concrete service."""
+
+    async def add_api(self, endpoints: dict) -> None:
+        """Expose request/reply endpoints as a nats.micro service (``nats micro ls`` finds it)."""
+        self.micro = await add_service(self.nc, name=f"llmgw-{self.role}", version=VERSION, description=f"llmgw {self.role}", queue_group=f"llmgw-{self.role}")
+        for verb, handler in endpoints.items():
+            await self.micro.add_endpoint(name=verb, subject=S.api(self.role, verb), handler=self._wrap(verb, handler))
+
+    def _wrap(self, verb, handler):
+        async def run(req: Request) -> None:
+            try:
+                reply = await handler(req.data)
+                await req.respond(encode(reply))
+            except WireError as e:
+                await req.respond_error("400", str(e), data=encode(ApiError(code="bad_request", description=str(e))))
+            except LlmgwError as e:
+                await req.respond_error("400", str(e), data=encode(ApiError(code=e.code, description=str(e))))
+            except Exception as e:  # never leave a caller hanging on a bug
+                self.log.exception("%s: %s failed", self.role, verb)
+                await req.respond_error("500", f"{type(e).__name__}: {e}", data=encode(ApiError(code="internal", description=str(e))))
+
+        return run
+
+    def spawn(self, coro) -> asyncio.Task:
+        t = asyncio.create_task(coro)
+        self.tasks.append(t)
+        return t
+
+    def lead(self, ttl: float) -> Leadership:
+        from llmgw.shared import subjects
+
+        self.leadership = Leadership(self.kv[subjects.BUCKET_LEADERS], self.role, self.instance, ttl)
+        self.spawn(self.leadership.run())
+        return self.leadership
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.leadership:
+            await self.leadership.resign()
+        if self.micro:
+            try:
+                await self.micro.stop()
+            except Exception:
+                pass
+        if self.nc and not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), 3)
+            except Exception:
+                pass
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        await self.start()
+        self.log.info("%s %s running", self.role, self.identity)
+        await self.stopping.wait()
+        self.log.info("%s stopping", self.role)
+        await self.stop()
+
+
+def run_service(cls, args) -> int:
+    cfg = load_service_config(args.config)
+    svc = cls(cfg)
+    asyncio.run(svc.serve())
+    return 0

@@ -1,0 +1,244 @@
+"""Configuration files of the control-plane services and of operators.
+
+A configuration is read once at start and validated when it is constructed:
+an unknown key (with the closest known one suggested), a wrong type, a bad
+duration or a missing file is refused with a message naming the file and the
+key path, so a typo never silently becomes a default.
+
+One file per service instance (each has its own certificate)::
+
+    server: tls://10.0.0.140:4222       # or a list, for a clustered server
+    tls: {ca: ca.pem, cert: scheduler.pem, key: scheduler-key.pem}
+    metrics_listen: 127.0.0.1:9102      # "" turns the metrics endpoint off
+    kv_replicas: 1                      # 3 on a clustered server
+    health:    {heartbeat_interval: 5s, suspect_after_missed: 3, node_lost_after: 60s}
+    scheduler: {reconcile_interval: 1s, port_base: 20000, port_count: 2000}
+    gateway:   {listen: 127.0.0.1:8080}
+
+``operator.yaml`` (for ``llmgw ctl`` and ``llmgw tui``) has the first two keys only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .bus import TlsFiles
+from .durations import parse_duration
+from .errors import ConfigError
+
+# Marks a float field as a duration ("5s", "1m", 500ms, or seconds).
+DURATION = {"duration": True}
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def build(cls: type, data: Any, where: str, source: str) -> Any:
+    """Construct dataclass ``cls`` from a mapping, checking keys and types strictly."""
+    prefix = f"{source}: " if source else ""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix}{where or 'top level'}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" (known keys: {', '.join(fields)})"
+            raise ConfigError(f"{prefix}unknown key '{_join(where, key)}'{hint}")
+    kwargs = {}
+    for name, f in fields.items():
+        path = _join(where, name)
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{prefix}missing required key '{path}'")
+            continue
+        kwargs[name] = _convert(hints[name], data[name], path, source, f.metadata)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{prefix}{e}") from None
+
+
+def _join(where: str, key: Any) -> str:
+    return f"{where}.{key}" if where else str(key)
+
+
+def _convert(tp: Any, value: Any, path: str, source: str, meta: Any) -> Any:
+    prefix = f"{source}: " if source else ""
+    if meta and meta.get("duration"):
+        return parse_duration(value, f"{prefix}{path}")
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(args[0], value, path, source, meta)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, path, source)
+    if origin in (list, tuple):
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{prefix}{path}: expected a list, got {type(value).__name__}")
+        items = [_convert(inner, v, f"{path}[{i}]", source, None) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{prefix}{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{prefix}{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{prefix}{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{prefix}{path}: expected a string, got {type(value).__name__}")
+        return str(value)
+    return value
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file {p} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read configuration file {p}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{p}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of keys at the top level")
+    return data
+
+
+# --------------------------------------------------------------------------
+# the service and operator configurations
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TlsSection:
+    ca: str
+    cert: str
+    key: str
+
+
+@dataclass(frozen=True)
+class HealthSection:
+    heartbeat_interval: float = field(default=5.0, metadata=DURATION)
+    suspect_after_missed: int = 3
+    node_lost_after: float = field(default=60.0, metadata=DURATION)
+    leader_ttl: float = field(default=5.0, metadata=DURATION)
+
+    def __post_init__(self):
+        if self.heartbeat_interval <= 0 or self.node_lost_after <= 0:
+            raise ConfigError("health: heartbeat_interval and node_lost_after must be positive")
+        if self.suspect_after_missed < 1:
+            raise ConfigError("health.suspect_after_missed: must be at least 1")
+        if self.node_lost_after <= self.heartbeat_interval * self.suspect_after_missed:
+            raise ConfigError(
+                "health.node_lost_after must be longer than suspect_after_missed × heartbeat_interval "
+                f"({self.suspect_after_missed} × {self.heartbeat_interval:g}s), or nodes go lost before suspect"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerSection:
+    reconcile_interval: float = field(default=1.0, metadata=DURATION)
+    port_base: int = 20000
+    port_count: int = 2000
+    leader_ttl: float = field(default=5.0, metadata=DURATION)
+    command_timeout: float = field(default=5.0, metadata=DURATION)
+
+    def __post_init__(self):
+        if not (1024 <= self.port_base and self.port_base + self.port_count <= 65536 and self.port_count >= 2):
+            raise ConfigError("scheduler: port_base..port_base+port_count must lie within 1024..65535")
+
+
+@dataclass(frozen=True)
+class GatewaySection:
+    listen: str = "127.0.0.1:8080"
+    max_body_bytes: int = 4 * 1024 * 1024
+    upstream_timeout: float = field(default=600.0, metadata=DURATION)
+    connect_timeout: float = field(default=2.0, metadata=DURATION)
+    api_keys_file: str = ""
+    cooldown: float = field(default=10.0, metadata=DURATION)
+    failures_before_cooldown: int = 3
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    server: list[str]
+    tls: TlsSection
+    metrics_listen: str = ""
+    kv_replicas: int = 1
+    reconnect_base: float = field(default=1.0, metadata=DURATION)
+    reconnect_max: float = field(default=30.0, metadata=DURATION)
+    health: HealthSection = field(default_factory=HealthSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    gateway: GatewaySection = field(default_factory=GatewaySection)
+    source: str = field(default="", metadata={"internal": True})
+
+    def tls_files(self) -> TlsFiles:
+        return TlsFiles(ca=self.tls.ca, cert=self.tls.cert, key=self.tls.key)
+
+
+def _resolve(base: Path, p: str) -> str:
+    return str(p if os.path.isabs(p) else (base / p).resolve())
+
+
+def load_service_config(path: str | os.PathLike) -> ServiceConfig:
+    """Load and check a service (or operator) configuration file."""
+    data = read_yaml(path)
+    if "source" in data:
+        raise ConfigError(f"{path}: unknown key 'source'")
+    cfg = build(ServiceConfig, data, "", str(path))
+    base = Path(path).resolve().parent
+    tls = TlsSection(**{k: _resolve(base, getattr(cfg.tls, k)) for k in ("ca", "cert", "key")})
+    for k in ("ca", "cert", "key"):
+        if not Path(getattr(tls, k)).is_file():
+            raise ConfigError(f"{path}: tls.{k}: file {getattr(tls, k)} does not exist")
+    for url in cfg.server:
+        if not url.startswith(("tls://", "nats://")):
+            raise ConfigError(f"{path}: server: {url!r} is not a NATS URL; write e.g. tls://HOST:4222")
+    if cfg.reconnect_base > cfg.reconnect_max:
+        raise ConfigError(f"{path}: reconnect_base ({cfg.reconnect_base:g}s) is longer than reconnect_max ({cfg.reconnect_max:g}s)")
+    return dataclasses.replace(cfg, tls=tls, source=str(path))
+
+
+def default_operator_config() -> str:
+    """Where ``llmgw ctl`` and ``llmgw tui`` look when --config is not given."""
+    return os.environ.get("LLMGW_CONFIG") or str(Path(".llmgw") / "operator.yaml")
+
+
+def write_config(path: str | os.PathLike, data: dict) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, p)
