@@ -1,0 +1,251 @@
+"""Engine adapters: one member of a replica -> the argv and environment that start it.
+
+Pure functions of a ``LaunchCommand`` and two facts about this node (its
+management address and interface). Every flag and variable here comes from the
+engines' and NCCL's documentation; ``docs/engines.md`` lists each one with its
+source and what has not been proven on real hardware. ``tests/test_adapters.py``
+pins the exact output for a 2-node replica, so a change here is deliberate.
+
+Parallelism, for a member with G GPUs in a replica of N nodes:
+
+* vLLM: ``--tensor-parallel-size G --pipeline-parallel-size N`` — tensor
+  parallel inside a node (NVLink), pipeline parallel across nodes, as vLLM's
+  multi-node guide recommends ("set tensor_parallel_size to the number of GPUs
+  per node and pipeline_parallel_size to the number of nodes").
+* SGLang: ``--tensor-parallel-size G*N`` — SGLang's multi-node examples give
+  the total TP across nodes (``--tp 16`` on two 8-GPU nodes); it has no
+  per-node TP setting.
+
+A user's own ``--tensor-parallel-size`` / ``--pipeline-parallel-size`` in the
+deployment's ``engine_args`` replaces ours. Flags that carry what llmgw
+allocated (ports, ranks, addresses) cannot be overridden: a deployment setting
+``--port`` would make the gateway route to a port nobody listens on, so such
+engine_args are refused with ``AdapterError``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from llmgw.shared.errors import ConfigError
+from llmgw.shared.schemas import LaunchCommand
+
+__all__ = ["ENGINES", "AdapterError", "EngineCommand", "build"]
+
+
+class AdapterError(ConfigError):
+    """A launch command cannot be turned into an engine command line."""
+
+    code = "bad_launch"
+
+
+@dataclass
+class EngineCommand:
+    """What to exec for one engine process.
+
+    ``env`` holds only the variables llmgw sets: apply it on top of the agent's
+    own environment (``{**os.environ, **env}``), never instead of it.
+    ``serves_http`` is true when this process answers the OpenAI API and
+    ``/health`` on ``http_port`` (the leader), false for workers.
+    """
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    serves_http: bool = False
+
+
+# Variables a deployment's env may not set: they carry the scheduler's GPU
+# allocation. CUDA_DEVICE_ORDER=FASTEST_FIRST would renumber devices away from
+# nvidia-smi's (PCI) indices, so CUDA_VISIBLE_DEVICES would pick other GPUs.
+_RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+
+
+def _norm_flag(arg: str) -> str | None:
+    """``--tensor_parallel_size=8`` -> ``--tensor-parallel-size``; None for a non-flag.
+
+    vLLM accepts underscores in flag names; treating them alike everywhere only
+    errs towards noticing a user's override.
+    """
+    if not arg.startswith("-") or arg == "-" or arg == "--":
+        return None
+    name = arg.split("=", 1)[0]
+    dashes = len(name) - len(name.lstrip("-"))
+    return name[:dashes] + name[dashes:].replace("_", "-")
+
+
+def _flags(args: list[str]) -> set[str]:
+    return {f for f in map(_norm_flag, args) if f}
+
+
+def _check_engine_args(engine: str, args: list[str], reserved: tuple[str, ...]) -> set[str]:
+    given = _flags(args)
+    clash = sorted(given & set(reserved))
+    if clash:
+        raise AdapterError(
+            f"{engine}: engine_args may not set {', '.join(clash)}: llmgw sets "
+            f"{'it' if len(clash) == 1 else 'them'} from the replica's placement (ranks, addresses, ports)"
+        )
+    return given
+
+
+def _base_env(cmd: LaunchCommand, mgmt_addr: str, mgmt_interface: str) -> dict[str, str]:
+    clash = sorted(set(cmd.env) & set(_RESERVED_ENV))
+    if clash:
+        raise AdapterError(
+            f"the deployment's env may not set {', '.join(clash)}: llmgw sets the GPUs this member "
+            f"was allocated ({','.join(map(str, cmd.gpus)) or 'none'})"
+        )
+    env = {
+        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in cmd.gpus),
+        # nvidia-smi and the scheduler number GPUs in PCI bus order; CUDA's
+        # default (FASTEST_FIRST) may not, so pin it to match.
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        # "=" makes NCCL match the exact name, not a prefix ("eth0" would also
+        # match "eth0.100").
+        "NCCL_SOCKET_IFNAME": f"={mgmt_interface}",
+        "GLOO_SOCKET_IFNAME": mgmt_interface,
+        "VLLM_HOST_IP": mgmt_addr,
+        "SGLANG_HOST_IP": mgmt_addr,
+    }
+    if cmd.fabric and cmd.hcas:
+        # Exact names again: as a prefix "mlx5_1" also selects mlx5_10 and
+        # mlx5_11, which on a 12-HCA node may be cabled to another fabric.
+        env["NCCL_IB_HCA"] = "=" + ",".join(cmd.hcas)
+    env.update(cmd.env)
+    return env
+
+
+def _check(cmd: LaunchCommand, *, need_gpus: bool) -> None:
+    if cmd.nnodes < 1:
+        raise AdapterError(f"replica {cmd.replica_id}: nnodes must be at least 1, got {cmd.nnodes}")
+    if not 0 <= cmd.rank < cmd.nnodes:
+        raise AdapterError(f"replica {cmd.replica_id}: rank {cmd.rank} is outside 0..{cmd.nnodes - 1}")
+    if cmd.nnodes > 1 and not cmd.leader_addr:
+        raise AdapterError(f"replica {cmd.replica_id}: a {cmd.nnodes}-node replica needs leader_addr")
+    if cmd.nnodes > 1 and not 0 < cmd.rendezvous_port < 65536:
+        raise AdapterError(f"replica {cmd.replica_id}: rendezvous_port {cmd.rendezvous_port} is not a port")
+    if cmd.rank == 0 and not 0 < cmd.http_port < 65536:
+        raise AdapterError(f"replica {cmd.replica_id}: the leader's http_port {cmd.http_port} is not a port")
+    if need_gpus and not cmd.gpus:
+        raise AdapterError(f"replica {cmd.replica_id}: engine {cmd.engine} needs at least one GPU, none allocated")
+    if len(set(cmd.gpus)) != len(cmd.gpus) or any(g < 0 for g in cmd.gpus):
+        raise AdapterError(f"replica {cmd.replica_id}: GPU indices {cmd.gpus} repeat or are negative")
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+# --------------------------------------------------------------------------
+# vLLM
+# --------------------------------------------------------------------------
+
+_VLLM_TP = ("--tensor-parallel-size", "-tp")
+_VLLM_PP = ("--pipeline-parallel-size", "-pp")
+_VLLM_RESERVED = (
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+    "--headless",
+    "--host",
+    "--port",
+    "--distributed-executor-backend",
+)
+
+
+def _vllm(cmd: LaunchCommand, mgmt_addr: str, mgmt_interface: str, python: str) -> EngineCommand:
+    _check(cmd, need_gpus=True)
+    given = _check_engine_args("vllm", cmd.engine_args, _VLLM_RESERVED)
+    argv = ["vllm", "serve", cmd.model]
+    if not given & set(_VLLM_TP):
+        argv += ["--tensor-parallel-size", str(len(cmd.gpus))]
+    if not given & set(_VLLM_PP):
+        argv += ["--pipeline-parallel-size", str(cmd.nnodes)]
+    if cmd.nnodes > 1:
+        argv += [
+            "--nnodes", str(cmd.nnodes),
+            "--node-rank", str(cmd.rank),
+            "--master-addr", cmd.leader_addr,
+            "--master-port", str(cmd.rendezvous_port),
+        ]  # fmt: skip
+    argv += ["--distributed-executor-backend", "mp"]
+    if cmd.rank == 0:
+        argv += ["--host", mgmt_addr, "--port", str(cmd.http_port)]
+    else:
+        argv += ["--headless"]
+    argv += list(cmd.engine_args)
+    return EngineCommand(argv=argv, env=_base_env(cmd, mgmt_addr, mgmt_interface), serves_http=cmd.rank == 0)
+
+
+# --------------------------------------------------------------------------
+# SGLang
+# --------------------------------------------------------------------------
+
+_SGLANG_TP = ("--tensor-parallel-size", "--tp-size", "--tp")
+_SGLANG_RESERVED = ("--nnodes", "--node-rank", "--dist-init-addr", "--nccl-init-addr", "--host", "--port")
+
+
+def _sglang(cmd: LaunchCommand, mgmt_addr: str, mgmt_interface: str, python: str) -> EngineCommand:
+    _check(cmd, need_gpus=True)
+    given = _check_engine_args("sglang", cmd.engine_args, _SGLANG_RESERVED)
+    argv = [python, "-m", "sglang.launch_server", "--model-path", cmd.model]
+    if not given & set(_SGLANG_TP):
+        argv += ["--tensor-parallel-size", str(len(cmd.gpus) * cmd.nnodes)]
+    if cmd.nnodes > 1:
+        argv += [
+            "--nnodes", str(cmd.nnodes),
+            "--node-rank", str(cmd.rank),
+            "--dist-init-addr", _hostport(cmd.leader_addr, cmd.rendezvous_port),
+        ]  # fmt: skip
+    # Ranks >= 1 open only a dummy health server on host:port; they are given
+    # the member's (possibly 0 = ephemeral) port so two replicas' workers on
+    # one node never both take SGLang's default 30000. Not registered as serving.
+    argv += ["--host", mgmt_addr, "--port", str(cmd.http_port)]
+    argv += list(cmd.engine_args)
+    return EngineCommand(argv=argv, env=_base_env(cmd, mgmt_addr, mgmt_interface), serves_http=cmd.rank == 0)
+
+
+# --------------------------------------------------------------------------
+# llmgw's simulated engine
+# --------------------------------------------------------------------------
+
+_SIM_RESERVED = ("--model", "--nnodes", "--rank", "--leader-addr", "--rendezvous-port", "--host", "--port")
+
+
+def _sim(cmd: LaunchCommand, mgmt_addr: str, mgmt_interface: str, python: str) -> EngineCommand:
+    _check(cmd, need_gpus=False)
+    _check_engine_args("sim", cmd.engine_args, _SIM_RESERVED)
+    argv = [
+        python, "-m", "llmgw.services", "engine", "sim",
+        "--model", cmd.model,
+        "--nnodes", str(cmd.nnodes),
+        "--rank", str(cmd.rank),
+        "--leader-addr", cmd.leader_addr,
+        "--rendezvous-port", str(cmd.rendezvous_port),
+        "--host", mgmt_addr,
+        "--port", str(cmd.http_port),
+        *cmd.engine_args,
+    ]  # fmt: skip
+    return EngineCommand(argv=argv, env=_base_env(cmd, mgmt_addr, mgmt_interface), serves_http=cmd.rank == 0)
+
+
+ENGINES = {"vllm": _vllm, "sglang": _sglang, "sim": _sim}
+
+
+def build(cmd: LaunchCommand, *, mgmt_addr: str, mgmt_interface: str, python: str = sys.executable) -> EngineCommand:
+    """The argv and environment for member ``cmd.rank`` of replica ``cmd.replica_id`` on this node.
+
+    ``python`` is the interpreter for Python-module engines (SGLang, sim); vLLM
+    is started as its ``vllm`` console script from ``PATH``. Raises
+    ``AdapterError`` for an unknown engine or a command that cannot be run.
+    """
+    adapter = ENGINES.get(cmd.engine)
+    if adapter is None:
+        raise AdapterError(f"unknown engine {cmd.engine!r}: this agent knows {', '.join(sorted(ENGINES))}")
+    if not cmd.model:
+        raise AdapterError(f"replica {cmd.replica_id}: no model given")
+    if not mgmt_addr or not mgmt_interface:
+        raise AdapterError("the node's mgmt_addr and mgmt_interface are required to launch an engine")
+    return adapter(cmd, mgmt_addr, mgmt_interface, python)

@@ -1,0 +1,470 @@
+"""The node agent's configuration: ``agent.yaml``, as the onboarding script writes it.
+
+Everything is checked at load, before the agent connects anywhere: a typo in a
+key, a wrong type, a missing certificate or an address from the earlier HTTPS
+design is refused with one message that names the file, the key path
+(``supervisor.stop_timeout``, ``fabrics[1].hcas``) and what was expected. An
+agent that starts with a half-understood configuration is worse than one that
+does not start: it publishes an inventory the scheduler believes.
+
+Unknown keys are refused, unlike unknown fields on the wire (see
+``shared/schemas.py``): a misspelt ``heartbeat_intervall`` silently falling back
+to the default is exactly the kind of surprise this file exists to prevent.
+
+Relative paths (tls files, ``ib_root``, ``work_dir``, and an ``nvidia_smi`` that
+contains a ``/``) are resolved against the directory of the configuration file,
+so a configuration and its certificates can be moved together. A bare
+``nvidia_smi: nvidia-smi`` is looked up on ``PATH`` like an empty one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from llmgw.shared.bus import TlsFiles
+from llmgw.shared.durations import parse_duration
+from llmgw.shared.errors import ConfigError, LlmgwError
+from llmgw.shared.names import check_name
+
+__all__ = [
+    "AgentConfig",
+    "DiscoveryConfig",
+    "FabricConfig",
+    "SupervisorConfig",
+    "check_identity",
+    "load_agent_config",
+]
+
+DEFAULT_NATS_PORT = 4222
+
+
+@dataclass(frozen=True)
+class FabricConfig:
+    """An InfiniBand fabric this node is cabled to, and the HCAs that reach it."""
+
+    name: str
+    hcas: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    nvidia_smi: str = ""  # empty: look on PATH
+    ib_root: str = "/sys/class/infiniband"
+    prefer_nvml: bool = False
+    skip_gpus: bool = False
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    work_dir: str = "/var/lib/llmgw-agent"
+    log_lines: int = 512
+    stop_timeout: float = 60.0
+    health_interval: float = 2.0
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node_id: str
+    servers: tuple[str, ...]
+    tls: TlsFiles
+    mgmt_addr: str
+    mgmt_interface: str = "eth0"
+    heartbeat_interval: float = 5.0
+    reconnect_base: float = 1.0
+    reconnect_max: float = 30.0
+    fabrics: tuple[FabricConfig, ...] = ()
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    inventory_interval: float = 300.0
+    source: str = ""  # the file this was loaded from, for messages
+
+
+# --------------------------------------------------------------------------
+# YAML: safe, and refusing duplicate keys
+# --------------------------------------------------------------------------
+
+
+class _StrictSafeLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, except that a key given twice is an error.
+
+    Plain ``safe_load`` keeps the last of two ``server:`` lines without a word,
+    which turns a half-edited file into a silent misconfiguration.
+    """
+
+
+def _construct_mapping(loader: _StrictSafeLoader, node: yaml.MappingNode, deep: bool = False):
+    loader.flatten_mapping(node)
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            continue  # SafeConstructor reports unhashable keys itself
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"key {key!r} appears twice (first on line {seen[key] + 1})",
+                key_node.start_mark,
+            )
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictSafeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: configuration file does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected the agent's YAML configuration file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read configuration: {e}") from None
+    try:
+        return yaml.load(text, Loader=_StrictSafeLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        what = e.problem or e.context or "invalid YAML"
+        raise ConfigError(f"{where}: YAML syntax error: {what}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: YAML syntax error: {e}") from None
+
+
+# --------------------------------------------------------------------------
+# Typed readers; each names the file and the key path in its errors
+# --------------------------------------------------------------------------
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "nothing (null)"
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a number"}.get(
+        type(value), type(value).__name__
+    )
+
+
+class _Ctx:
+    """Where we are: the file, for every message."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.dir = path.parent
+
+    def fail(self, key: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.path}: {key}: {message}")
+
+    def mapping(self, value: Any, key: str, known: tuple[str, ...], required: tuple[str, ...] = ()) -> dict[str, Any]:
+        label = key or "top level"
+        if not isinstance(value, dict):
+            raise ConfigError(f"{self.path}: {label}: expected a mapping of keys, got {_type_name(value)}")
+        for k in value:
+            if not isinstance(k, str) or k not in known:
+                close = difflib.get_close_matches(str(k), known, n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                where = f"{key}.{k}" if key else str(k)
+                raise ConfigError(f"{self.path}: {where}: unknown key{hint} (known keys here: {', '.join(known)})")
+        for k in required:
+            if k not in value:
+                where = f"{key}.{k}" if key else k
+                raise ConfigError(f"{self.path}: {where}: required key is missing")
+        return value
+
+    def string(self, value: Any, key: str, *, allow_empty: bool = False) -> str:
+        if not isinstance(value, str):
+            raise self.fail(key, f"expected a string, got {_type_name(value)} {value!r}")
+        value = value.strip()
+        if not value and not allow_empty:
+            raise self.fail(key, "must not be empty")
+        return value
+
+    def boolean(self, value: Any, key: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(key, f"expected true or false, got {_type_name(value)} {value!r}")
+        return value
+
+    def positive_int(self, value: Any, key: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"expected a whole number, got {_type_name(value)} {value!r}")
+        if value <= 0:
+            raise self.fail(key, f"must be greater than 0, got {value}")
+        return value
+
+    def interval(self, value: Any, key: str) -> float:
+        seconds = parse_duration(value, f"{self.path}: {key}")
+        if seconds <= 0:
+            raise self.fail(key, f"must be greater than 0, got {value!r}")
+        return seconds
+
+    def path_value(self, value: Any, key: str) -> str:
+        text = self.string(value, key)
+        return str(self.resolve(text))
+
+    def resolve(self, text: str) -> Path:
+        p = Path(os.path.expanduser(text))
+        return p if p.is_absolute() else (self.dir / p)
+
+
+# --------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------
+
+_TOP_KEYS = (
+    "node_id",
+    "server",
+    "tls",
+    "mgmt_addr",
+    "mgmt_interface",
+    "heartbeat_interval",
+    "reconnect_base",
+    "reconnect_max",
+    "inventory_interval",
+    "fabrics",
+    "discovery",
+    "supervisor",
+)
+_TOP_REQUIRED = ("node_id", "server", "tls", "mgmt_addr")
+_TLS_KEYS = ("ca", "cert", "key")
+_FABRIC_KEYS = ("name", "hcas")
+_DISCOVERY_KEYS = ("nvidia_smi", "ib_root", "prefer_nvml", "skip_gpus")
+_SUPERVISOR_KEYS = ("work_dir", "log_lines", "stop_timeout", "health_interval")
+
+# An HCA name becomes a sysfs path component and part of NCCL_IB_HCA.
+_HCA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# Linux interface names: at most 15 bytes (IFNAMSIZ - 1), no '/', ':' or whitespace.
+_IFNAME = re.compile(r"[A-Za-z0-9_.-]{1,15}")
+_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
+def _server_url(ctx: _Ctx, value: Any, key: str) -> str:
+    url = ctx.string(value, key)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise ctx.fail(key, f"{url!r} is not a valid URL ({e}); expected e.g. tls://HOST:{DEFAULT_NATS_PORT}") from None
+    scheme = parts.scheme.lower()
+    if scheme in ("http", "https"):
+        host = parts.hostname or "HOST"
+        raise ctx.fail(
+            key,
+            f"{url!r} is an HTTP(S) endpoint from the earlier design; agents now reach the control "
+            f"plane through NATS: write the NATS server's URL, e.g. tls://{host}:{DEFAULT_NATS_PORT}",
+        )
+    if scheme not in ("nats", "tls"):
+        raise ctx.fail(key, f"{url!r}: expected a NATS URL with scheme tls:// or nats://, e.g. tls://HOST:{DEFAULT_NATS_PORT}")
+    if not parts.hostname:
+        raise ctx.fail(key, f"{url!r} has no host; expected e.g. tls://HOST:{DEFAULT_NATS_PORT}")
+    if parts.username or parts.password:
+        raise ctx.fail(key, f"{url!r} carries credentials; agents authenticate with their certificate only")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ctx.fail(key, f"{url!r}: a NATS URL is only scheme://host:port")
+    if port == 0:
+        raise ctx.fail(key, f"{url!r}: port 0 is not a server port")
+    return url
+
+
+def _servers(ctx: _Ctx, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (_server_url(ctx, value, "server"),)
+    if isinstance(value, list):
+        if not value:
+            raise ctx.fail("server", "the list is empty; give at least one NATS URL, e.g. tls://HOST:4222")
+        urls = tuple(_server_url(ctx, v, f"server[{i}]") for i, v in enumerate(value))
+        if len(set(urls)) != len(urls):
+            raise ctx.fail("server", "the same URL is listed twice")
+        return urls
+    raise ctx.fail("server", f"expected a NATS URL or a list of them, got {_type_name(value)}")
+
+
+def _tls(ctx: _Ctx, value: Any) -> TlsFiles:
+    m = ctx.mapping(value, "tls", _TLS_KEYS, _TLS_KEYS)
+    paths = {}
+    for k in _TLS_KEYS:
+        p = ctx.path_value(m[k], f"tls.{k}")
+        if not Path(p).is_file():
+            raise ctx.fail(f"tls.{k}", f"file {p} does not exist" + ("" if Path(p).parent.is_dir() else f" (nor does {Path(p).parent})"))
+        paths[k] = p
+    return TlsFiles(ca=paths["ca"], cert=paths["cert"], key=paths["key"])
+
+
+def _mgmt_addr(ctx: _Ctx, value: Any) -> str:
+    addr = ctx.string(value, "mgmt_addr")
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        if not _HOSTNAME.fullmatch(addr):
+            raise ctx.fail(
+                "mgmt_addr",
+                f"{addr!r} is neither an IP address nor a hostname; give the address engines on this node "
+                "are reachable on (no scheme, no port)",
+            ) from None
+        return addr
+    if ip.is_unspecified:
+        raise ctx.fail(
+            "mgmt_addr",
+            f"{addr} is the wildcard address; other nodes and the gateway must reach engines here, "
+            "so give this node's own address",
+        )
+    return addr
+
+
+def _ifname(ctx: _Ctx, value: Any) -> str:
+    name = ctx.string(value, "mgmt_interface")
+    if not _IFNAME.fullmatch(name):
+        raise ctx.fail("mgmt_interface", f"{name!r} is not a network interface name (at most 15 letters, digits, '_', '.', '-')")
+    return name
+
+
+def _fabrics(ctx: _Ctx, value: Any) -> tuple[FabricConfig, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ctx.fail("fabrics", f"expected a list of {{name, hcas}} (or [] for no fabric), got {_type_name(value)}")
+    out: list[FabricConfig] = []
+    owner: dict[str, str] = {}
+    for i, item in enumerate(value):
+        key = f"fabrics[{i}]"
+        m = ctx.mapping(item, key, _FABRIC_KEYS, _FABRIC_KEYS)
+        name = ctx.string(m["name"], f"{key}.name")
+        try:
+            check_name(name, "fabric name")
+        except LlmgwError as e:
+            raise ctx.fail(f"{key}.name", str(e)) from None
+        if any(f.name == name for f in out):
+            raise ctx.fail(f"{key}.name", f"fabric {name!r} is listed twice")
+        hcas = m["hcas"]
+        if not isinstance(hcas, list):
+            raise ctx.fail(f"{key}.hcas", f"expected a list of HCA names such as [mlx5_0, mlx5_1], got {_type_name(hcas)}")
+        if not hcas:
+            raise ctx.fail(f"{key}.hcas", f"fabric {name!r} lists no HCA; a fabric is reached through at least one")
+        names: list[str] = []
+        for j, h in enumerate(hcas):
+            hk = f"{key}.hcas[{j}]"
+            h = ctx.string(h, hk)
+            if not _HCA_NAME.fullmatch(h):
+                raise ctx.fail(hk, f"{h!r} is not an HCA name (as under /sys/class/infiniband, e.g. mlx5_0)")
+            if h in names:
+                raise ctx.fail(hk, f"HCA {h!r} is listed twice in fabric {name!r}")
+            if h in owner:
+                raise ctx.fail(hk, f"HCA {h!r} is already in fabric {owner[h]!r}; a port is cabled to one fabric")
+            owner[h] = name
+            names.append(h)
+        out.append(FabricConfig(name=name, hcas=tuple(names)))
+    return tuple(out)
+
+
+def _discovery(ctx: _Ctx, value: Any) -> DiscoveryConfig:
+    if value is None:
+        return DiscoveryConfig()
+    m = ctx.mapping(value, "discovery", _DISCOVERY_KEYS)
+    d = DiscoveryConfig()
+    smi = d.nvidia_smi
+    if "nvidia_smi" in m and m["nvidia_smi"] is not None:
+        smi = ctx.string(m["nvidia_smi"], "discovery.nvidia_smi", allow_empty=True)
+        if "/" in smi:
+            smi = str(ctx.resolve(smi))
+    ib_root = ctx.path_value(m["ib_root"], "discovery.ib_root") if "ib_root" in m else d.ib_root
+    return DiscoveryConfig(
+        nvidia_smi=smi,
+        ib_root=ib_root,
+        prefer_nvml=ctx.boolean(m["prefer_nvml"], "discovery.prefer_nvml") if "prefer_nvml" in m else d.prefer_nvml,
+        skip_gpus=ctx.boolean(m["skip_gpus"], "discovery.skip_gpus") if "skip_gpus" in m else d.skip_gpus,
+    )
+
+
+def _supervisor(ctx: _Ctx, value: Any) -> SupervisorConfig:
+    if value is None:
+        return SupervisorConfig()
+    m = ctx.mapping(value, "supervisor", _SUPERVISOR_KEYS)
+    d = SupervisorConfig()
+    return SupervisorConfig(
+        work_dir=ctx.path_value(m["work_dir"], "supervisor.work_dir") if "work_dir" in m else d.work_dir,
+        log_lines=ctx.positive_int(m["log_lines"], "supervisor.log_lines") if "log_lines" in m else d.log_lines,
+        stop_timeout=ctx.interval(m["stop_timeout"], "supervisor.stop_timeout") if "stop_timeout" in m else d.stop_timeout,
+        health_interval=ctx.interval(m["health_interval"], "supervisor.health_interval")
+        if "health_interval" in m
+        else d.health_interval,
+    )
+
+
+def load_agent_config(path: str | os.PathLike) -> AgentConfig:
+    """Read and check ``agent.yaml``; raise ``ConfigError`` naming file and key on any problem."""
+    p = Path(os.path.expanduser(os.fspath(path))).absolute()
+    data = _read_yaml(p)
+    ctx = _Ctx(p)
+    if data is None:
+        raise ConfigError(f"{p}: the configuration is empty; it needs at least {', '.join(_TOP_REQUIRED)}")
+    m = ctx.mapping(data, "", _TOP_KEYS, _TOP_REQUIRED)
+
+    node_id = ctx.string(m["node_id"], "node_id")
+    try:
+        check_name(node_id, "node id")
+    except LlmgwError as e:
+        raise ctx.fail("node_id", str(e)) from None
+
+    defaults = AgentConfig(node_id="x", servers=(), tls=TlsFiles("", "", ""), mgmt_addr="x")
+
+    def opt(key: str, reader: Callable[[Any, str], Any], default: Any) -> Any:
+        return reader(m[key], key) if key in m else default
+
+    cfg = AgentConfig(
+        node_id=node_id,
+        servers=_servers(ctx, m["server"]),
+        tls=_tls(ctx, m["tls"]),
+        mgmt_addr=_mgmt_addr(ctx, m["mgmt_addr"]),
+        mgmt_interface=_ifname(ctx, m["mgmt_interface"]) if "mgmt_interface" in m else defaults.mgmt_interface,
+        heartbeat_interval=opt("heartbeat_interval", ctx.interval, defaults.heartbeat_interval),
+        reconnect_base=opt("reconnect_base", ctx.interval, defaults.reconnect_base),
+        reconnect_max=opt("reconnect_max", ctx.interval, defaults.reconnect_max),
+        inventory_interval=opt("inventory_interval", ctx.interval, defaults.inventory_interval),
+        fabrics=_fabrics(ctx, m.get("fabrics")),
+        discovery=_discovery(ctx, m.get("discovery")),
+        supervisor=_supervisor(ctx, m.get("supervisor")),
+        source=str(p),
+    )
+    if cfg.reconnect_base > cfg.reconnect_max:
+        raise ctx.fail(
+            "reconnect_base",
+            f"{cfg.reconnect_base:g}s is greater than reconnect_max ({cfg.reconnect_max:g}s); "
+            "the backoff starts at reconnect_base and grows up to reconnect_max",
+        )
+    return cfg
+
+
+def check_identity(cfg: AgentConfig) -> None:
+    """Refuse a certificate that does not speak for ``cfg.node_id`` as a node.
+
+    The control plane would refuse it anyway (identity is the certificate), but
+    only after the agent connected and published under a name it may not use;
+    saying so at start, with both values, saves the afternoon.
+    """
+    where = cfg.source or "agent configuration"
+    try:
+        role, name = cfg.tls.identity()
+    except LlmgwError as e:
+        raise ConfigError(f"{where}: tls.cert: {e}") from None
+    problems = []
+    if name != cfg.node_id:
+        problems.append(f"its common name is {name!r} but node_id is {cfg.node_id!r}")
+    if role != "node":
+        problems.append(f"its role (OU) is {role!r}, expected 'node'")
+    if problems:
+        raise ConfigError(
+            f"{where}: tls.cert: certificate {cfg.tls.cert} (CN={name}, OU={role}) cannot act as node "
+            f"{cfg.node_id}: {'; '.join(problems)}. Issue one with 'llmgw ctl cert issue-client {cfg.node_id}'"
+        )
