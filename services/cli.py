@@ -136,9 +136,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     eng = sub.add_parser("engine", help="engines llmgw ships")
     eng_sub = eng.add_subparsers(dest="engine_cmd", required=True, metavar="ENGINE")
-    p = eng_sub.add_parser("sim", help="a simulated multi-node engine (no GPUs)")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_not_yet("engine sim"))
+    p = eng_sub.add_parser(
+        "sim",
+        help="a simulated multi-node engine (no GPUs)",
+        description="Behaves like a multi-node vLLM/SGLang replica: rank 0 serves nothing until every worker "
+        "has joined its rendezvous, workers listen on nothing, and a lost peer stalls generation.",
+    )
+    p.add_argument("--model", required=True, help="the model it pretends to load")
+    p.add_argument("--served-model-name", help="the name clients ask for (default: --model)")
+    p.add_argument("--nnodes", type=int, required=True, help="ranks in the group")
+    p.add_argument("--rank", type=int, required=True, help="this process's rank; 0 is the leader")
+    p.add_argument("--leader-addr", required=True, help="address of rank 0's rendezvous")
+    p.add_argument("--rendezvous-port", type=int, required=True, help="port of rank 0's rendezvous")
+    p.add_argument("--host", help="this node's address: the leader serves HTTP on it, workers connect from it")
+    p.add_argument("--port", type=int, help="HTTP port (the leader only)")
+    p.add_argument("--load-time", default="15s", help="how long loading takes once all ranks joined (default 15s)")
+    p.add_argument("--token-rate", type=float, default=200.0, help="tokens per second per request; 0 = no delay (default 200)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="running batch size; more requests wait (default 256)")
+    p.add_argument("--on-peer-loss", choices=("stall", "exit"), default="stall", help="stall like NCCL (default) or exit non-zero")
+    p.add_argument("--ignore-sigterm", action="store_true", help="ignore SIGTERM, to test SIGKILL escalation")
+    p.set_defaults(func=_lazy("llmgw.services.engines.sim:main"))
 
     for name, what in (
         ("up", "the whole system on one machine"),

@@ -1,0 +1,1 @@
+"""Engines llmgw ships itself (today: ``sim``, a simulated multi-node engine)."""

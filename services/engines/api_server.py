@@ -1,0 +1,170 @@
+"""The simulated engine's OpenAI-compatible HTTP API (aiohttp).
+
+Response shapes follow OpenAI's (and vLLM's) exactly, so the official
+``openai`` client and any gateway written for vLLM parse them unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from .api_requests import ApiError, Generation, chat_request, completion_request, parse_body
+from .core import EngineCore
+from .metrics import CONTENT_TYPE, EngineMetrics
+from .tokens import Answer
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def build_app(core: EngineCore, metrics: EngineMetrics, *, served_model: str, model: str, log: logging.Logger) -> web.Application:
+    api = _Api(core, metrics, served_model, model, log)
+    app = web.Application(middlewares=[api.errors])
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/metrics", api.metrics_text)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_post("/v1/chat/completions", api.chat)
+    app.router.add_post("/v1/completions", api.completions)
+    return app
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(obj: dict | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return b"data: " + data.encode() + b"\n\n"
+
+
+class _Api:
+    def __init__(self, core: EngineCore, metrics: EngineMetrics, served_model: str, model: str, log: logging.Logger):
+        self.core, self.metrics_ = core, metrics
+        self.served_model, self.model, self.log = served_model, model, log
+        self.created = int(time.time())
+
+    # -- errors --------------------------------------------------------------
+
+    @web.middleware
+    async def errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            err = ApiError(e.status, f"{request.method} {request.path}: {e.reason}", code=_HTTP_CODES.get(e.status, "http_error"))
+            return web.json_response(err.body(), status=e.status)
+        except Exception:  # a bug here must cost one request, not the engine
+            self.log.exception("unexpected error serving %s %s", request.method, request.path)
+            err = ApiError(500, "internal error in the simulated engine; see its log", code="internal_error")
+            return web.json_response(err.body(), status=500)
+
+    # -- plain endpoints -----------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        # Like vLLM, health says the server is up, not that the group is whole:
+        # a lost peer stalls generation while /health keeps answering 200.
+        return web.Response(status=200)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics_.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.served_model, "object": "model", "created": self.created, "owned_by": "llmgw-sim", "root": self.model, "parent": None}
+        return web.json_response({"object": "list", "data": [card]})
+
+    # -- generation ----------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        gen = chat_request(parse_body(await request.read()), self.served_model)
+        return await self._generate(request, gen, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        gen = completion_request(parse_body(await request.read()), self.served_model)
+        return await self._generate(request, gen, chat=False)
+
+    async def _generate(self, request: web.Request, gen: Generation, *, chat: bool) -> web.StreamResponse:
+        answers = [Answer(p.key, j, gen.max_tokens, gen.ignore_eos) for p in gen.prompts for j in range(gen.n)]
+        prompt_tokens = sum(p.tokens for p in gen.prompts)
+        shape = _Shape(chat, gen.model)
+        if gen.stream:
+            return await self._stream(request, gen, shape, answers, prompt_tokens)
+
+        texts = [[] for _ in answers]
+        async with self.core.admit(prompt_tokens) as seq:
+            async for batch in seq.decode(answers):
+                for j, token in batch:
+                    texts[j].append(token)
+            seq.finish(answers)
+        choices = [shape.choice(j, "".join(texts[j]), a.finish_reason) for j, a in enumerate(answers)]
+        usage = _usage(prompt_tokens, sum(a.length for a in answers))
+        return web.json_response(shape.whole(choices, usage))
+
+    async def _stream(self, request: web.Request, gen: Generation, shape: _Shape, answers: list[Answer], prompt_tokens: int) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        extra = {"usage": None} if gen.include_usage else {}
+        try:
+            await resp.prepare(request)
+            async with self.core.admit(prompt_tokens) as seq:
+                if shape.chat:
+                    for j in range(len(answers)):
+                        await resp.write(_sse(shape.chunk([shape.delta(j, {"role": "assistant", "content": ""})], extra)))
+                sent = [0] * len(answers)
+                async for batch in seq.decode(answers):
+                    for j, token in batch:
+                        await resp.write(_sse(shape.chunk([shape.delta(j, token)], extra)))
+                        sent[j] += 1
+                        if sent[j] == answers[j].length:
+                            await resp.write(_sse(shape.chunk([shape.delta(j, None, answers[j].finish_reason)], extra)))
+                seq.finish(answers)
+            if gen.include_usage:
+                await resp.write(_sse(shape.chunk([], {"usage": _usage(prompt_tokens, sum(sent))})))
+            await resp.write(_sse("[DONE]"))
+            await resp.write_eof()
+        except ConnectionResetError:
+            self.log.debug("client left a stream of %s early", request.path)
+        return resp
+
+
+class _Shape:
+    """OpenAI's object shapes for chat completions and legacy completions."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _head(self, object_: str) -> dict:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
+
+    def choice(self, index: int, text: str, finish_reason: str) -> dict:
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def whole(self, choices: list[dict], usage: dict) -> dict:
+        obj = self._head("chat.completion" if self.chat else "text_completion")
+        obj.update(choices=choices, usage=usage, system_fingerprint=None)
+        return obj
+
+    def delta(self, index: int, content: str | dict | None, finish_reason: str | None = None) -> dict:
+        """A streamed choice: a token (or the role header for chat), or its ending."""
+        if self.chat:
+            if isinstance(content, dict):
+                delta = content
+            else:
+                delta = {} if content is None else {"content": content}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": content or "", "logprobs": None, "finish_reason": finish_reason}
+
+    def chunk(self, choices: list[dict], extra: dict) -> dict:
+        obj = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        obj.update(choices=choices, **extra)
+        return obj

@@ -1,0 +1,249 @@
+"""``llmgw engine sim``: a simulated multi-node LLM engine for the control plane.
+
+It behaves, as seen from outside, like vLLM/SGLang across nodes, without GPUs:
+
+* rank 0 (the leader) binds the rendezvous port and serves nothing until all
+  ``nnodes-1`` workers have joined, then "loads" for ``--load-time``, then
+  serves the OpenAI API on ``--host:--port``;
+* ranks >= 1 (workers) join the leader's rendezvous and open no port at all;
+* a lost peer stalls generation, as a broken NCCL communicator does, or with
+  ``--on-peer-loss exit`` ends the process with ``EXIT_PEER_LOST``;
+* SIGTERM/SIGINT stop it cleanly with 0; ``--ignore-sigterm`` makes it ignore
+  SIGTERM so the agent's SIGKILL escalation can be tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import math
+import signal
+import sys
+from dataclasses import dataclass
+
+from llmgw.shared.durations import format_duration, parse_duration
+from llmgw.shared.errors import ConfigError
+
+from .binding import explain_bind_error, reserve
+from .rendezvous import Leader, join
+
+# 1 is an unexpected crash and 2 a configuration error (see services/cli.py).
+EXIT_PEER_LOST = 3
+# How long a worker keeps trying to reach a leader that is not up yet.
+JOIN_GIVE_UP_AFTER = 120.0
+# Stopping waits this long for requests in flight; stalled ones never finish.
+HTTP_SHUTDOWN_TIMEOUT = 0.5
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model: str
+    served_model: str
+    nnodes: int
+    rank: int
+    leader_addr: str
+    rendezvous_port: int
+    host: str | None
+    port: int | None
+    load_time: float
+    token_rate: float
+    on_peer_loss: str
+    ignore_sigterm: bool
+    max_num_seqs: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> SimConfig:
+        if not a.model.strip():
+            raise ConfigError("--model must not be empty")
+        served = a.served_model_name if a.served_model_name is not None else a.model
+        if not served.strip():
+            raise ConfigError("--served-model-name must not be empty")
+        if a.nnodes < 1:
+            raise ConfigError(f"--nnodes must be at least 1, got {a.nnodes}")
+        if not 0 <= a.rank < a.nnodes:
+            raise ConfigError(f"--rank must be between 0 and {a.nnodes - 1} for --nnodes {a.nnodes}, got {a.rank}")
+        if not 1 <= a.rendezvous_port <= 65535:
+            raise ConfigError(f"--rendezvous-port must be between 1 and 65535, got {a.rendezvous_port}")
+        if a.rank == 0:
+            if not a.host:
+                raise ConfigError("the leader (--rank 0) needs --host, the address it serves HTTP on")
+            if a.port is None:
+                raise ConfigError("the leader (--rank 0) needs --port, the port it serves HTTP on")
+            if not 0 <= a.port <= 65535:
+                raise ConfigError(f"--port must be between 0 and 65535, got {a.port}")
+            if a.port == a.rendezvous_port:
+                raise ConfigError(f"--port and --rendezvous-port must differ (both {a.port})")
+        if not math.isfinite(a.token_rate) or a.token_rate < 0:
+            raise ConfigError(f"--token-rate must be a number of tokens per second >= 0, got {a.token_rate}")
+        if a.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be at least 1, got {a.max_num_seqs}")
+        return cls(
+            model=a.model,
+            served_model=served,
+            nnodes=a.nnodes,
+            rank=a.rank,
+            leader_addr=a.leader_addr,
+            rendezvous_port=a.rendezvous_port,
+            host=a.host,
+            port=a.port,
+            load_time=parse_duration(a.load_time, "--load-time"),
+            token_rate=a.token_rate,
+            on_peer_loss=a.on_peer_loss,
+            ignore_sigterm=a.ignore_sigterm,
+            max_num_seqs=a.max_num_seqs,
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = SimConfig.from_args(args)
+    if cfg.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        # Until the event loop takes over, a SIGTERM still means a clean exit 0.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    return asyncio.run(_run(cfg))
+
+
+async def _forever() -> None:
+    await asyncio.Event().wait()
+
+
+async def _run(cfg: SimConfig) -> int:
+    log = logging.getLogger(f"llmgw.sim.rank{cfg.rank}")
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        log.info("%s: stopping", sig.name)
+        stop.set()
+
+    for sig in (signal.SIGINT,) if cfg.ignore_sigterm else (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    if cfg.ignore_sigterm:
+        log.info("ignoring SIGTERM (--ignore-sigterm); stop with SIGINT or SIGKILL")
+
+    fatal: asyncio.Future[int] = loop.create_future()
+    role = LeaderRole(cfg, log, fatal) if cfg.is_leader else WorkerRole(cfg, log)
+    work = asyncio.create_task(role.run())
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        done, _ = await asyncio.wait({work, stopped, fatal}, return_when=asyncio.FIRST_COMPLETED)
+        # A failed start raises here; its one-line error is the whole story.
+        rc = work.result() if work in done else fatal.result() if fatal in done else 0
+    finally:
+        stopped.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+        await role.close()
+    log.info("stopped (exit %d)", rc)
+    return rc
+
+
+class LeaderRole:
+    """Rank 0: rendezvous, load, then serve - and react when a worker is lost."""
+
+    def __init__(self, cfg: SimConfig, log: logging.Logger, fatal: asyncio.Future[int]):
+        self.cfg, self.log, self.fatal = cfg, log, fatal
+        self.http_sock = None
+        self.rendezvous: Leader | None = None
+        self.runner = None
+        self.core = None
+
+    async def run(self) -> int:
+        # Imported here so workers never load the HTTP and metrics stacks.
+        from aiohttp import web
+
+        from .api_server import build_app
+        from .core import EngineCore
+        from .metrics import EngineMetrics
+
+        cfg = self.cfg
+        self.http_sock = reserve("HTTP", cfg.host, cfg.port)  # held, not listening
+        metrics = EngineMetrics(cfg.served_model)
+        self.core = EngineCore(metrics, cfg.token_rate, cfg.max_num_seqs)
+        self.rendezvous = Leader(cfg.leader_addr, cfg.rendezvous_port, cfg.nnodes, cfg.model, self._peer_lost, self.log)
+        await self.rendezvous.start()
+        await self.rendezvous.formed.wait()
+
+        self.log.info("loading %s across %d ranks (%s)", cfg.model, cfg.nnodes, format_duration(cfg.load_time))
+        await asyncio.sleep(cfg.load_time)
+        if self.core.broken_because:
+            # Loading is collective too; with a rank gone it never completes.
+            self.log.error("loading stalls: %s", self.core.broken_because)
+            await _forever()
+
+        app = build_app(self.core, metrics, served_model=cfg.served_model, model=cfg.model, log=self.log)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.SockSite(self.runner, self.http_sock, shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT)
+        try:
+            await site.start()
+        except OSError as e:
+            raise explain_bind_error("HTTP", cfg.host, cfg.port, e) from None
+        host, port = self.http_sock.getsockname()[:2]
+        self.log.info("serving %s as %r on http://%s:%d", cfg.model, cfg.served_model, host, port)
+        await _forever()
+        return 0
+
+    def _peer_lost(self, rank: int, why: str) -> None:
+        if self.cfg.on_peer_loss == "exit":
+            self.log.error("rank %d lost (%s); exiting (--on-peer-loss exit)", rank, why)
+            if not self.fatal.done():
+                self.fatal.set_result(EXIT_PEER_LOST)
+            return
+        self.log.error("rank %d lost (%s); generation stalls from now on, as with NCCL (--on-peer-loss stall)", rank, why)
+        self.core.break_group(f"rank {rank} lost: {why}")
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.rendezvous is not None:
+            await self.rendezvous.close()
+        if self.http_sock is not None:
+            self.http_sock.close()
+
+
+class WorkerRole:
+    """Rank >= 1: join the leader, hold the link, listen on nothing."""
+
+    def __init__(self, cfg: SimConfig, log: logging.Logger):
+        self.cfg, self.log = cfg, log
+        self.link = None
+
+    async def run(self) -> int:
+        cfg = self.cfg
+        self.link = await join(
+            cfg.leader_addr,
+            cfg.rendezvous_port,
+            rank=cfg.rank,
+            nnodes=cfg.nnodes,
+            model=cfg.model,
+            source_addr=cfg.host,
+            give_up_after=JOIN_GIVE_UP_AFTER,
+            log=self.log,
+        )
+        self.log.info("joined the leader at %s:%d as rank %d of %d", cfg.leader_addr, cfg.rendezvous_port, cfg.rank, cfg.nnodes)
+
+        def on_message(msg: dict) -> None:
+            if msg.get("op") == "formed":
+                self.log.info("all %d ranks joined; the leader is loading", cfg.nnodes)
+
+        why = await self.link.watch(on_message)
+        if cfg.on_peer_loss == "exit":
+            self.log.error("lost the leader (%s); exiting (--on-peer-loss exit)", why)
+            return EXIT_PEER_LOST
+        self.log.error("lost the leader (%s); idling until stopped, as a rank with a broken NCCL group does (--on-peer-loss stall)", why)
+        await _forever()
+        return 0
+
+    async def close(self) -> None:
+        if self.link is not None:
+            self.link.close()

@@ -1,0 +1,62 @@
+"""Deterministic text for the simulated engine.
+
+The same prompt (and seed, and choice index) always yields the same tokens, so
+tests and benchmarks can compare answers across replicas and restarts. Nothing
+here knows about HTTP or timing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+# A small vocabulary; every token is one word followed by a space, so a token
+# count is a word count and clients can check it.
+VOCAB = (
+    "the", "a", "fabric", "node", "replica", "leader", "worker", "token", "model", "engine",
+    "gpu", "link", "rank", "group", "request", "stream", "batch", "cache", "layer", "tensor",
+    "is", "runs", "serves", "waits", "joins", "loads", "moves", "holds", "of", "on",
+    "and", "with", "fast", "idle", "ready", "whole", "every", "each", "one", "all",
+)
+
+_WORD = re.compile(r"\w+|[^\w\s]")
+
+# vLLM's chat templates add a few special tokens around every message.
+CHAT_TOKENS_PER_MESSAGE = 3
+
+
+def count_tokens(text: str) -> int:
+    """A rough tokenizer: words and punctuation marks."""
+    return len(_WORD.findall(text))
+
+
+def prompt_key(*parts: object) -> bytes:
+    """A stable digest of whatever identifies a prompt."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        h.update(repr(part).encode())
+        h.update(b"\x00")
+    return h.digest()
+
+
+class Answer:
+    """The tokens one choice will produce and why it stops.
+
+    The natural length comes from the prompt, so some answers end with
+    ``stop`` before ``max_tokens`` and others are cut with ``length``.
+    """
+
+    def __init__(self, key: bytes, index: int, max_tokens: int, ignore_eos: bool = False):
+        self._seed = hashlib.blake2b(key + index.to_bytes(4, "big"), digest_size=16).digest()
+        natural = 4 + int.from_bytes(self._seed[:2], "big") % 29  # 4..32 tokens
+        if ignore_eos:
+            natural = max_tokens + 1
+        self.length = min(natural, max_tokens)
+        self.finish_reason = "stop" if natural <= max_tokens else "length"
+
+    def token(self, i: int) -> str:
+        d = hashlib.blake2b(self._seed + i.to_bytes(4, "big"), digest_size=2).digest()
+        return VOCAB[int.from_bytes(d, "big") % len(VOCAB)] + " "
+
+    def tokens(self) -> list[str]:
+        return [self.token(i) for i in range(self.length)]
