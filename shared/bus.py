@@ -101,6 +101,8 @@ async def connect(
         return best, backoff_delay(best.reconnects, reconnect_base, reconnect_max)
 
     async def disconnected():
+        if nc.is_closed or nc.is_draining:
+            return  # our own close, not an outage
         lg.warning("disconnected from NATS; reconnecting (backoff %.1fs..%.1fs)", reconnect_base, reconnect_max)
         if on_disconnect:
             await on_disconnect()

@@ -22,3 +22,6 @@ def setup_logging(level: str = "info") -> None:
     # nats-py and aiohttp are chatty at INFO about things our own logs already say.
     for noisy in ("nats", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(max(lvl, logging.WARNING))
+    # asyncio's SSL transport warns on every TLS close ("returning true from
+    # eof_received() has no effect"): noise, not news.
+    logging.getLogger("asyncio").setLevel(max(lvl, logging.ERROR))

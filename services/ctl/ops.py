@@ -1,0 +1,351 @@
+"""``llmgw ctl`` commands that talk to a running cluster under the operator certificate.
+
+Reads come straight from the KV buckets and the event stream (the operator may
+read everything); changes go through the services' APIs, so every bucket keeps
+its single writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import difflib
+import json
+import sys
+from pathlib import Path
+
+import msgspec
+import yaml
+from nats.js.api import DeliverPolicy
+
+from llmgw.shared import bus, subjects as S
+from llmgw.shared.config import default_operator_config, load_service_config, read_yaml
+from llmgw.shared.durations import parse_duration
+from llmgw.shared.errors import BusError, ConfigError, LlmgwError, WireError
+from llmgw.shared.schemas import ApiError, DeploymentSpec, Event, Lease, NodeRecord, Replica, decode, encode, to_builtins
+
+
+class ApiFailed(LlmgwError):
+    code = "api"
+
+
+class Session:
+    def __init__(self, args):
+        path = getattr(args, "config", None) or default_operator_config()
+        if not Path(path).exists():
+            raise ConfigError(f"no operator configuration at {path}; pass --config, set LLMGW_CONFIG, or run 'llmgw up' (it writes .llmgw/operator.yaml)")
+        self.cfg = load_service_config(path)
+        self.nc = None
+
+    async def __aenter__(self):
+        import logging
+
+        # A short-lived tool: connection chatter would bury the answer.
+        quiet = logging.getLogger("llmgw.ctl.bus")
+        quiet.setLevel(max(logging.WARNING, logging.getLogger().level))
+        self.nc = await bus.connect(self.cfg.server, self.cfg.tls_files(), name="ctl", logger=quiet, initial_attempts=3, reconnect_base=0.2, reconnect_max=1.0, connect_timeout=3)
+        self.js = self.nc.jetstream(timeout=5)
+        return self
+
+    async def __aexit__(self, *exc):
+        try:
+            await asyncio.wait_for(self.nc.close(), 3)
+        except Exception:
+            pass
+
+    async def read_bucket(self, bucket: str, schema) -> dict:
+        try:
+            kv = await self.js.key_value(bucket)
+        except Exception:
+            return {}  # not created yet: nothing there
+        out = {}
+        try:
+            keys = await kv.keys()
+        except Exception:
+            return {}
+        for k in keys:
+            try:
+                out[k] = decode((await kv.get(k)).value, schema)
+            except Exception:
+                continue
+        return out
+
+    async def call(self, service: str, verb: str, payload: bytes, timeout: float = 10.0) -> bytes:
+        try:
+            reply = await self.nc.request(S.api(service, verb), payload, timeout=timeout)
+        except Exception as e:
+            raise BusError(f"the {service} did not answer {verb} ({type(e).__name__}); is 'llmgw {service}' running?") from None
+        if reply.headers and reply.headers.get("Nats-Service-Error-Code"):
+            try:
+                err = decode(reply.data, ApiError)
+                raise ApiFailed(err.description)
+            except WireError:
+                raise ApiFailed(reply.headers.get("Nats-Service-Error", "request failed")) from None
+        return reply.data
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def _table(rows: list[tuple], out=sys.stdout) -> None:
+    if not rows:
+        return
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip(), file=out)
+
+
+def _json(obj) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def _age(t: float) -> str:
+    if not t:
+        return "-"
+    s = max(0.0, dt.datetime.now().timestamp() - t)
+    if s < 60:
+        return f"{s:.0f}s"
+    if s < 3600:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.1f}h"
+
+
+def gpus_in_use(replicas: dict[str, Replica]) -> dict[str, set[int]]:
+    used: dict[str, set[int]] = {}
+    for r in replicas.values():
+        if r.state == "gone":
+            continue
+        for m in r.members:
+            used.setdefault(m.node_id, set()).update(m.gpus)
+    return used
+
+
+def node_rows(nodes: dict[str, NodeRecord], leases: dict[str, Lease], replicas: dict[str, Replica]) -> list[dict]:
+    used = gpus_in_use(replicas)
+    rows = []
+    for nid in sorted(nodes):
+        n = nodes[nid]
+        lease = leases.get(nid)
+        total = len(n.gpus)
+        rows.append(
+            {
+                "node_id": nid,
+                "fabrics": [f.name for f in n.fabrics],
+                "gpus_total": total,
+                "gpus_free": total - len(used.get(nid, set()) & {g.index for g in n.gpus}),
+                "state": lease.state if lease else "unknown",
+                "admin": n.admin,
+                "mgmt_addr": n.mgmt_addr,
+                "lease_age": (dt.datetime.now().timestamp() - lease.last_renew) if lease else None,
+            }
+        )
+    return rows
+
+
+def replica_rows(replicas: dict[str, Replica]) -> list[dict]:
+    rows = []
+    for r in sorted(replicas.values(), key=lambda r: (r.deployment, r.generation)):
+        rows.append(
+            {
+                "id": r.id,
+                "deployment": r.deployment,
+                "generation": r.generation,
+                "fabric": r.fabric,
+                "state": r.state,
+                "members": [{"node": m.node_id, "rank": m.rank, "role": m.role, "gpus": list(m.gpus), "engine_state": m.engine_state, "pid": m.pid} for m in r.members],
+                "endpoint": r.endpoint,
+                "since": r.since,
+                "reason": r.reason,
+            }
+        )
+    return rows
+
+
+# --------------------------------------------------------------------------
+# commands
+# --------------------------------------------------------------------------
+
+
+def nodes(args) -> int:
+    async def go():
+        async with Session(args) as s:
+            return node_rows(
+                await s.read_bucket(S.BUCKET_NODES, NodeRecord),
+                await s.read_bucket(S.BUCKET_LEASES, Lease),
+                await s.read_bucket(S.BUCKET_REPLICAS, Replica),
+            )
+
+    rows = _run(go())
+    if args.output == "json":
+        _json(rows)
+        return 0
+    table = [("NODE", "STATE", "ADMIN", "FABRICS", "GPUS FREE/TOTAL", "MGMT ADDR", "LEASE AGE")]
+    for r in rows:
+        age = f"{r['lease_age']:.1f}s" if r["lease_age"] is not None else "-"
+        table.append((r["node_id"], r["state"], r["admin"], ",".join(r["fabrics"]) or "(none)", f"{r['gpus_free']}/{r['gpus_total']}", r["mgmt_addr"], age))
+    _table(table)
+    if len(table) == 1:
+        print("(no nodes registered yet)")
+    return 0
+
+
+def replicas(args) -> int:
+    async def go():
+        async with Session(args) as s:
+            return replica_rows(await s.read_bucket(S.BUCKET_REPLICAS, Replica))
+
+    rows = _run(go())
+    if getattr(args, "deployment", None):
+        rows = [r for r in rows if r["deployment"] == args.deployment]
+    if args.output == "json":
+        _json(rows)
+        return 0
+    table = [("REPLICA", "DEPLOYMENT", "GEN", "FABRIC", "STATE", "MEMBERS", "ENDPOINT", "AGE")]
+    for r in rows:
+        members = " ".join(f"{m['node']}:{m['rank']}" for m in r["members"]) or "-"
+        table.append((r["id"], r["deployment"], r["generation"], r["fabric"] or "-", r["state"], members, r["endpoint"] or "-", _age(r["since"])))
+    _table(table)
+    if len(table) == 1:
+        print("(no replicas)")
+    return 0
+
+
+def deployments(args) -> int:
+    async def go():
+        async with Session(args) as s:
+            return await s.read_bucket(S.BUCKET_DEPLOYMENTS, DeploymentSpec), await s.read_bucket(S.BUCKET_REPLICAS, Replica)
+
+    deps, reps = _run(go())
+    if args.output == "json":
+        _json([to_builtins(d) for d in sorted(deps.values(), key=lambda d: d.name)])
+        return 0
+    table = [("DEPLOYMENT", "MODEL", "ENGINE", "READY/WANTED", "SHAPE")]
+    for d in sorted(deps.values(), key=lambda d: d.name):
+        ready = sum(1 for r in reps.values() if r.deployment == d.name and r.state == "ready")
+        table.append((d.name, d.model, d.engine, f"{ready}/{d.replicas}", f"{d.nodes_per_replica} node(s) × {d.gpus_per_node} GPU(s)"))
+    _table(table)
+    if len(table) == 1:
+        print("(no deployments)")
+    return 0
+
+
+_SPEC_KEYS = [f for f in DeploymentSpec.__struct_fields__ if f not in ("applied_at", "last_generation")]
+
+
+def load_deployments(path: str) -> list[DeploymentSpec]:
+    """Read a deployment file: one mapping, a list, or ``deployments: [...]``."""
+    data = read_yaml(path) if path != "-" else yaml.safe_load(sys.stdin.read())
+    items = data.get("deployments", data) if isinstance(data, dict) else data
+    if isinstance(items, dict):
+        items = [items]
+    if not isinstance(items, list) or not items:
+        raise ConfigError(f"{path}: expected a deployment mapping, a list of them, or 'deployments: [...]'")
+    specs = []
+    for i, item in enumerate(items):
+        where = f"{path}: deployments[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        for key in item:
+            if key not in _SPEC_KEYS:
+                close = difflib.get_close_matches(str(key), _SPEC_KEYS, n=1)
+                raise ConfigError(f"{where}: unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(_SPEC_KEYS)})"))
+        item = dict(item)
+        if "startup_timeout" in item:
+            item["startup_timeout"] = parse_duration(item["startup_timeout"], f"{where}.startup_timeout")
+        try:
+            specs.append(msgspec.convert(item, DeploymentSpec))
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    return specs
+
+
+def deploy(args) -> int:
+    if args.deploy_cmd == "apply":
+        specs = load_deployments(args.file)
+        from llmgw.services.scheduler.service import validate_spec
+
+        for spec in specs:
+            try:
+                validate_spec(spec)
+            except ConfigError as e:
+                raise ConfigError(f"{args.file}: deployment {spec.name!r}: {e}") from None
+
+        async def go():
+            async with Session(args) as s:
+                return [decode(await s.call("scheduler", "apply", encode(spec)), DeploymentSpec) for spec in specs]
+
+        for d in _run(go()):
+            print(f"deployment {d.name} applied: {d.replicas} × {d.nodes_per_replica} node(s) × {d.gpus_per_node} GPU(s) of {d.model} on {d.engine}")
+        return 0
+
+    async def go_delete():
+        async with Session(args) as s:
+            return decode(await s.call("scheduler", "delete", json.dumps({"name": args.name}).encode()), DeploymentSpec)
+
+    d = _run(go_delete())
+    print(f"deployment {d.name} deleted; its replicas are being stopped")
+    return 0
+
+
+def explain(args) -> int:
+    async def go():
+        async with Session(args) as s:
+            return json.loads(await s.call("scheduler", "explain", json.dumps({"name": args.deployment}).encode()))
+
+    ex = _run(go())
+    if args.output == "json":
+        _json(ex)
+        return 0
+    print(f"deployment {ex['deployment']}: {ex['summary']}")
+    table = [("NODE", "FABRICS", "GPUS FREE/TOTAL", "VERDICT")]
+    for n in ex["nodes"]:
+        verdict = "ok" if n["ok"] else f"{n['reason']}: {n['detail']}"
+        table.append((n["node_id"], ",".join(n["fabrics"]) or "(none)", f"{n['free_gpus']}/{n['total_gpus']}", verdict))
+    _table(table)
+    return 0
+
+
+def admin(args) -> int:
+    verb = args.ctl_cmd
+
+    async def go():
+        async with Session(args) as s:
+            return decode(await s.call("registry", verb, json.dumps({"node_id": args.node}).encode()), NodeRecord)
+
+    rec = _run(go())
+    print(f"node {rec.node_id} is now {rec.admin}")
+    return 0
+
+
+def format_event(ev: Event) -> str:
+    t = dt.datetime.fromtimestamp(ev.time).strftime("%H:%M:%S.%f")[:-3]
+    return f"{t}  {ev.kind:<10} {ev.subject:<16} {ev.what:<20} {ev.detail}"
+
+
+def events(args) -> int:
+    async def go():
+        async with Session(args) as s:
+            sub = await s.js.subscribe(S.ALL_EVENTS, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+            idle = None if args.follow else 0.5
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=idle) if idle else await sub.next_msg(timeout=3600)
+                except Exception:
+                    if args.follow:
+                        continue
+                    break
+                try:
+                    ev = decode(msg.data, Event)
+                except WireError:
+                    continue
+                if args.output == "json":
+                    print(json.dumps({"time": ev.time, "kind": ev.kind, "subject": ev.subject, "what": ev.what, "detail": ev.detail}), flush=True)
+                else:
+                    print(format_event(ev), flush=True)
+
+    try:
+        _run(go())
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,288 @@
+"""``llmgw scheduler``: the impure shell around the pure reconcile core.
+
+It mirrors four buckets (nodes, leases, deployments, replicas) through KV
+watches, folds agents' status reports into the replicas' member engine states,
+runs ``reconcile`` when something changed (or every ``reconcile_interval``, for
+timeouts), and applies the plan in the order ``plan.py`` prescribes. Only the
+leader (``llmgw_leaders``) acts; a standby keeps its mirrors warm and takes
+over where the records say the work stands, so a restart in the middle of a
+rebuild neither duplicates nor loses a replica: every decision is re-derived
+from the stored records, never from memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+
+import msgspec
+from prometheus_client import Counter, Gauge, Histogram
+
+from llmgw.shared import subjects as S
+from llmgw.shared.errors import ConfigError, LlmgwError, WireError
+from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared.names import check_name
+from llmgw.shared.schemas import (
+    CommandAck,
+    DeploymentSpec,
+    EngineFact,
+    Lease,
+    NodeRecord,
+    Replica,
+    StatusReport,
+    decode,
+    encode,
+    now,
+    to_builtins,
+)
+
+from ..runtime import ServiceRuntime, run_service
+from . import ReconcileConfig, explain, fence, reconcile
+from .plan import Launch, Plan, Stop
+from .view import ClusterView, PortRange
+
+RECONCILE_SECONDS = Histogram("llmgw_scheduler_reconcile_seconds", "Time to compute and apply one plan")
+REPLICAS = Gauge("llmgw_scheduler_replicas", "Replicas, by state", ["state"])
+COMMANDS = Counter("llmgw_scheduler_commands_total", "Commands sent to agents", ["verb", "result"])
+STATUS = Counter("llmgw_scheduler_status_reports_total", "Agent status reports", ["result"])
+
+
+class UnknownDeployment(LlmgwError):
+    code = "unknown_deployment"
+
+
+class NameRequest(msgspec.Struct, kw_only=True):
+    name: str
+
+
+def validate_spec(spec: DeploymentSpec) -> DeploymentSpec:
+    """Refuse what could never run, with the field named."""
+    check_name(spec.name, "deployment name")
+    if not spec.model:
+        raise ConfigError("model: must not be empty")
+    if spec.replicas < 0:
+        raise ConfigError(f"replicas: must be 0 or more, got {spec.replicas}")
+    if spec.nodes_per_replica < 1:
+        raise ConfigError(f"nodes_per_replica: must be at least 1, got {spec.nodes_per_replica}")
+    if spec.gpus_per_node < 0:
+        raise ConfigError(f"gpus_per_node: must be 0 or more, got {spec.gpus_per_node}")
+    if spec.startup_timeout <= 0:
+        raise ConfigError(f"startup_timeout: must be positive, got {spec.startup_timeout}")
+    for k in spec.env:
+        if not k or "=" in k or not k.replace("_", "a").isalnum():
+            raise ConfigError(f"env: {k!r} is not a valid environment variable name")
+    return spec
+
+
+class Scheduler(ServiceRuntime):
+    role = "scheduler"
+    buckets = (S.BUCKET_DEPLOYMENTS, S.BUCKET_REPLICAS, S.BUCKET_LEADERS)
+
+    async def setup(self) -> None:
+        sc = self.cfg.scheduler
+        self.rconfig = ReconcileConfig(ports=PortRange(base=sc.port_base, count=sc.port_count))
+        nodes_kv = await open_bucket(self.js, S.BUCKET_NODES, wait=3600, logger=self.log)
+        leases_kv = await open_bucket(self.js, S.BUCKET_LEASES, wait=3600, logger=self.log)
+        self.deployments_kv = self.kv[S.BUCKET_DEPLOYMENTS]
+        self.replicas_kv = self.kv[S.BUCKET_REPLICAS]
+        self.nodes = await KvMirror(nodes_kv, NodeRecord).start()
+        self.leases = await KvMirror(leases_kv, Lease).start()
+        self.deployments = await KvMirror(self.deployments_kv, DeploymentSpec).start()
+        self.replicas = await KvMirror(self.replicas_kv, Replica).start()
+        # node -> {(replica id, rank): fact}, from the agents' status reports
+        self.reported: dict[str, dict[tuple[str, int], EngineFact]] = defaultdict(dict)
+        # (replica id, rank) -> when its launch was acknowledged; a full report
+        # newer than that which lacks the engine means the engine is absent.
+        self.launched_at: dict[tuple[str, int], float] = {}
+        self.full_report_at: dict[str, float] = {}
+        self.absent: set[tuple[str, int]] = set()
+        self.wake = asyncio.Event()
+        for m in (self.nodes, self.leases, self.deployments, self.replicas):
+            m.listeners.append(lambda *_: self.wake.set())
+        await self.nc.subscribe(S.ALL_STATUS, cb=self.on_status)
+        await self.add_api({"apply": self.api_apply, "delete": self.api_delete, "explain": self.api_explain})
+        self.lead(sc.leader_ttl)
+        self.spawn(self.loop())
+
+    # -- agent status ------------------------------------------------------------
+    async def on_status(self, msg) -> None:
+        node = S.node_of(msg.subject)
+        try:
+            report = decode(msg.data, StatusReport)
+        except WireError as e:
+            STATUS.labels("malformed").inc()
+            self.log.warning("status from %s rejected: %s", node, e)
+            return
+        if report.node_id != node:
+            STATUS.labels("inconsistent").inc()
+            self.log.warning("status on %s claims node_id %r; ignored", msg.subject, report.node_id)
+            return
+        STATUS.labels("accepted").inc()
+        facts = {(f.replica_id, f.rank): f for f in report.engines}
+        if report.full:
+            self.reported[node] = facts
+            self.full_report_at[node] = time.time()
+            for key, at in self.launched_at.items():
+                rep = self.replicas.items.get(key[0])
+                if key not in facts and at < self.full_report_at[node] and rep and any(m.node_id == node and m.rank == key[1] for m in rep.members):
+                    self.absent.add(key)
+            if self.leadership and self.leadership.is_leader:
+                await self._send_stops(fence({node: report.engines}, self.replicas.items))
+        else:
+            self.reported[node].update(facts)
+        self.wake.set()
+
+    def _with_reports(self, replicas: dict[str, Replica]) -> dict[str, Replica]:
+        """Replicas with members' engine states folded in from the latest reports."""
+        out = {}
+        for rid, rep in replicas.items():
+            members = []
+            changed = False
+            for m in rep.members:
+                fact = self.reported.get(m.node_id, {}).get((rid, m.rank))
+                state, pid = m.engine_state, m.pid
+                if fact is not None and fact.generation == rep.generation:
+                    state, pid = fact.state, fact.pid
+                elif (rid, m.rank) in self.absent:
+                    state = "absent"
+                if (state, pid) != (m.engine_state, m.pid):
+                    changed = True
+                    m = msgspec.structs.replace(m, engine_state=state, pid=pid)
+                members.append(m)
+            out[rid] = msgspec.structs.replace(rep, members=members) if changed else rep
+        return out
+
+    # -- the loop ----------------------------------------------------------------
+    async def loop(self) -> None:
+        interval = self.cfg.scheduler.reconcile_interval
+        while True:
+            try:
+                await asyncio.wait_for(self.wake.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+            self.wake.clear()
+            if not (self.leadership and self.leadership.is_leader):
+                continue
+            try:
+                with RECONCILE_SECONDS.time():
+                    await self.reconcile_once()
+            except Exception:
+                self.log.exception("reconcile failed; retrying next cycle")
+
+    async def reconcile_once(self) -> Plan:
+        base = dict(self.replicas.items)
+        current = self._with_reports(base)
+        plan = reconcile(self.deployments.items, current, self.nodes.items, self.leases.items, now(), config=self.rconfig)
+        # Engine-state changes that did not change a replica's state still go to KV,
+        # so operators see pids and engine states.
+        for rid, rep in current.items():
+            if rep is not base[rid] and rid not in plan.writes and rid not in plan.deletes:
+                plan.writes[rid] = rep
+        if plan:
+            await self.apply(plan)
+        self._gauge()
+        return plan
+
+    async def apply(self, plan: Plan) -> None:
+        # 1. generations first: a generation is never issued twice.
+        for name, gen in plan.generations.items():
+            spec = self.deployments.items.get(name)
+            if spec is not None and spec.last_generation < gen:
+                await self.deployments_kv.put(name, encode(msgspec.structs.replace(spec, last_generation=gen)))
+        # 2. records.
+        await asyncio.gather(*(self.replicas_kv.put(rid, encode(rep)) for rid, rep in plan.writes.items()))
+        for rid in plan.deletes:
+            try:
+                await self.replicas_kv.purge(rid)
+            except Exception as e:
+                self.log.warning("could not delete replica %s: %s", rid, e)
+            for key in [k for k in self.launched_at if k[0] == rid]:
+                self.launched_at.pop(key, None)
+                self.absent.discard(key)
+        # 3. commands, concurrently: a rebuild should not wait on one slow agent.
+        await asyncio.gather(*(self._launch(l) for l in plan.launches), self._send_stops(plan.stops))
+        # 4. history.
+        for ev in plan.events:
+            await self.events.emit(ev.kind, ev.subject, ev.what, ev.detail, at=ev.time, **ev.data)
+            self.log.info("replica %s → %s %s", ev.subject, ev.what, ev.detail)
+        for name, why in plan.pending.items():
+            self.log.info("deployment %s: replica pending: %s", name, why)
+
+    async def _launch(self, launch: Launch) -> None:
+        key = (launch.replica_id, launch.member.rank)
+        try:
+            reply = await self.nc.request(S.cmd_launch(launch.node_id), encode(launch.command), timeout=self.cfg.scheduler.command_timeout)
+            ack = decode(reply.data, CommandAck)
+        except Exception as e:
+            # No answer: the node may be dying. Its lease decides; the startup timeout backs it up.
+            COMMANDS.labels("launch", "no_answer").inc()
+            self.log.warning("launch of %s rank %d on %s: no answer (%s)", launch.replica_id, launch.member.rank, launch.node_id, e or type(e).__name__)
+            return
+        if ack.ok:
+            COMMANDS.labels("launch", "ok").inc()
+            self.launched_at[key] = time.time()
+        else:
+            COMMANDS.labels("launch", ack.code or "refused").inc()
+            self.log.warning("launch of %s on %s refused: %s %s", launch.replica_id, launch.node_id, ack.code, ack.reason)
+            self.absent.add(key)
+            self.wake.set()
+
+    async def _send_stops(self, stops: list[Stop]) -> None:
+        async def one(stop: Stop):
+            try:
+                reply = await self.nc.request(S.cmd_stop(stop.node_id), encode(stop.command), timeout=self.cfg.scheduler.command_timeout)
+                ack = decode(reply.data, CommandAck)
+                COMMANDS.labels("stop", "ok" if ack.ok else ack.code or "refused").inc()
+                self.log.info("stop %s on %s: %s", stop.replica_id, stop.node_id, stop.reason)
+            except Exception as e:
+                COMMANDS.labels("stop", "no_answer").inc()
+                self.log.warning("stop of %s on %s: no answer (%s)", stop.replica_id, stop.node_id, e or type(e).__name__)
+
+        await asyncio.gather(*(one(s) for s in stops))
+
+    def _gauge(self) -> None:
+        counts: dict[str, int] = defaultdict(int)
+        for rep in self.replicas.items.values():
+            counts[rep.state] += 1
+        for state in ("pending", "launching", "waiting-for-workers", "ready", "failed", "reaping"):
+            REPLICAS.labels(state).set(counts.get(state, 0))
+
+    # -- operator API ----------------------------------------------------------------
+    async def api_apply(self, data: bytes) -> DeploymentSpec:
+        spec = validate_spec(decode(data, DeploymentSpec))
+        old = self.deployments.items.get(spec.name)
+        stored = msgspec.structs.replace(spec, applied_at=now(), last_generation=max(spec.last_generation, old.last_generation if old else 0))
+        await self.deployments_kv.put(spec.name, encode(stored))
+        await self.events.emit("deployment", spec.name, "applied", f"{spec.replicas} × {spec.nodes_per_replica} node(s) × {spec.gpus_per_node} GPU(s) of {spec.model} on {spec.engine}")
+        self.wake.set()
+        return stored
+
+    async def api_delete(self, data: bytes) -> DeploymentSpec:
+        req = decode(data, NameRequest)
+        spec = self.deployments.items.get(req.name)
+        if spec is None:
+            raise UnknownDeployment(f"no deployment named {req.name!r}")
+        await self.deployments_kv.delete(req.name)
+        await self.events.emit("deployment", req.name, "deleted", "its replicas are stopped and reaped")
+        self.wake.set()
+        return spec
+
+    async def api_explain(self, data: bytes):
+        req = decode(data, NameRequest)
+        spec = self.deployments.items.get(req.name)
+        if spec is None:
+            raise UnknownDeployment(f"no deployment named {req.name!r}")
+        view = ClusterView.build(self.nodes.items, self.leases.items, self.replicas.items.values(), ports=self.rconfig.ports)
+        return to_builtins(explain(spec, view))
+
+    async def stop(self) -> None:
+        for m in ("nodes", "leases", "deployments", "replicas"):
+            mirror = getattr(self, m, None)
+            if mirror is not None:
+                await mirror.stop()
+        await super().stop()
+
+
+def main(args) -> int:
+    return run_service(Scheduler, args)

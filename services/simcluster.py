@@ -1,0 +1,204 @@
+"""Simulated nodes for a machine with neither GPUs nor InfiniBand.
+
+Each simulated node gets what a real node has, shaped the same way, so the
+agent runs unmodified: its own certificate, a fake ``nvidia-smi`` printing its
+GPUs in the real ``--format=csv,noheader,nounits`` shape, a sysfs-shaped
+``ib_root`` with its fabric's HCAs ACTIVE, an ``agent.yaml`` in the seed's
+format, and its own loopback address (node01 = 127.0.1.1, …) so engines bind
+per node and "node02 has no port open" can be read off the kernel's socket
+table. Every process of a simulated node carries ``LLMGW_SIM_NODE=<node>`` in
+its environment, which is how ``kill-node`` finds the agent and all its
+engines to kill them at once, as a dying machine would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import string
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from llmgw.shared import pki
+from llmgw.shared.durations import format_duration
+from llmgw.shared.errors import ConfigError
+
+SIM_ENV = "LLMGW_SIM_NODE"
+HCAS_PER_NODE = ("mlx5_0", "mlx5_1")
+GPU_NAME = "NVIDIA H200"
+GPU_MEMORY_MIB = 143771
+
+
+@dataclass(frozen=True)
+class SimNodeSpec:
+    node_id: str
+    fabric: str | None
+    gpus: int
+    mgmt_addr: str
+
+
+def fabric_name(i: int) -> str:
+    """ib-a, ib-b, … ib-z, ib-aa …"""
+    letters = string.ascii_lowercase
+    name = ""
+    i += 1
+    while i:
+        i, r = divmod(i - 1, 26)
+        name = letters[r] + name
+    return f"ib-{name}"
+
+
+def layout(nodes: int = 4, fabrics: int = 2, gpus_per_node: int = 8) -> list[SimNodeSpec]:
+    """The seed's shape generalised: nodes split evenly over fabrics, in order.
+
+    ``fabrics=0`` gives nodes with no fabric (single-node replicas only).
+    """
+    if nodes < 1 or nodes > 250:
+        raise ConfigError(f"--nodes {nodes}: between 1 and 250 simulated nodes (one loopback address each)")
+    if fabrics < 0 or fabrics > nodes:
+        raise ConfigError(f"--fabrics {fabrics}: between 0 and the number of nodes ({nodes})")
+    if gpus_per_node < 0 or gpus_per_node > 64:
+        raise ConfigError(f"--gpus-per-node {gpus_per_node}: between 0 and 64")
+    out = []
+    per = -(-nodes // fabrics) if fabrics else 0
+    for i in range(nodes):
+        fab = fabric_name(i // per) if fabrics else None
+        out.append(SimNodeSpec(node_id=f"node{i + 1:02d}", fabric=fab, gpus=gpus_per_node, mgmt_addr=f"127.0.1.{i + 1}"))
+    return out
+
+
+def gpu_uuid(node: str, index: int) -> str:
+    return "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{node}.gpu{index}.llmgw.sim"))
+
+
+def nvidia_smi_lines(spec: SimNodeSpec) -> list[str]:
+    return [f"{i}, {gpu_uuid(spec.node_id, i)}, {GPU_NAME}, {GPU_MEMORY_MIB}, 00000000:{0x18 + i * 0x10:02X}:00.0" for i in range(spec.gpus)]
+
+
+def _write_exec(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+def write_fake_nvidia_smi(path: Path, spec: SimNodeSpec) -> None:
+    body = "\n".join(nvidia_smi_lines(spec))
+    _write_exec(
+        path,
+        "#!/bin/sh\n"
+        f"# Simulated nvidia-smi for {spec.node_id}: prints its inventory in the real\n"
+        "# '--query-gpu=index,uuid,name,memory.total,pci.bus_id --format=csv,noheader,nounits' shape.\n"
+        f"cat <<'EOF'\n{body}\nEOF\n",
+    )
+
+
+def write_ib_root(root: Path, hcas: tuple[str, ...]) -> None:
+    for hca in hcas:
+        port = root / hca / "ports" / "1"
+        port.mkdir(parents=True, exist_ok=True)
+        (port / "state").write_text("4: ACTIVE\n")
+        (port / "phys_state").write_text("5: LinkUp\n")
+        (port / "rate").write_text("200 Gb/sec (4X HDR)\n")
+        (port / "link_layer").write_text("InfiniBand\n")
+
+
+@dataclass(frozen=True)
+class Timings:
+    heartbeat_interval: float = 5.0
+    stop_timeout: float = 10.0
+    health_interval: float = 1.0
+    reconnect_base: float = 0.5
+    reconnect_max: float = 5.0
+
+
+@dataclass(frozen=True)
+class SimNode:
+    spec: SimNodeSpec
+    dir: Path
+
+    @property
+    def config(self) -> Path:
+        return self.dir / "agent.yaml"
+
+    @property
+    def work_dir(self) -> Path:
+        return self.dir / "work"
+
+    @property
+    def log(self) -> Path:
+        return self.dir / "agent.log"
+
+
+def write_node(root: Path, pki_dir: Path, server_url: str, spec: SimNodeSpec, timings: Timings) -> SimNode:
+    """Onboard one simulated node: certificate, fake devices, agent.yaml (the seed's format)."""
+    d = root / "nodes" / spec.node_id
+    d.mkdir(parents=True, exist_ok=True)
+    certs = d / "tls"
+    if not (certs / f"{spec.node_id}.pem").exists():
+        pki.issue(pki_dir, spec.node_id, "node", certs)
+    write_fake_nvidia_smi(d / "bin" / "nvidia-smi", spec)
+    hcas = HCAS_PER_NODE if spec.fabric else ()
+    write_ib_root(d / "sys-class-infiniband", hcas)
+    (d / "sys-class-infiniband").mkdir(exist_ok=True)
+    config = {
+        "node_id": spec.node_id,
+        "server": server_url,
+        "tls": {
+            "ca": str((pki_dir / pki.CA_CERT).resolve()),
+            "cert": str((certs / f"{spec.node_id}.pem").resolve()),
+            "key": str((certs / f"{spec.node_id}-key.pem").resolve()),
+        },
+        "mgmt_addr": spec.mgmt_addr,
+        "mgmt_interface": "lo",
+        "heartbeat_interval": format_duration(timings.heartbeat_interval),
+        "reconnect_base": format_duration(timings.reconnect_base),
+        "reconnect_max": format_duration(timings.reconnect_max),
+        "fabrics": [{"name": spec.fabric, "hcas": list(hcas)}] if spec.fabric else [],
+        "discovery": {
+            "nvidia_smi": str((d / "bin" / "nvidia-smi").resolve()),
+            "ib_root": str((d / "sys-class-infiniband").resolve()),
+            "prefer_nvml": False,
+            "skip_gpus": False,
+        },
+        "supervisor": {
+            "work_dir": str((d / "work").resolve()),
+            "log_lines": 200,
+            "stop_timeout": format_duration(timings.stop_timeout),
+            "health_interval": format_duration(timings.health_interval),
+        },
+    }
+    header = f"# {spec.node_id} (simulated, fabric {spec.fabric or 'none'})\n# Written by 'llmgw up' in the seed's agent.yaml format.\n"
+    (d / "agent.yaml").write_text(header + yaml.safe_dump(config, sort_keys=False))
+    return SimNode(spec=spec, dir=d)
+
+
+def processes_of(node_id: str) -> list[int]:
+    """Every live process carrying ``LLMGW_SIM_NODE=<node_id>`` (agent and engines)."""
+    marker = f"{SIM_ENV}={node_id}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if marker in env:
+            pids.append(int(entry))
+    return pids
+
+
+def kill_node(node_id: str) -> list[int]:
+    """SIGKILL the agent and every engine of a simulated node at once, as a machine dies."""
+    pids = [p for p in processes_of(node_id) if p != os.getpid()]
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids

@@ -1,0 +1,451 @@
+"""``llmgw up`` / ``llmgw down`` / ``llmgw sim …``: the whole system on one machine.
+
+``up`` creates (or reuses) a PKI in ``DIR/pki``, onboards each simulated node
+with its own certificate (``simcluster.py``), renders the NATS configuration
+and starts the embedded nats-server, the four services and one agent per node
+— every one a real process in its own session, logging to ``DIR/logs`` — then
+applies the seed's deployment and waits until its replicas are ready, showing
+progress. In the foreground, Ctrl-C stops everything; with ``--detach`` it
+returns once ready and ``llmgw down`` stops everything later. What it started
+is recorded in ``DIR/pids.json`` (pid + process start time, so a reused pid is
+never killed) and ``DIR/cluster.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmgw.shared import bus, pki, subjects as S
+from llmgw.shared.config import write_config
+from llmgw.shared.durations import format_duration, parse_duration
+from llmgw.shared.errors import ConfigError, LlmgwError
+from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared.natsserver import NatsServer, free_port
+from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRecord, Replica, encode
+
+from . import simcluster
+from .simcluster import SIM_ENV, SimNode, Timings
+
+SERVICES = ("registry", "health", "scheduler", "gateway")
+DEMO_MODEL = "sim-70b"
+
+
+class UpError(LlmgwError):
+    code = "up"
+
+
+def _start_time(pid: int) -> int | None:
+    """Process start time in clock ticks (/proc/<pid>/stat field 22), against pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int, start: int | None) -> bool:
+    st = _start_time(pid)
+    return st is not None and (start is None or st == start)
+
+
+def _preferred_port(host: str, preferred: int) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind((host, preferred))
+            return preferred
+        except OSError:
+            return free_port(host)
+
+
+@dataclass
+class Cluster:
+    """Everything ``up`` starts and where it put it."""
+
+    dir: Path
+    progress: callable = print
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    nodes: list[SimNode] = field(default_factory=list)
+    nats: NatsServer | None = None
+    gateway_url: str = ""
+    t0: float = field(default_factory=time.monotonic)
+
+    def say(self, msg: str) -> None:
+        self.progress(f"[{time.monotonic() - self.t0:6.1f}s] {msg}")
+
+    # -- files ---------------------------------------------------------------
+    def _service_config(self, role: str, extra: dict) -> Path:
+        tls = self.nats.tls_for(role, role)
+        if not Path(tls.cert).exists():
+            tls = self.nats.issue(role, role)
+        path = self.dir / "config" / f"{role}.yaml"
+        write_config(path, {"server": self.nats.url, "tls": {"ca": tls.ca, "cert": tls.cert, "key": tls.key}, **extra})
+        return path
+
+    def _record(self) -> None:
+        pids = {name: {"pid": p.pid, "start": _start_time(p.pid), "cmd": p.args[2:4] if isinstance(p.args, list) else []} for name, p in self.procs.items()}
+        (self.dir / "pids.json").write_text(json.dumps(pids, indent=2) + "\n")
+
+    def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        logs = self.dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(logs / f"{name}.log", "ab") as log:
+            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}, cwd=self.dir)
+        self.procs[name] = p
+        self._record()
+        return p
+
+    def llmgw(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "llmgw.services", *args]
+
+    # -- bring-up ---------------------------------------------------------------
+    def prepare(self, args) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        old = self.dir / "pids.json"
+        if old.exists() and any(_alive(v["pid"], v.get("start")) for v in json.loads(old.read_text()).values()):
+            raise UpError(f"a cluster from {self.dir} is still running; stop it first with 'llmgw down --dir {self.dir}'")
+        self.nats = NatsServer(root=self.dir)
+        fresh = not pki.has_ca(self.dir / "pki")
+        self.nats.port = _preferred_port("127.0.0.1", 4222)
+        self.nats.prepare()
+        self.say(("created an authority in " if fresh else "reusing the authority in ") + str(self.dir / "pki"))
+        hb = args.heartbeat_interval
+        self.timings = Timings(
+            heartbeat_interval=hb,
+            stop_timeout=min(10.0, max(1.0, hb * 2)),
+            health_interval=min(1.0, max(0.1, hb / 2)),
+            reconnect_base=min(0.5, hb),
+            reconnect_max=max(1.0, min(5.0, hb * 2)),
+        )
+        gw_port = _preferred_port("127.0.0.1", args.gateway_port)
+        self.gateway_url = f"http://127.0.0.1:{gw_port}"
+        common = {"reconnect_base": format_duration(self.timings.reconnect_base), "reconnect_max": format_duration(self.timings.reconnect_max)}
+        self.configs = {
+            "registry": self._service_config("registry", {**common, "metrics_listen": f"127.0.0.1:{free_port()}"}),
+            "health": self._service_config(
+                "health",
+                {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "health": {"heartbeat_interval": format_duration(hb), "suspect_after_missed": 3, "node_lost_after": format_duration(args.node_lost_after), "leader_ttl": format_duration(max(1.0, hb * 2))}},
+            ),
+            "scheduler": self._service_config(
+                "scheduler",
+                {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "scheduler": {"reconcile_interval": format_duration(min(1.0, hb)), "leader_ttl": format_duration(max(1.0, hb * 2))}},
+            ),
+            "gateway": self._service_config("gateway", {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "gateway": {"listen": f"127.0.0.1:{gw_port}"}}),
+        }
+        self.operator_config = self._service_config("operator", {})
+        os.replace(self.operator_config, self.dir / "operator.yaml")
+        self.operator_config = self.dir / "operator.yaml"
+        specs = simcluster.layout(args.nodes, args.fabrics, args.gpus_per_node)
+        self.nodes = [simcluster.write_node(self.dir, self.dir / "pki", self.nats.url, s, self.timings) for s in specs]
+        self.say(f"onboarded {len(self.nodes)} simulated nodes: " + ", ".join(f"{n.spec.node_id} ({n.spec.fabric or 'no fabric'}, {n.spec.mgmt_addr})" for n in self.nodes))
+        self._write_cluster_json()
+
+    def _write_cluster_json(self) -> None:
+        data = {
+            "gateway_url": self.gateway_url,
+            "nats_url": self.nats.url,
+            "nats_monitor_url": self.nats.monitor_url,
+            "operator_config": str(self.operator_config.resolve()),
+            "dir": str(self.dir.resolve()),
+            "nodes": [{"node_id": n.spec.node_id, "fabric": n.spec.fabric, "mgmt_addr": n.spec.mgmt_addr, "gpus": n.spec.gpus, "agent_config": str(n.config.resolve())} for n in self.nodes],
+        }
+        (self.dir / "cluster.json").write_text(json.dumps(data, indent=2) + "\n")
+
+    def start_nats(self) -> None:
+        self.nats.render()
+        self._spawn("nats-server", self.llmgw("nats", "--config", str(self.nats.conf_path)))
+        self.nats.proc = self.procs["nats-server"]
+        self.nats.wait_ready(20)
+        self.say(f"nats-server ready on {self.nats.url} (monitoring {self.nats.monitor_url})")
+
+    def start_services(self) -> None:
+        for role in SERVICES:
+            self._spawn(role, self.llmgw(role, "--config", str(self.configs[role])))
+        self.say("started " + ", ".join(SERVICES))
+
+    def start_agent(self, node: SimNode) -> None:
+        self._spawn(f"agent-{node.spec.node_id}", self.llmgw("agent", "--config", str(node.config)), env={SIM_ENV: node.spec.node_id})
+
+    def check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                raise UpError(f"{name} exited with code {p.returncode}; see {self.dir / 'logs' / (name + '.log')}")
+
+    # -- waiting, with progress --------------------------------------------------
+    async def connect(self):
+        tls = self.nats.tls_for("operator", "operator")
+        nc = await bus.connect(self.nats.url, tls, name="up", initial_attempts=20, reconnect_base=0.2, reconnect_max=1.0)
+        js = nc.jetstream(timeout=5)
+        return nc, js
+
+    async def wait_nodes(self, js, timeout: float) -> None:
+        nodes = await KvMirror(await open_bucket(js, S.BUCKET_NODES, wait=timeout), NodeRecord).start()
+        leases = await KvMirror(await open_bucket(js, S.BUCKET_LEASES, wait=timeout), Lease).start()
+        want = {n.spec.node_id for n in self.nodes}
+        deadline = time.monotonic() + timeout
+        last = None
+        try:
+            while True:
+                self.check_alive()
+                ready = {k for k, l in leases.items.items() if l.state == "ready"} & want
+                registered = set(nodes.items) & want
+                now_state = (len(registered), len(ready))
+                if now_state != last:
+                    self.say(f"nodes registered {len(registered)}/{len(want)}, heartbeating {len(ready)}/{len(want)}")
+                    last = now_state
+                if registered == want and ready == want:
+                    return
+                if time.monotonic() > deadline:
+                    missing = sorted(want - ready)
+                    raise UpError(f"nodes not ready after {timeout:.0f}s: {', '.join(missing)}; see {self.dir / 'logs'}")
+                await asyncio.sleep(0.2)
+        finally:
+            await nodes.stop()
+            await leases.stop()
+
+    async def wait_replicas(self, js, deployment: str, count: int, timeout: float) -> dict[str, Replica]:
+        replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS, wait=timeout), Replica).start()
+        deadline = time.monotonic() + timeout
+        last = None
+        try:
+            while True:
+                self.check_alive()
+                mine = {k: r for k, r in replicas.items.items() if r.deployment == deployment}
+                summary = ", ".join(f"{r.id} {r.state}" + (f" on {r.fabric}" if r.fabric else "") for r in sorted(mine.values(), key=lambda r: r.id))
+                if summary != last:
+                    self.say(f"replicas: {summary or 'none yet'}")
+                    last = summary
+                ready = {k: r for k, r in mine.items() if r.state == "ready"}
+                if len(ready) >= count:
+                    return ready
+                if time.monotonic() > deadline:
+                    raise UpError(f"replicas of {deployment} not ready after {timeout:.0f}s ({summary}); try 'llmgw ctl explain {deployment} --config {self.operator_config}'")
+                await asyncio.sleep(0.2)
+        finally:
+            await replicas.stop()
+
+    async def apply_demo(self, nc, load_time: float) -> DeploymentSpec:
+        spec = DeploymentSpec(
+            name="demo",
+            model=DEMO_MODEL,
+            engine="sim",
+            replicas=2,
+            nodes_per_replica=2,
+            gpus_per_node=4,
+            engine_args=["--load-time", format_duration(load_time)],
+            startup_timeout=max(60.0, load_time * 4),
+        )
+        for _ in range(100):
+            try:
+                await nc.request(S.api("scheduler", "apply"), encode(spec), timeout=2)
+                break
+            except Exception:
+                self.check_alive()
+                await asyncio.sleep(0.2)
+        else:
+            raise UpError("the scheduler did not accept the demo deployment; see its log")
+        self.say(f"applied deployment demo: 2 replicas × 2 nodes × 4 GPUs of {DEMO_MODEL} on sim (load time {format_duration(load_time)})")
+        return spec
+
+    # -- teardown -------------------------------------------------------------------
+    def stop_all(self) -> None:
+        stop_recorded(self.dir, [n.spec.node_id for n in self.nodes], say=self.say)
+
+
+def stop_recorded(d: Path, node_ids: list[str] | None = None, say=print) -> int:
+    """Stop what ``up`` recorded: agents and their engines, services, then NATS."""
+    pids_file = d / "pids.json"
+    if not pids_file.exists():
+        return 0
+    procs = json.loads(pids_file.read_text())
+    if node_ids is None:
+        try:
+            node_ids = [n["node_id"] for n in json.loads((d / "cluster.json").read_text())["nodes"]]
+        except (OSError, ValueError, KeyError):
+            node_ids = []
+    order = sorted(procs, key=lambda n: (0 if n.startswith("agent-") else 2 if n == "nats-server" else 1, n))
+    stopped = 0
+    for group in ([n for n in order if n.startswith("agent-")], [n for n in order if not n.startswith("agent-") and n != "nats-server"]):
+        live = [(n, procs[n]) for n in group if _alive(procs[n]["pid"], procs[n].get("start"))]
+        for _, p in live:
+            _signal(p["pid"], signal.SIGTERM)
+        _wait_gone([p for _, p in live], 5.0)
+        stopped += len(live)
+        if group and group[0].startswith("agent-"):
+            # Engines outlive agents by design; a simulated machine going away takes them too.
+            for node in node_ids:
+                stopped += len(simcluster.kill_node(node))
+    nats = procs.get("nats-server")
+    if nats and _alive(nats["pid"], nats.get("start")):
+        _signal(nats["pid"], signal.SIGTERM)
+        _wait_gone([nats], 5.0)
+        stopped += 1
+    pids_file.unlink(missing_ok=True)
+    say(f"stopped {stopped} processes")
+    return stopped
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # each was started in its own session: take its children too
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_gone(procs: list[dict], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p["pid"], p.get("start")) for p in procs):
+        time.sleep(0.05)
+    for p in procs:
+        if _alive(p["pid"], p.get("start")):
+            _signal(p["pid"], signal.SIGKILL)
+    # Reap our own children if these were ours.
+    for p in procs:
+        try:
+            os.waitpid(p["pid"], os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+# --------------------------------------------------------------------------
+# commands
+# --------------------------------------------------------------------------
+
+
+def _durations(args) -> None:
+    for name in ("heartbeat_interval", "node_lost_after", "engine_load_time"):
+        setattr(args, name, parse_duration(getattr(args, name), "--" + name.replace("_", "-")))
+    if args.node_lost_after <= 3 * args.heartbeat_interval:
+        raise ConfigError(f"--node-lost-after ({format_duration(args.node_lost_after)}) must exceed 3 heartbeat intervals ({format_duration(3 * args.heartbeat_interval)})")
+
+
+async def _bring_up(cluster: Cluster, args) -> None:
+    cluster.prepare(args)
+    cluster.start_nats()
+    cluster.start_services()
+    for node in cluster.nodes:
+        cluster.start_agent(node)
+    cluster.say(f"started {len(cluster.nodes)} agents")
+    nc, js = await cluster.connect()
+    try:
+        await cluster.wait_nodes(js, timeout=max(60.0, args.heartbeat_interval * 6))
+        if not args.no_demo:
+            await cluster.apply_demo(nc, args.engine_load_time)
+            await cluster.wait_replicas(js, "demo", 2, timeout=max(120.0, args.engine_load_time * 4 + 30))
+    finally:
+        await nc.close()
+
+
+def _ready_banner(cluster: Cluster, args) -> None:
+    cfg = cluster.operator_config
+    print()
+    print(f"llmgw is up: {len(cluster.nodes)} simulated nodes, NATS at {cluster.nats.url}")
+    print(f"  gateway (OpenAI API): {cluster.gateway_url}/v1")
+    print(f"  operator config:      {cfg}")
+    print(f"  logs:                 {cluster.dir / 'logs'}")
+    print()
+    print("Try:")
+    if not args.no_demo:
+        print(f"  curl -s {cluster.gateway_url}/v1/chat/completions -H 'content-type: application/json' \\")
+        print(f"       -d '{{\"model\": \"{DEMO_MODEL}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hello\"}}]}}'")
+    print(f"  llmgw ctl nodes --config {cfg}")
+    print(f"  llmgw ctl replicas --config {cfg}")
+    print(f"  llmgw tui --config {cfg}")
+    print(f"  llmgw sim kill-node node02 --dir {cluster.dir}     # then watch the rebuild")
+    print(f"  llmgw ctl events --follow --config {cfg}")
+    print()
+
+
+def up(args) -> int:
+    _durations(args)
+    d = Path(args.dir)
+    cluster = Cluster(dir=d)
+    try:
+        asyncio.run(_bring_up(cluster, args))
+    except (KeyboardInterrupt, Exception) as e:
+        cluster.say("start failed; stopping what was started")
+        cluster.stop_all()
+        if isinstance(e, KeyboardInterrupt):
+            return 130
+        raise
+    _ready_banner(cluster, args)
+    if args.scenario == "seed":
+        from .scenario import run_seed_scenario
+
+        try:
+            asyncio.run(run_seed_scenario(cluster, args))
+        finally:
+            if not args.detach:
+                cluster.stop_all()
+        return 0
+    if args.detach:
+        print(f"running in the background; stop with: llmgw down --dir {d}")
+        return 0
+    print("running; press Ctrl-C to stop everything")
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    try:
+        while not stop["flag"]:
+            time.sleep(0.5)
+            for name, p in cluster.procs.items():
+                if p.poll() is not None and not name.startswith("agent-"):
+                    cluster.say(f"{name} exited with code {p.returncode}; see {d / 'logs' / (name + '.log')}")
+                    stop["flag"] = True
+    except KeyboardInterrupt:
+        pass
+    cluster.say("stopping")
+    cluster.stop_all()
+    return 0
+
+
+def down(args) -> int:
+    d = Path(args.dir)
+    if not (d / "pids.json").exists():
+        print(f"nothing running from {d}")
+        return 0
+    stop_recorded(d)
+    return 0
+
+
+def _cluster_nodes(d: Path) -> dict[str, dict]:
+    try:
+        data = json.loads((d / "cluster.json").read_text())
+    except FileNotFoundError:
+        raise UpError(f"no cluster in {d}; start one with 'llmgw up --dir {d}'") from None
+    return {n["node_id"]: n for n in data["nodes"]}
+
+
+def sim(args) -> int:
+    d = Path(args.dir)
+    nodes = _cluster_nodes(d)
+    if args.node not in nodes:
+        raise UpError(f"no simulated node {args.node!r} in {d} (nodes: {', '.join(sorted(nodes))})")
+    if args.sim_cmd == "kill-node":
+        pids = simcluster.kill_node(args.node)
+        print(f"killed {args.node}: {len(pids)} processes (agent and engines) with SIGKILL" if pids else f"{args.node} had no running processes")
+        return 0
+    # start-node
+    if simcluster.processes_of(args.node):
+        raise UpError(f"{args.node} is already running; kill it first with 'llmgw sim kill-node {args.node}'")
+    cfg = nodes[args.node]["agent_config"]
+    logs = d / "logs"
+    with open(logs / f"agent-{args.node}.log", "ab") as log:
+        p = subprocess.Popen([sys.executable, "-m", "llmgw.services", "agent", "--config", cfg], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, SIM_ENV: args.node}, cwd=d)
+    pids_file = d / "pids.json"
+    if pids_file.exists():
+        procs = json.loads(pids_file.read_text())
+        procs[f"agent-{args.node}"] = {"pid": p.pid, "start": _start_time(p.pid), "cmd": ["agent", cfg]}
+        pids_file.write_text(json.dumps(procs, indent=2) + "\n")
+    print(f"started the agent of {args.node} (pid {p.pid}); it adopts nothing, its engines died with it")
+    return 0
