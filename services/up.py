@@ -58,6 +58,8 @@ def _alive(pid: int, start: int | None) -> bool:
 
 
 def _preferred_port(host: str, preferred: int) -> int:
+    if not preferred:
+        return free_port(host)
     with socket.socket() as s:
         try:
             s.bind((host, preferred))

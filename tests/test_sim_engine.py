@@ -22,7 +22,8 @@ import urllib.request
 import openai
 import pytest
 
-from .sockets import free_port, listening_sockets
+from llmgw.shared.natsserver import free_port
+from llmgw.shared.procnet import listening_sockets
 
 pytestmark = pytest.mark.timeout(60)
 

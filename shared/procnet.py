@@ -1,4 +1,4 @@
-"""What the kernel says is listening, for tests that must prove who opens a port.
+"""What the kernel says is listening: proof of who opens a port (tests, the seed scenario).
 
 Reading ``/proc/net/tcp{,6}`` sees every process's sockets - including ones a
 test did not start and cannot ask - and never connects to anything, so looking
@@ -8,7 +8,6 @@ cannot change what is seen.
 from __future__ import annotations
 
 import ipaddress
-import socket
 import struct
 
 TCP_LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN = 10
@@ -44,8 +43,6 @@ def listening_sockets() -> set[tuple[str, int]]:
     return found
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing is bound to on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def listening_on(addr: str) -> list[int]:
+    """Ports in LISTEN state on one address (e.g. a simulated node's 127.0.1.N)."""
+    return sorted(p for a, p in listening_sockets() if a == addr)

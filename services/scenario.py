@@ -1,0 +1,151 @@
+"""``llmgw up --scenario seed``: the seed's failover story, measured.
+
+Starting from the demo deployment ready (one 2×4 replica per fabric), it
+serves a request through the gateway, reads the kernel's socket table for each
+node's address (only leaders listen), kills node02 as a machine dies, and
+times what follows from the event stream and the buckets: node02 lost, the
+ib-a replica failed and reaped, the replacement placed on ib-b and ready,
+node01 idle, a request served again. ``observe_seed_story`` returns the facts
+so the end-to-end test asserts on exactly what the command prints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from llmgw.shared import subjects as S
+from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared.procnet import listening_on
+from llmgw.shared.schemas import Lease, Replica
+
+from . import simcluster
+
+
+@dataclass
+class Story:
+    before: dict[str, Replica] = field(default_factory=dict)
+    listening_before: dict[str, list[int]] = field(default_factory=dict)
+    first_reply: str = ""
+    killed_at: float = 0.0
+    killed_pids: int = 0
+    lost_at: float | None = None
+    failed: Replica | None = None
+    failed_at: float | None = None
+    gone_at: float | None = None
+    replacement: Replica | None = None
+    replacement_ready_at: float | None = None
+    after: dict[str, Replica] = field(default_factory=dict)
+    listening_after: dict[str, list[int]] = field(default_factory=dict)
+    second_reply: str = ""
+    timeline: list[tuple[float, str]] = field(default_factory=list)
+
+    def mark(self, at: float, what: str) -> None:
+        self.timeline.append((at, what))
+
+
+def chat(gateway_url: str, model: str, prompt: str, timeout: float = 30.0) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8}).encode()
+    req = urllib.request.Request(f"{gateway_url}/v1/chat/completions", data=body, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())["choices"][0]["message"]["content"]
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}: {e.read()[:200].decode(errors='replace')}"
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+        return f"failed: {e}"
+
+
+async def observe_seed_story(js, *, gateway_url: str, model: str, addresses: dict[str, str], victim: str = "node02", timeout: float = 180.0, say=print) -> Story:
+    story = Story()
+    replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS), Replica).start()
+    leases = await KvMirror(await open_bucket(js, S.BUCKET_LEASES), Lease).start()
+    try:
+        story.before = {k: v for k, v in replicas.items.items() if v.state == "ready"}
+        story.listening_before = {n: listening_on(a) for n, a in addresses.items()}
+        story.first_reply = await asyncio.to_thread(chat, gateway_url, model, "hello from the seed scenario")
+        doomed = {k for k, r in story.before.items() if any(m.node_id == victim for m in r.members)}
+
+        story.killed_at = time.time()
+        story.killed_pids = len(simcluster.kill_node(victim))
+        story.mark(story.killed_at, f"{victim} killed ({story.killed_pids} processes, SIGKILL)")
+        say(f"killed {victim}; waiting for the control plane to notice")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lease = leases.items.get(victim)
+            if story.lost_at is None and lease and lease.state == "lost":
+                story.lost_at = lease.since
+                story.mark(lease.since, f"{victim} declared lost")
+                say(f"{victim} lost at t+{lease.since - story.killed_at:.1f}s")
+            for rid in doomed:
+                r = replicas.items.get(rid)
+                if r and r.state in ("failed", "reaping") and story.failed is None:
+                    story.failed, story.failed_at = r, r.since
+                    story.mark(r.since, f"{rid} {r.state}: {r.reason}")
+                if r is None and story.gone_at is None and story.failed is not None:
+                    story.gone_at = time.time()
+                    story.mark(story.gone_at, f"{rid} reaped (record gone)")
+            if story.failed is not None and story.replacement_ready_at is None:
+                for r in replicas.items.values():
+                    if r.id not in story.before and r.state == "ready":
+                        story.replacement, story.replacement_ready_at = r, r.since
+                        story.mark(r.since, f"replacement {r.id} ready on {r.fabric}")
+                        say(f"replacement {r.id} ready on {r.fabric} at t+{r.since - story.killed_at:.1f}s")
+            if story.replacement_ready_at is not None and (story.gone_at is not None or all(rid not in replicas.items for rid in doomed)):
+                if story.gone_at is None:
+                    story.gone_at = time.time()
+                break
+            await asyncio.sleep(0.1)
+        story.after = {k: v for k, v in replicas.items.items() if v.state not in ("gone",)}
+        story.listening_after = {n: listening_on(a) for n, a in addresses.items()}
+        story.second_reply = await asyncio.to_thread(chat, gateway_url, model, "hello again, after the rebuild")
+    finally:
+        await replicas.stop()
+        await leases.stop()
+    story.timeline.sort()
+    return story
+
+
+def _members(r: Replica) -> str:
+    return ", ".join(f"{m.node_id}[{','.join(map(str, m.gpus))}]" for m in r.members)
+
+
+def report(story: Story, addresses: dict[str, str], say=print) -> None:
+    t0 = story.killed_at
+    say("")
+    say("Seed scenario")
+    say("  before:")
+    for r in sorted(story.before.values(), key=lambda r: r.id):
+        say(f"    {r.id} ready on {r.fabric}: {_members(r)}  leader {r.endpoint}")
+    say(f"  request through the gateway: {story.first_reply!r}")
+    for node, ports in story.listening_before.items():
+        say(f"    {node} ({addresses[node]}) listening: {', '.join(map(str, ports)) or 'nothing'}")
+    say("  timeline:")
+    for at, what in story.timeline:
+        say(f"    t{at - t0:+7.1f}s  {what}")
+    say("  after:")
+    for r in sorted(story.after.values(), key=lambda r: r.id):
+        say(f"    {r.id} {r.state} on {r.fabric}: {_members(r)}")
+    busy = {m.node_id for r in story.after.values() for m in r.members}
+    idle = [n for n in addresses if n not in busy]
+    say(f"  nodes hosting nothing: {', '.join(idle) or 'none'}")
+    say(f"  request again: {story.second_reply!r}")
+    if story.lost_at and story.replacement_ready_at:
+        say(f"  measured: lost at t+{story.lost_at - t0:.1f}s, replacement ready at t+{story.replacement_ready_at - t0:.1f}s")
+
+
+async def run_seed_scenario(cluster, args) -> Story:
+    from .up import DEMO_MODEL
+
+    nc, js = await cluster.connect()
+    try:
+        addresses = {n.spec.node_id: n.spec.mgmt_addr for n in cluster.nodes}
+        story = await observe_seed_story(js, gateway_url=cluster.gateway_url, model=DEMO_MODEL, addresses=addresses, timeout=args.node_lost_after + args.engine_load_time * 4 + 60, say=cluster.say)
+    finally:
+        await nc.close()
+    report(story, addresses)
+    return story

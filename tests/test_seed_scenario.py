@@ -1,0 +1,114 @@
+"""The seed's failover story, end to end, with real processes and compressed timings.
+
+``llmgw up --detach`` starts the embedded nats-server, the four services and
+four simulated nodes (agents + real `sim` engines); the test then drives and
+checks the story itself: placement, a request with the official openai
+client, who listens (the kernel's socket table), node02 killed, lost, the ib-a
+replica failed and reaped, the replacement on ib-b's free GPUs, node01 idle,
+and a request served again. ``llmgw down`` must leave no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from llmgw.services import simcluster
+from llmgw.services.scenario import observe_seed_story, report
+from llmgw.shared import bus
+from llmgw.shared.config import load_service_config
+from llmgw.shared.procnet import listening_on
+
+HB = 0.5
+LOST_AFTER = 3.0
+LOAD = 1.0
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+def llmgw(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "llmgw.services", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    d = tmp_path / "llmgw"
+    r = llmgw("up", "--dir", str(d), "--detach", "--heartbeat-interval", f"{HB}s", "--node-lost-after", f"{LOST_AFTER}s", "--engine-load-time", f"{LOAD}s", "--gateway-port", "0")
+    info = json.loads((d / "cluster.json").read_text()) if (d / "cluster.json").exists() else None
+    try:
+        assert r.returncode == 0, f"llmgw up failed:\n{r.stdout}\n{r.stderr}"
+        yield d, info, r.stdout
+    finally:
+        down = llmgw("down", "--dir", str(d))
+        assert down.returncode == 0, down.stderr
+        if info:
+            leftovers = {n["node_id"]: simcluster.processes_of(n["node_id"]) for n in info["nodes"]}
+            assert not any(leftovers.values()), f"processes left behind: {leftovers}"
+
+
+async def _observe(d, info):
+    cfg = load_service_config(d / "operator.yaml")
+    nc = await bus.connect(cfg.server, cfg.tls_files(), name="test", initial_attempts=5)
+    try:
+        addresses = {n["node_id"]: n["mgmt_addr"] for n in info["nodes"]}
+        return await observe_seed_story(nc.jetstream(), gateway_url=info["gateway_url"], model="sim-70b", addresses=addresses, timeout=60, say=lambda *_: None)
+    finally:
+        await nc.close()
+
+
+def test_seed_failover_story(cluster):
+    d, info, up_output = cluster
+    assert "llmgw is up" in up_output and info["gateway_url"] in up_output
+    nodes = {n["node_id"]: n for n in info["nodes"]}
+    assert {n: (v["fabric"], v["mgmt_addr"]) for n, v in nodes.items()} == {
+        "node01": ("ib-a", "127.0.1.1"),
+        "node02": ("ib-a", "127.0.1.2"),
+        "node03": ("ib-b", "127.0.1.3"),
+        "node04": ("ib-b", "127.0.1.4"),
+    }
+    client = openai.OpenAI(base_url=info["gateway_url"] + "/v1", api_key="none", timeout=20, max_retries=0)
+    first = client.chat.completions.create(model="sim-70b", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    assert first.choices[0].message.content
+
+    story = asyncio.run(_observe(d, info))
+    report(story, {n: v["mgmt_addr"] for n, v in nodes.items()})  # the measured timeline, in the test log
+
+    # one replica per fabric, four GPUs from each node
+    before = sorted(story.before.values(), key=lambda r: r.fabric)
+    assert [r.fabric for r in before] == ["ib-a", "ib-b"]
+    for r in before:
+        assert sorted(m.node_id for m in r.members) == sorted(n for n, v in nodes.items() if v["fabric"] == r.fabric)
+        assert all(len(m.gpus) == 4 for m in r.members)
+    ib_b_first = next(r for r in before if r.fabric == "ib-b")
+
+    # only the leaders listen: node01 and node03; node02 and node04 have no socket at all
+    assert story.listening_before["node02"] == [] and story.listening_before["node04"] == []
+    assert story.listening_before["node01"] and story.listening_before["node03"]
+    assert not story.first_reply.startswith(("HTTP", "failed")), story.first_reply
+
+    # node02 lost within one heartbeat of node_lost_after
+    assert story.lost_at is not None, "node02 was never declared lost"
+    assert LOST_AFTER - HB <= story.lost_at - story.killed_at <= LOST_AFTER + HB + 0.5
+    # the ib-a replica failed and was reaped; node01's leader is gone
+    assert story.failed is not None and story.failed.fabric == "ib-a"
+    assert story.gone_at is not None
+    assert listening_on(nodes["node01"]["mgmt_addr"]) == []
+    # the replacement is whole on ib-b, on the GPUs the first ib-b replica does not use
+    rep = story.replacement
+    assert rep is not None and rep.fabric == "ib-b" and rep.state == "ready"
+    for m in rep.members:
+        first_member = next(x for x in ib_b_first.members if x.node_id == m.node_id)
+        assert set(m.gpus).isdisjoint(first_member.gpus) and len(m.gpus) == 4
+    assert story.replacement_ready_at - story.lost_at <= LOAD + 5
+    # node01 hosts nothing; a request is served again
+    assert not any(m.node_id == "node01" for r in story.after.values() for m in r.members)
+    again = client.chat.completions.create(model="sim-70b", messages=[{"role": "user", "content": "again"}], max_tokens=8)
+    assert again.choices[0].message.content
+    assert not story.second_reply.startswith(("HTTP", "failed")), story.second_reply
