@@ -1,0 +1,28 @@
+"""The scheduler: a pure core (this package, minus the shell) and an impure shell.
+
+The core never touches the bus, the clock or a socket: ``reconcile`` turns
+deployments, replicas, node records and leases — plus the time, injected — into
+a ``Plan`` that the shell applies (KV writes, launch/stop commands, events).
+``place`` and ``explain`` answer where one replica would go and why not.
+"""
+
+from .fence import fence
+from .placement import PlacementResult, Request, explain, place
+from .plan import Launch, Plan, Stop
+from .reconcile import ReconcileConfig, reconcile
+from .view import ClusterView, PortRange
+
+__all__ = [
+    "ClusterView",
+    "Launch",
+    "Plan",
+    "PlacementResult",
+    "PortRange",
+    "ReconcileConfig",
+    "Request",
+    "Stop",
+    "explain",
+    "fence",
+    "place",
+    "reconcile",
+]

@@ -1,0 +1,313 @@
+"""Where one replica goes, and why not: the placement pipeline.
+
+A multi-node replica picks a fabric first, then nodes inside it (LWS group
+placement: the group is pinned to one topology domain). The leader, rank 0,
+is the first node chosen. Placement never splits a replica across fabrics:
+when no single fabric holds all of it, it does not go anywhere.
+
+``place`` is a query: it reserves nothing. The reconciler commits what it
+decides to place with ``ClusterView.commit``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from llmgw.shared.schemas import DeploymentSpec, ReplicaMember
+
+from . import reasons as R
+from .filters import (
+    OK,
+    FabricFit,
+    GpuCapacity,
+    HasRecord,
+    LeaseReady,
+    PortCapacity,
+    Request,
+    Schedulable,
+    Verdict,
+)
+from .scorers import FabricBinPack, FabricSpread, NodeBinPack
+from .view import PORTS_PER_LEADER, CapacityIndex, ClusterView, NodeView
+
+# --------------------------------------------------------------------------
+# The pipeline, assembled here and only here, in the order it runs.
+# --------------------------------------------------------------------------
+
+FILTERS = (
+    # First: without a record nothing else about the node is known.
+    HasRecord(),
+    # Health before the operator's intent, so a lost node reads "lease not
+    # ready" even if it is also cordoned: that is the more urgent fact.
+    LeaseReady(),
+    # Cordoned / draining: the operator said so.
+    Schedulable(),
+    # Multi-node only. Before capacity, so "no fabric" is not hidden behind
+    # "full", and because it is static the capacity index can leave such
+    # nodes out entirely.
+    FabricFit(),
+    # Dynamic from here on: these change as this cycle places replicas, and
+    # the capacity index answers them in bulk; run one by one only to verify a
+    # choice and to explain a refusal.
+    GpuCapacity(),
+    # Last: a range of hundreds of ports per node is rarely what runs out.
+    PortCapacity(),
+)
+STATIC_FILTERS = tuple(f for f in FILTERS if f.static)
+DYNAMIC_FILTERS = tuple(f for f in FILTERS if not f.static)
+
+# Ranking fabrics (or a single-node replica's group), in priority order: a
+# later scorer only breaks ties of the earlier ones. Spread comes first: a
+# weighted sum let a deployment's second replica land beside its first when
+# that fabric was small and already half full (the seed cluster), and losing
+# one fabric must not take both. Bin-packing then keeps whole fabrics free.
+GROUP_SCORERS = (
+    FabricSpread(),
+    FabricBinPack(),
+)
+# Ranking nodes inside the chosen group. ``CapacityIndex.best_fit`` yields
+# nodes in this scorer's order (fewest GPUs left, then node id), so choosing
+# n nodes is a bucket walk rather than a sort of every node.
+NODE_SCORER = NodeBinPack()
+
+
+@dataclass
+class PlacementResult:
+    """Members (leader first) and fabric when placeable; otherwise None and why.
+
+    ``reasons``/``details`` map node id -> reason constant / human detail for
+    every node that was rejected. They are filled when placement fails; a
+    success skips the full walk (use ``explain`` for the whole picture).
+    """
+
+    members: list[ReplicaMember] | None
+    fabric: str | None
+    reasons: dict[str, str] = field(default_factory=dict)
+    details: dict[str, str] = field(default_factory=dict)
+    summary: str = ""
+
+    @property
+    def placed(self) -> bool:
+        return self.members is not None
+
+
+@dataclass(frozen=True)
+class NodeExplanation:
+    node_id: str
+    ok: bool
+    reason: str  # "" when ok
+    detail: str
+    fabrics: tuple[str, ...]
+    free_gpus: int
+    total_gpus: int
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """``llmgw ctl explain``: node by node, could it take a member of this deployment."""
+
+    deployment: str
+    request: Request
+    nodes: list[NodeExplanation]
+    # fabric -> how many nodes there fit one member (multi-node replicas only)
+    fabrics: dict[str, int]
+    placeable: bool
+    fabric: str | None  # where the next replica would go
+    leader: str | None
+    summary: str
+
+
+def request_for(spec: DeploymentSpec) -> Request:
+    return Request(spec.name, spec.gpus_per_node, spec.nodes_per_replica)
+
+
+# --------------------------------------------------------------------------
+# Node verdicts
+# --------------------------------------------------------------------------
+
+
+def static_verdict(node: NodeView, request: Request, view: ClusterView) -> Verdict:
+    """The static filters' verdict, computed once per node and shape per cycle."""
+    key = (node.node_id, request.multi)
+    verdict = view.static.get(key)
+    if verdict is None:
+        verdict = OK
+        for f in STATIC_FILTERS:
+            verdict = f.check(node, request, view)
+            if not verdict.ok:
+                break
+        view.static[key] = verdict
+    return verdict
+
+
+def check_node(node: NodeView, request: Request, view: ClusterView) -> Verdict:
+    """The whole filter pipeline for one node; the first rejection wins."""
+    verdict = static_verdict(node, request, view)
+    if not verdict.ok:
+        return verdict
+    for f in DYNAMIC_FILTERS:
+        verdict = f.check(node, request, view)
+        if not verdict.ok:
+            return verdict
+    return OK
+
+
+def _indexes(view: ClusterView, multi: bool) -> dict[str | None, CapacityIndex]:
+    """The capacity index of nodes passing the static filters, built on first use."""
+    by_group = view.indexes.get(multi)
+    if by_group is None:
+        by_group = view.indexes[multi] = {}
+        shape = Request("", 0, 2 if multi else 1)
+        for node in view.nodes.values():
+            if static_verdict(node, shape, view).ok:
+                view.index_add(multi, node.node_id)
+    return by_group
+
+
+# --------------------------------------------------------------------------
+# place
+# --------------------------------------------------------------------------
+
+
+def _group_rank(group: str | None, index: CapacityIndex, request: Request, view: ClusterView) -> tuple:
+    """Sort key, best first; the fabric name last so ties are repeatable."""
+    scores = (round(s.score(group, index, request, view), 9) for s in GROUP_SCORERS)
+    return (*(-x for x in scores), group or "")
+
+
+def place(request: Request, view: ClusterView) -> PlacementResult:
+    """Choose nodes, GPUs and ports for one replica, or say why none fit."""
+    by_group = _indexes(view, request.multi)
+    need, n = request.gpus_per_node, request.nodes_per_replica
+    candidates = [(g, idx) for g, idx in by_group.items() if idx.count_at_least(need) >= n]
+    if not candidates:
+        return _unplaceable(request, view)
+    group, index = min(candidates, key=lambda c: _group_rank(c[0], c[1], request, view))
+    node_ids = index.best_fit(need, n)
+    for node_id in node_ids:
+        verdict = check_node(view.nodes[node_id], request, view)
+        if not verdict.ok:  # the index and the filters disagree: a bug, never a placement
+            raise AssertionError(f"capacity index chose {node_id} but {verdict.reason}: {verdict.detail}")
+    members = _members(node_ids, request, view)
+    where = f"on {group}: " if request.multi else ""
+    names = ", ".join(f"{m.node_id}{' (leader)' if m.rank == 0 else ''}" for m in members)
+    return PlacementResult(members, group if request.multi else None, summary=f"placed {where}{names}")
+
+
+def _members(node_ids: list[str], request: Request, view: ClusterView) -> list[ReplicaMember]:
+    members = []
+    for rank, node_id in enumerate(node_ids):
+        node = view.nodes[node_id]
+        leader = rank == 0
+        # Only the leader listens: a rendezvous port and an HTTP port, distinct.
+        rendezvous, http = view.free_ports(node, PORTS_PER_LEADER) if leader else (0, 0)
+        members.append(
+            ReplicaMember(
+                node_id=node_id,
+                rank=rank,
+                role="leader" if leader else "worker",
+                gpus=node.free_gpus()[: request.gpus_per_node],  # lowest free indices
+                rendezvous_port=rendezvous,
+                http_port=http,
+                serves_http=leader,
+            )
+        )
+    return members
+
+
+# --------------------------------------------------------------------------
+# Why not: the full walk
+# --------------------------------------------------------------------------
+
+
+def _node_verdicts(request: Request, view: ClusterView) -> tuple[dict[str, Verdict], dict[str, int]]:
+    """Every node's verdict, with fabric-level refusals; and fits per fabric."""
+    verdicts = {nid: check_node(view.nodes[nid], request, view) for nid in sorted(view.nodes)}
+    fits: dict[str, int] = {}
+    if not request.multi:
+        return verdicts, fits
+    for nid, v in verdicts.items():
+        for fabric in view.nodes[nid].usable_fabrics if v.ok else ():
+            fits[fabric] = fits.get(fabric, 0) + 1
+    for node in view.nodes.values():
+        for fabric in node.fabrics:
+            fits.setdefault(fabric, 0)
+    n = request.nodes_per_replica
+    for nid, v in verdicts.items():
+        usable = view.nodes[nid].usable_fabrics
+        if v.ok and all(fits[f] < n for f in usable):
+            counts = ", ".join(f"{f} has {fits[f]}" for f in usable)
+            verdicts[nid] = Verdict(False, R.FABRIC_TOO_SMALL, f"needs {n} nodes that fit in one fabric; {counts}")
+    return verdicts, dict(sorted(fits.items()))
+
+
+def _summary(request: Request, verdicts: dict[str, Verdict], fits: dict[str, int]) -> str:
+    if not verdicts:
+        return f"{R.NO_NODES}: no nodes registered"
+    ok = sum(1 for v in verdicts.values() if v.ok)
+    by_reason = Counter(v.reason for v in verdicts.values() if not v.ok)
+    parts = ", ".join(f"{c} {r}" for r, c in sorted(by_reason.items(), key=lambda rc: (-rc[1], rc[0])))
+    text = f"{ok}/{len(verdicts)} nodes fit {request.describe()}"
+    if parts:
+        text += f": {parts}"
+    if request.multi:
+        # The fabrics closest to fitting, a few at most: a summary, not a listing.
+        best = sorted(fits.items(), key=lambda fc: (-fc[1], fc[0]))
+        counts = ", ".join(f"{f}: {c}" for f, c in best[:4]) or "none"
+        if len(best) > 4:
+            counts += f", {len(best) - 4} more"
+        text += f"; no fabric has {request.nodes_per_replica} nodes that fit ({counts})"
+    return text
+
+
+def _unplaceable(request: Request, view: ClusterView) -> PlacementResult:
+    # Capacity only shrinks within a cycle, so until the next commit the same
+    # shape fails the same way: a thousand pending replicas cost one walk.
+    key = ("unplaceable", request.gpus_per_node, request.nodes_per_replica, view.version)
+    cached = view.cycle.get(key)
+    if cached is None:
+        verdicts, fits = _node_verdicts(request, view)
+        if request.multi and any(c >= request.nodes_per_replica for c in fits.values()):
+            raise AssertionError(f"capacity index found no fabric but the filters did: {fits}")
+        cached = view.cycle[key] = (
+            {nid: v.reason for nid, v in verdicts.items() if not v.ok},
+            {nid: v.detail for nid, v in verdicts.items() if not v.ok},
+            _summary(request, verdicts, fits),
+        )
+    reasons, details, summary = cached
+    return PlacementResult(None, None, dict(reasons), dict(details), summary)
+
+
+def explain(deployment: DeploymentSpec, view: ClusterView) -> Explanation:
+    """Node by node, why each can or cannot take a member of ``deployment``'s next replica."""
+    request = request_for(deployment)
+    verdicts, fits = _node_verdicts(request, view)
+    result = place(request, view)
+    nodes = [
+        NodeExplanation(
+            node_id=nid,
+            ok=v.ok,
+            reason=v.reason,
+            detail=v.detail or _fit_detail(view.nodes[nid]),
+            fabrics=tuple(view.nodes[nid].fabrics),
+            free_gpus=view.nodes[nid].free_gpu_count(),
+            total_gpus=len(view.nodes[nid].gpus),
+        )
+        for nid, v in verdicts.items()
+    ]
+    return Explanation(
+        deployment=deployment.name,
+        request=request,
+        nodes=nodes,
+        fabrics=fits,
+        placeable=result.placed,
+        fabric=result.fabric,
+        leader=result.members[0].node_id if result.members else None,
+        summary=result.summary if result.placed else _summary(request, verdicts, fits),
+    )
+
+
+def _fit_detail(node: NodeView) -> str:
+    fabrics = ", ".join(node.usable_fabrics) or "no usable fabric"
+    return f"{node.free_gpu_count()} of {len(node.gpus)} GPUs free; {fabrics}"

@@ -1,0 +1,60 @@
+"""What a reconcile decided, for the shell to apply (Nomad's ``reconcileResults``).
+
+Apply in this order, so a crash between steps never leaves an engine running
+that no record accounts for:
+
+1. ``generations`` — persist each deployment's ``last_generation`` first, so a
+   generation is never issued twice even if the rest is lost;
+2. ``writes`` then ``deletes`` — the replica records (KV), in the given order;
+3. ``launches`` and ``stops`` — the commands to agents;
+4. ``events`` — history, published last so it never claims what did not happen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmgw.shared.schemas import Event, LaunchCommand, Replica, ReplicaMember, StopCommand
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Launch one member: send ``command`` to ``llmgw.cmd.<node_id>.launch``."""
+
+    node_id: str
+    replica_id: str
+    member: ReplicaMember
+    command: LaunchCommand
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop engines of ``replica_id`` with generation <= ``generation`` on ``node_id``."""
+
+    node_id: str
+    replica_id: str
+    generation: int
+    reason: str
+
+    @property
+    def command(self) -> StopCommand:
+        return StopCommand(replica_id=self.replica_id, generation=self.generation, reason=self.reason)
+
+
+@dataclass
+class Plan:
+    # replica id -> the record to write (new or changed), in write order
+    writes: dict[str, Replica] = field(default_factory=dict)
+    launches: list[Launch] = field(default_factory=list)
+    stops: list[Stop] = field(default_factory=list)
+    # replica ids whose records are deleted (they reached ``gone``)
+    deletes: list[str] = field(default_factory=list)
+    # deployment -> its new ``last_generation`` (only deployments that issued one)
+    generations: dict[str, int] = field(default_factory=dict)
+    # one per replica state transition (kind "replica", what = the new state)
+    events: list[Event] = field(default_factory=list)
+    # deployment -> why its pending replicas could not be placed this cycle
+    pending: dict[str, str] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.writes or self.launches or self.stops or self.deletes or self.generations or self.events)

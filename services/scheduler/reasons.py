@@ -1,0 +1,36 @@
+"""Why a node cannot take a member of a replica: stable constants.
+
+They travel to operators (``llmgw ctl explain``, the console, a pending
+replica's ``reason``), so they are words a person can search for, and they
+never change meaning once released (Kubernetes' ``ErrReason…``).
+"""
+
+NO_RECORD = "no_record"  # a lease but no node record: the registry has not seen its inventory
+NO_MGMT_ADDR = "no_mgmt_addr"  # nowhere for peers or the gateway to reach it
+NO_LEASE = "no_lease"  # a record but no lease: the health monitor has not heard it yet
+LEASE_NOT_READY = "lease_not_ready"  # suspect or lost
+CORDONED = "cordoned"
+DRAINING = "draining"
+NO_FABRIC = "no_fabric"  # multi-node replica, node sits on no fabric
+FABRIC_UNUSABLE = "fabric_unusable"  # multi-node replica, no configured HCA is ACTIVE
+NOT_ENOUGH_GPUS = "not_enough_gpus"  # the node has fewer GPUs than a member needs, even empty
+NOT_ENOUGH_FREE_GPUS = "not_enough_free_gpus"
+NO_FREE_PORTS = "no_free_ports"  # the node's port range is used up
+FABRIC_TOO_SMALL = "fabric_too_small"  # node fits, but its fabric has too few nodes that fit
+NO_NODES = "no_nodes"  # the cluster has no node at all
+
+DESCRIPTIONS: dict[str, str] = {
+    NO_RECORD: "no node record (inventory not registered)",
+    NO_MGMT_ADDR: "node record has no management address",
+    NO_LEASE: "no lease (health monitor has not heard from it)",
+    LEASE_NOT_READY: "lease not ready",
+    CORDONED: "cordoned",
+    DRAINING: "draining",
+    NO_FABRIC: "on no fabric (multi-node replicas need one)",
+    FABRIC_UNUSABLE: "fabric unusable (no ACTIVE HCA)",
+    NOT_ENOUGH_GPUS: "too few GPUs",
+    NOT_ENOUGH_FREE_GPUS: "not enough free GPUs",
+    NO_FREE_PORTS: "no free ports",
+    FABRIC_TOO_SMALL: "its fabric has too few nodes that fit",
+    NO_NODES: "no nodes",
+}

@@ -1,0 +1,253 @@
+"""The cluster as one scheduling cycle sees it (a Kubernetes ``CycleState``).
+
+Built once per cycle from node records, leases and replicas, then updated in
+place as the cycle places replicas (``commit``), so filters and scorers read
+precomputed facts instead of walking every replica for every node.
+
+Capacity only ever shrinks during a cycle: nothing is freed here. Replicas are
+freed by being deleted (``gone``) before the view is built. That monotonicity
+is what lets placement cache a failure for the rest of the cycle.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmgw.shared.errors import ConfigError
+from llmgw.shared.schemas import FabricMembership, Lease, NodeRecord, Replica
+
+# Every state but gone holds its members' GPUs and ports: a failed or reaping
+# replica's processes may still run until an agent reports them exited.
+HOLDS_RESOURCES = frozenset(
+    {"pending", "launching", "waiting-for-workers", "ready", "failed", "reaping"}
+)
+# Replicas that count for spreading: the ones meant to keep serving.
+LIVE = frozenset({"launching", "waiting-for-workers", "ready"})
+# A leader binds a rendezvous port and an HTTP port; workers bind none.
+PORTS_PER_LEADER = 2
+
+
+@dataclass(frozen=True)
+class PortRange:
+    """The ports the scheduler hands out on every node, ``base`` … ``base+count-1``."""
+
+    base: int = 20000
+    count: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.count < PORTS_PER_LEADER:
+            raise ConfigError(f"port range needs at least {PORTS_PER_LEADER} ports, got count={self.count}")
+        if self.base < 1 or self.base + self.count - 1 > 65535:
+            raise ConfigError(
+                f"port range {self.base}..{self.base + self.count - 1} is outside 1..65535; "
+                "choose a base and count that fit"
+            )
+
+    def __contains__(self, port: object) -> bool:
+        return isinstance(port, int) and self.base <= port < self.base + self.count
+
+
+@dataclass(eq=False)
+class NodeView:
+    """One node, with what this cycle knows it has and has given away."""
+
+    node_id: str
+    record: NodeRecord | None
+    lease: str | None  # lease state, None when there is no lease
+    gpus: tuple[int, ...]  # GPU indices the inventory lists, ascending
+    fabrics: dict[str, FabricMembership]  # configured fabrics by name
+    used_gpus: set[int] = field(default_factory=set)
+    used_ports: set[int] = field(default_factory=set)
+
+    @property
+    def admin(self) -> str:
+        return self.record.admin if self.record is not None else "active"
+
+    @property
+    def mgmt_addr(self) -> str:
+        return self.record.mgmt_addr if self.record is not None else ""
+
+    @property
+    def usable_fabrics(self) -> tuple[str, ...]:
+        return tuple(name for name, f in self.fabrics.items() if f.usable)
+
+    @property
+    def home(self) -> str | None:
+        """The group a single-node replica here counts under when spreading."""
+        return next(iter(self.fabrics), None)
+
+    def free_gpus(self) -> list[int]:
+        return [i for i in self.gpus if i not in self.used_gpus]
+
+    def free_gpu_count(self) -> int:
+        return sum(1 for i in self.gpus if i not in self.used_gpus)
+
+    def free_port_count(self, ports: PortRange) -> int:
+        return ports.count - sum(1 for p in self.used_ports if p in ports)
+
+
+class CapacityIndex:
+    """Eligible nodes of one group (a fabric), bucketed by free GPUs.
+
+    Placement asks "which nodes have at least g free GPUs" a thousand times a
+    cycle; the buckets answer in O(max GPUs per node) instead of O(nodes). Each
+    bucket keeps node ids sorted, so ties break by node id, deterministically.
+    """
+
+    __slots__ = ("buckets", "total_gpus", "used_gpus")
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, list[str]] = {}
+        self.total_gpus = 0
+        self.used_gpus = 0
+
+    def add(self, node_id: str, free: int, total: int) -> None:
+        bisect.insort(self.buckets.setdefault(free, []), node_id)
+        self.total_gpus += total
+        self.used_gpus += total - free
+
+    def remove(self, node_id: str, free: int, total: int) -> None:
+        bucket = self.buckets[free]
+        del bucket[bisect.bisect_left(bucket, node_id)]
+        if not bucket:
+            del self.buckets[free]
+        self.total_gpus -= total
+        self.used_gpus -= total - free
+
+    def count_at_least(self, gpus: int) -> int:
+        return sum(len(b) for free, b in self.buckets.items() if free >= gpus)
+
+    def best_fit(self, gpus: int, n: int) -> list[str]:
+        """``n`` nodes with at least ``gpus`` free, fullest first (bin-packing)."""
+        chosen: list[str] = []
+        for free in sorted(k for k in self.buckets if k >= gpus):
+            chosen.extend(self.buckets[free][: n - len(chosen)])
+            if len(chosen) == n:
+                break
+        return chosen
+
+
+class ClusterView:
+    """Nodes, their usage, and per-cycle caches (indexes, static verdicts)."""
+
+    def __init__(self, nodes: dict[str, NodeView], ports: PortRange, spread: Counter):
+        self.nodes = nodes
+        self.ports = ports
+        # (deployment, group) -> live replicas of that deployment in that group
+        self.spread = spread
+        # Bumped by every commit; placement keys its failure cache on it.
+        self.version = 0
+        # The largest node, so node scores share one scale across the cluster.
+        self.max_gpus = max((len(n.gpus) for n in nodes.values()), default=0) or 1
+        # Filled by placement: verdicts that cannot change within a cycle, and
+        # the capacity indexes built from them. ``indexes[multi][group]``.
+        self.static: dict[tuple[str, bool], Any] = {}
+        self.indexes: dict[bool, dict[str | None, CapacityIndex]] = {}
+        self.cycle: dict[Any, Any] = {}
+
+    @classmethod
+    def build(
+        cls,
+        nodes: Mapping[str, NodeRecord],
+        leases: Mapping[str, Lease],
+        replicas: Iterable[Replica],
+        *,
+        ports: PortRange | None = None,
+    ) -> ClusterView:
+        ports = ports or PortRange()
+        views: dict[str, NodeView] = {}
+        for node_id in sorted(set(nodes) | set(leases)):
+            record = nodes.get(node_id)
+            lease = leases.get(node_id)
+            views[node_id] = NodeView(
+                node_id=node_id,
+                record=record,
+                lease=lease.state if lease is not None else None,
+                gpus=tuple(sorted(g.index for g in record.gpus)) if record else (),
+                fabrics={f.name: f for f in record.fabrics} if record else {},
+            )
+        view = cls(views, ports, Counter())
+        for replica in replicas:
+            if replica.state in HOLDS_RESOURCES:
+                view._hold(replica)
+        return view
+
+    def _node(self, node_id: str) -> NodeView:
+        # A member on a node with neither record nor lease still holds what it
+        # holds; keep it so a returning node does not look empty.
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = NodeView(node_id, None, None, (), {})
+        return node
+
+    def group_of(self, replica: Replica) -> str | None:
+        if replica.fabric is not None or not replica.members:
+            return replica.fabric
+        leader = self.nodes.get(replica.members[0].node_id)
+        return leader.home if leader is not None else None
+
+    def _hold(self, replica: Replica) -> None:
+        for m in replica.members:
+            node = self._node(m.node_id)
+            node.used_gpus.update(m.gpus)
+            node.used_ports.update(p for p in (m.rendezvous_port, m.http_port) if p)
+        if replica.state in LIVE and replica.members:
+            self.spread[(replica.deployment, self.group_of(replica))] += 1
+
+    def commit(self, replica: Replica) -> None:
+        """Reserve a replica placed this cycle, keeping the indexes in step."""
+        touched = {m.node_id for m in replica.members}
+        before = {n: self._index_key(n) for n in touched}
+        self._hold(replica)
+        for node_id in touched:
+            self._reindex(node_id, before[node_id])
+        self.version += 1
+
+    # -- index upkeep (the indexes themselves are built by placement) --------
+
+    def groups(self, node: NodeView, multi: bool) -> tuple[str | None, ...]:
+        return node.usable_fabrics if multi else (node.home,)
+
+    def _index_key(self, node_id: str) -> int | None:
+        """Bucket of a node in the indexes, None when it cannot take a leader."""
+        node = self.nodes[node_id]
+        if node.free_port_count(self.ports) < PORTS_PER_LEADER:
+            return None
+        return node.free_gpu_count()
+
+    def index_add(self, multi: bool, node_id: str) -> None:
+        node = self.nodes[node_id]
+        key = self._index_key(node_id)
+        if key is None:
+            return
+        for group in self.groups(node, multi):
+            self.indexes[multi].setdefault(group, CapacityIndex()).add(node_id, key, len(node.gpus))
+
+    def _reindex(self, node_id: str, old_key: int | None) -> None:
+        node = self.nodes[node_id]
+        new_key = self._index_key(node_id)
+        for multi, by_group in self.indexes.items():
+            verdict = self.static.get((node_id, multi))
+            if verdict is None or not verdict.ok:
+                continue
+            for group in self.groups(node, multi):
+                index = by_group.setdefault(group, CapacityIndex())
+                if old_key is not None:
+                    index.remove(node_id, old_key, len(node.gpus))
+                if new_key is not None:
+                    index.add(node_id, new_key, len(node.gpus))
+
+    def free_ports(self, node: NodeView, n: int) -> list[int]:
+        """The ``n`` lowest ports of the range not held on ``node``."""
+        out: list[int] = []
+        port = self.ports.base
+        end = self.ports.base + self.ports.count
+        while len(out) < n and port < end:
+            if port not in node.used_ports:
+                out.append(port)
+            port += 1
+        return out
