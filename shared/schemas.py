@@ -3,7 +3,8 @@
 One base Struct, its options chosen once here:
 
 * ``kw_only`` — messages are built with keywords, so adding a field never
-  reorders a constructor call.
+  reorders a constructor call. msgspec applies ``kw_only`` per class (to the
+  fields that class defines), so every subclass repeats it.
 * ``omit_defaults`` — keeps heartbeats and KV values small.
 * Unknown fields are *ignored* on the wire (msgspec's default), unlike
   configuration files, which forbid them (``config.py``): during a rolling
@@ -42,7 +43,7 @@ def now() -> float:
 # --------------------------------------------------------------------------
 
 
-class Gpu(Base):
+class Gpu(Base, kw_only=True):
     index: int
     uuid: str
     name: str
@@ -51,7 +52,7 @@ class Gpu(Base):
     pci_bus_id: str = ""
 
 
-class HcaPort(Base):
+class HcaPort(Base, kw_only=True):
     port: int
     state: str  # "ACTIVE", "DOWN", … (the word after "4: ")
     phys_state: str = ""  # "LinkUp", …
@@ -59,7 +60,7 @@ class HcaPort(Base):
     link_layer: str = ""  # "InfiniBand" | "Ethernet"
 
 
-class Hca(Base):
+class Hca(Base, kw_only=True):
     name: str
     ports: list[HcaPort] = []
     # A configured HCA is usable when it exists and has an ACTIVE port.
@@ -67,7 +68,7 @@ class Hca(Base):
     problem: str = ""
 
 
-class FabricMembership(Base):
+class FabricMembership(Base, kw_only=True):
     """A fabric this node is configured to sit on, and whether it can use it now."""
 
     name: str
@@ -94,7 +95,7 @@ class Inventory(Base, kw_only=True):
 # --------------------------------------------------------------------------
 
 
-class Heartbeat(Base):
+class Heartbeat(Base, kw_only=True):
     node_id: str
     boot_id: str
     seq: int
@@ -108,7 +109,7 @@ class Heartbeat(Base):
 EngineState = Literal["starting", "joined", "ready", "exited"]
 
 
-class EngineFact(Base):
+class EngineFact(Base, kw_only=True):
     """What an agent knows about one engine process it supervises."""
 
     replica_id: str
@@ -126,7 +127,7 @@ class EngineFact(Base):
     since: float = 0.0
 
 
-class StatusReport(Base):
+class StatusReport(Base, kw_only=True):
     """Engine facts from a node.
 
     ``full`` is true when ``engines`` is the complete list (sent on every
@@ -147,7 +148,7 @@ class StatusReport(Base):
 EngineName = Literal["vllm", "sglang", "sim"]
 
 
-class LaunchCommand(Base):
+class LaunchCommand(Base, kw_only=True):
     """Launch one member of a replica on the receiving node."""
 
     replica_id: str
@@ -167,14 +168,14 @@ class LaunchCommand(Base):
     env: dict[str, str] = {}
 
 
-class StopCommand(Base):
+class StopCommand(Base, kw_only=True):
     replica_id: str
     # Stop engines of this replica with generation <= this; 0 means any.
     generation: int = 0
     reason: str = ""
 
 
-class CommandAck(Base):
+class CommandAck(Base, kw_only=True):
     ok: bool
     # A stable reason constant when refused ("stale_generation", "gpu_busy", …).
     code: str = ""
@@ -187,7 +188,7 @@ class CommandAck(Base):
 # --------------------------------------------------------------------------
 
 
-class Event(Base):
+class Event(Base, kw_only=True):
     time: float
     kind: str  # "node" | "replica" | "deployment"
     subject: str  # the node id, replica id or deployment name
@@ -203,7 +204,7 @@ class Event(Base):
 AdminState = Literal["active", "cordoned", "draining"]
 
 
-class NodeRecord(Base):
+class NodeRecord(Base, kw_only=True):
     """``llmgw_nodes[<node>]``, written by the registry alone."""
 
     node_id: str
@@ -237,7 +238,7 @@ class Lease(Base, kw_only=True):
     since: float
 
 
-class DeploymentSpec(Base):
+class DeploymentSpec(Base, kw_only=True):
     """``llmgw_deployments[<name>]``: a deployment as the operator applied it."""
 
     name: str
@@ -261,7 +262,7 @@ ReplicaState = Literal[
 MemberRole = Literal["leader", "worker"]
 
 
-class ReplicaMember(Base):
+class ReplicaMember(Base, kw_only=True):
     node_id: str
     rank: int
     role: MemberRole
@@ -274,7 +275,7 @@ class ReplicaMember(Base):
     pid: int = 0
 
 
-class Replica(Base):
+class Replica(Base, kw_only=True):
     """``llmgw_replicas[<id>]``, written by the scheduler alone."""
 
     id: str
@@ -292,7 +293,7 @@ class Replica(Base):
     reason: str = ""
 
 
-class LeaderLease(Base):
+class LeaderLease(Base, kw_only=True):
     """``llmgw_leaders[<service>]``: who acts for a service that must act alone."""
 
     holder: str
@@ -305,7 +306,7 @@ class LeaderLease(Base):
 # --------------------------------------------------------------------------
 
 
-class ApiError(Base):
+class ApiError(Base, kw_only=True):
     code: str
     description: str
 

@@ -97,6 +97,8 @@ class Scheduler(ServiceRuntime):
         self.launched_at: dict[tuple[str, int], float] = {}
         self.full_report_at: dict[str, float] = {}
         self.absent: set[tuple[str, int]] = set()
+        # replica id -> (when, record or None if deleted) for our own recent writes
+        self.recent: dict[str, tuple[float, Replica | None]] = {}
         self.wake = asyncio.Event()
         for m in (self.nodes, self.leases, self.deployments, self.replicas):
             m.listeners.append(lambda *_: self.wake.set())
@@ -127,11 +129,31 @@ class Scheduler(ServiceRuntime):
                 rep = self.replicas.items.get(key[0])
                 if key not in facts and at < self.full_report_at[node] and rep and any(m.node_id == node and m.rank == key[1] for m in rep.members):
                     self.absent.add(key)
-            if self.leadership and self.leadership.is_leader:
-                await self._send_stops(fence({node: report.engines}, self.replicas.items))
         else:
             self.reported[node].update(facts)
+        if self.leadership and self.leadership.is_leader:
+            # Fence on every report, not only full ones: a node whose lease went
+            # lost while its agent stayed connected keeps reporting its stale
+            # engines, and those must stop too.
+            await self._send_stops(fence({node: report.engines}, self.known_replicas()))
         self.wake.set()
+
+    def known_replicas(self) -> dict[str, Replica]:
+        """The mirror plus what this instance wrote and its watch has not echoed yet.
+
+        Without the second part an agent's "starting" report can beat our own
+        record through the watch, and fencing would stop an engine we just launched.
+        """
+        cutoff = time.time() - 30
+        for rid in [r for r, (at, _) in self.recent.items() if at < cutoff]:
+            del self.recent[rid]
+        known = dict(self.replicas.items)
+        for rid, (_, rep) in self.recent.items():
+            if rep is None:
+                known.pop(rid, None)
+            elif rid not in known or known[rid].generation <= rep.generation:
+                known[rid] = rep
+        return known
 
     def _with_reports(self, replicas: dict[str, Replica]) -> dict[str, Replica]:
         """Replicas with members' engine states folded in from the latest reports."""
@@ -192,7 +214,11 @@ class Scheduler(ServiceRuntime):
                 await self.deployments_kv.put(name, encode(msgspec.structs.replace(spec, last_generation=gen)))
         # 2. records.
         await asyncio.gather(*(self.replicas_kv.put(rid, encode(rep)) for rid, rep in plan.writes.items()))
+        stamp = time.time()
+        for rid, rep in plan.writes.items():
+            self.recent[rid] = (stamp, rep)
         for rid in plan.deletes:
+            self.recent[rid] = (stamp, None)
             try:
                 await self.replicas_kv.purge(rid)
             except Exception as e:

@@ -1,0 +1,116 @@
+"""A control plane in-process plus real agents (subprocesses) running real `sim` engines.
+
+Services run in the test's event loop so a test can stop one abruptly; agents
+and engines are real processes marked with ``LLMGW_SIM_NODE`` so a finalizer
+can kill every one of them, even engines in their own sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from llmgw.services import simcluster
+from llmgw.services.health import HealthMonitor
+from llmgw.services.registry import Registry
+from llmgw.services.scheduler.service import Scheduler
+from llmgw.shared import subjects as S
+from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared.natsserver import NatsServer
+from llmgw.shared.schemas import DeploymentSpec, Lease, Replica, encode
+
+from .conftest import service_config
+
+HB = 0.3
+HEALTH = dict(heartbeat_interval=HB, suspect_after_missed=3, node_lost_after=1.5, leader_ttl=0.6)
+SCHED = dict(reconcile_interval=0.3, leader_ttl=0.6, command_timeout=2.0)
+TIMINGS = simcluster.Timings(heartbeat_interval=HB, stop_timeout=1.0, health_interval=0.1, reconnect_base=0.1, reconnect_max=0.5)
+
+
+class Cluster:
+    def __init__(self, server: NatsServer, root: Path):
+        self.server = server
+        self.root = root
+        self.services: list = []
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.nodes: dict[str, simcluster.SimNode] = {}
+
+    async def start_service(self, cls, role, name=None, **sections):
+        svc = cls(service_config(self.server, role, name, **sections))
+        self.server.reload()
+        await svc.start()
+        self.services.append(svc)
+        return svc
+
+    async def start_control_plane(self, schedulers: int = 1):
+        await self.start_service(Registry, "registry")
+        await self.start_service(HealthMonitor, "health", health=HEALTH)
+        scheds = [await self.start_service(Scheduler, "scheduler", f"scheduler-{i}", scheduler=SCHED) for i in range(schedulers)]
+        return scheds
+
+    def add_nodes(self, specs: list[simcluster.SimNodeSpec]) -> None:
+        for spec in specs:
+            self.nodes[spec.node_id] = simcluster.write_node(self.root, self.server.pki_dir, self.server.url, spec, TIMINGS)
+        self.server.reload()
+
+    def start_agent(self, node_id: str) -> subprocess.Popen:
+        node = self.nodes[node_id]
+        log = open(node.log, "ab")
+        p = subprocess.Popen(
+            [sys.executable, "-m", "llmgw.services", "agent", "--config", str(node.config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, simcluster.SIM_ENV: node_id},
+            start_new_session=True,
+        )
+        log.close()
+        self.agents[node_id] = p
+        return p
+
+    async def operator(self, connector):
+        self.ops = await connector.as_new("ops", "operator")
+        js = self.ops.jetstream()
+        self.replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS, wait=10), Replica).start()
+        self.leases = await KvMirror(await open_bucket(js, S.BUCKET_LEASES, wait=10), Lease).start()
+        return self.ops
+
+    async def apply(self, spec: DeploymentSpec):
+        reply = await self.ops.request(S.api("scheduler", "apply"), encode(spec), timeout=5)
+        assert not (reply.headers or {}).get("Nats-Service-Error-Code"), reply.data
+        return reply
+
+    async def wait(self, pred, timeout=20.0, what="condition"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            v = pred()
+            if v:
+                return v
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{what} not reached in {timeout}s; replicas: {[(r.id, r.state, r.reason) for r in self.replicas.items.values()]}")
+
+    def live(self, deployment: str) -> list[Replica]:
+        return [r for r in self.replicas.items.values() if r.deployment == deployment and r.state != "gone"]
+
+    def ready(self, deployment: str) -> list[Replica]:
+        return [r for r in self.live(deployment) if r.state == "ready"]
+
+    async def close(self):
+        for m in ("replicas", "leases"):
+            if hasattr(self, m):
+                await getattr(self, m).stop()
+        for svc in reversed(self.services):
+            try:
+                await svc.stop()
+            except Exception:
+                pass
+        for node_id in self.nodes:
+            simcluster.kill_node(node_id)
+        for p in self.agents.values():
+            try:
+                p.wait(2)
+            except subprocess.TimeoutExpired:
+                pass

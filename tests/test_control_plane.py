@@ -1,0 +1,129 @@
+"""Registry + health monitor + scheduler on a real nats-server, with real agents running real `sim` engines."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import urllib.request
+
+import pytest
+
+from llmgw.services import simcluster
+from llmgw.shared.schemas import DeploymentSpec
+
+from .cluster_helpers import Cluster
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+
+def spec(name="demo", replicas=1, nodes=2, gpus=2, load="0.2s"):
+    return DeploymentSpec(name=name, model="sim-7b", engine="sim", replicas=replicas, nodes_per_replica=nodes, gpus_per_node=gpus, engine_args=["--load-time", load], startup_timeout=30)
+
+
+@pytest.fixture
+async def cluster(nats_server, tmp_path):
+    c = Cluster(nats_server, tmp_path / "cluster")
+    yield c
+    await c.close()
+
+
+async def bring_up(cluster, connector, nodes=2, fabrics=1, schedulers=1):
+    scheds = await cluster.start_control_plane(schedulers=schedulers)
+    cluster.add_nodes(simcluster.layout(nodes, fabrics, 4))
+    for n in cluster.nodes:
+        cluster.start_agent(n)
+    await cluster.operator(connector)
+    await cluster.wait(lambda: len([l for l in cluster.leases.items.values() if l.state == "ready"]) == nodes, what="all nodes ready")
+    return scheds
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def test_launch_sequence_reaches_ready_and_serves(cluster, connector):
+    await bring_up(cluster, connector)
+    await cluster.apply(spec())
+    (rep,) = await cluster.wait(lambda: cluster.ready("demo"), what="replica ready")
+    assert rep.fabric == "ib-a" and [m.rank for m in rep.members] == [0, 1]
+    assert rep.members[0].role == "leader" and rep.members[0].serves_http and not rep.members[1].serves_http
+    assert all(m.pid and m.engine_state for m in rep.members)
+    with urllib.request.urlopen(rep.endpoint + "/health", timeout=5) as r:
+        assert r.status == 200
+    # the path it took, in order, from the event stream
+    js = cluster.ops.jetstream()
+    sub = await js.subscribe(f"llmgw.event.replica.{rep.id}.>", ordered_consumer=True)
+    seen = []
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=0.5)
+            seen.append(msg.subject.rsplit(".", 1)[1])
+            print(msg.data)
+    except Exception:
+        pass
+    assert seen == ["launching", "waiting-for-workers", "ready"]
+
+
+async def test_member_exit_fails_and_reaps_then_rebuilds(cluster, connector):
+    await bring_up(cluster, connector)
+    await cluster.apply(spec())
+    (first,) = await cluster.wait(lambda: cluster.ready("demo"), what="replica ready")
+    leader_pid, worker_pid = first.members[0].pid, first.members[1].pid
+    os.kill(worker_pid, signal.SIGKILL)  # the worker engine dies; its agent lives
+    (second,) = await cluster.wait(lambda: [r for r in cluster.ready("demo") if r.id != first.id], what="replacement ready")
+    assert second.generation > first.generation
+    assert first.id not in cluster.replicas.items  # reaped and deleted
+    await cluster.wait(lambda: not alive(leader_pid), timeout=5, what="old leader stopped")
+    assert len(cluster.live("demo")) == 1
+
+
+async def test_returning_node_has_its_stale_engines_stopped(cluster, connector):
+    await bring_up(cluster, connector, nodes=2)
+    await cluster.apply(spec())
+    (first,) = await cluster.wait(lambda: cluster.ready("demo"), what="replica ready")
+    worker = first.members[1]
+    # node02's agent dies (the engines keep running, as on a real crash of the agent alone)…
+    cluster.agents[worker.node_id].kill()
+    await cluster.wait(lambda: cluster.leases.items[worker.node_id].state == "lost", what="node lost")
+    await cluster.wait(lambda: first.id not in cluster.replicas.items, what="old replica reaped")
+    assert alive(worker.pid), "the stale engine should still be running before its node returns"
+    # …and comes back: it adopts the engine, reports it, and the scheduler fences it.
+    cluster.start_agent(worker.node_id)
+    await cluster.wait(lambda: not alive(worker.pid), timeout=15, what="stale engine stopped")
+
+
+async def crash(svc):
+    """Stop a service as a crash would: no resignation, no goodbye."""
+    for t in svc.tasks:
+        t.cancel()
+    await asyncio.gather(*svc.tasks, return_exceptions=True)
+    for m in ("nodes", "leases", "deployments", "replicas"):
+        mirror = getattr(svc, m, None)
+        if mirror is not None:
+            await mirror.stop()
+    await svc.nc.close()
+
+
+async def test_standby_scheduler_finishes_a_rebuild_without_duplicates(cluster, connector):
+    scheds = await bring_up(cluster, connector, nodes=4, fabrics=2, schedulers=2)
+    await cluster.apply(spec(replicas=2, load="1s"))
+    await cluster.wait(lambda: len(cluster.ready("demo")) == 2, what="two replicas ready")
+    leader = next(s for s in scheds if s.leadership.is_leader)
+    standby = next(s for s in scheds if s is not leader)
+    victim = next(r for r in cluster.ready("demo") if r.fabric == "ib-a").members[1].node_id
+    simcluster.kill_node(victim)
+    # mid-rebuild: the replacement has been placed and is launching / loading
+    await cluster.wait(lambda: [r for r in cluster.live("demo") if r.generation > 2 and r.state in ("launching", "waiting-for-workers")], what="replacement launching")
+    await crash(leader)
+    cluster.services.remove(leader)
+    await cluster.wait(lambda: standby.leadership.is_leader, what="standby takes over")
+    await cluster.wait(lambda: len(cluster.ready("demo")) == 2 and len(cluster.live("demo")) == 2, timeout=30, what="rebuild finished")
+    gens = [r.generation for r in cluster.live("demo")]
+    assert len(set(gens)) == len(gens) == 2
+    assert all(r.fabric == "ib-b" for r in cluster.live("demo")), "the replacement must be whole on the fabric that can hold it"
