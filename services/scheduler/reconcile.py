@@ -326,27 +326,41 @@ class _Cycle:
             new=new,
         )
         self.view.commit(placed)
-        for m in members:
-            record = self.nodes[m.node_id]
-            fabric = next((f for f in record.fabrics if f.name == result.fabric), None)
-            command = LaunchCommand(
-                replica_id=placed.id,
-                generation=placed.generation,
-                deployment=spec.name,
-                model=spec.model,
-                engine=spec.engine,
-                nnodes=len(members),
-                rank=m.rank,
-                leader_addr=leader_addr,
-                rendezvous_port=leader.rendezvous_port,
-                http_port=m.http_port,
-                gpus=list(m.gpus),
-                fabric=result.fabric,
-                hcas=list(fabric.hcas) if fabric is not None else [],
-                engine_args=list(spec.engine_args),
-                env=dict(spec.env),
-            )
-            self.plan.launches.append(Launch(m.node_id, placed.id, m, command))
+        self.plan.launches.extend(launches_for(spec, placed, self.nodes))
+
+
+def launches_for(spec: DeploymentSpec, replica: Replica, nodes: Mapping[str, NodeRecord]) -> list[Launch]:
+    """The launch of every member of a placed replica.
+
+    Also used by a scheduler that takes over leadership: launches are
+    idempotent on the agent, so re-sending those of a replica still launching
+    finishes what the previous leader may not have sent.
+    """
+    leader = replica.members[0]
+    leader_addr = nodes[leader.node_id].mgmt_addr
+    out = []
+    for m in replica.members:
+        record = nodes[m.node_id]
+        fabric = next((f for f in record.fabrics if f.name == replica.fabric), None)
+        command = LaunchCommand(
+            replica_id=replica.id,
+            generation=replica.generation,
+            deployment=spec.name,
+            model=spec.model,
+            engine=spec.engine,
+            nnodes=len(replica.members),
+            rank=m.rank,
+            leader_addr=leader_addr,
+            rendezvous_port=leader.rendezvous_port,
+            http_port=m.http_port,
+            gpus=list(m.gpus),
+            fabric=replica.fabric,
+            hcas=list(fabric.hcas) if fabric is not None else [],
+            engine_args=list(spec.engine_args),
+            env=dict(spec.env),
+        )
+        out.append(Launch(m.node_id, replica.id, m, command))
+    return out
 
 
 def _removal_order(replica: Replica) -> tuple[int, int]:

@@ -39,6 +39,7 @@ from llmgw.shared.schemas import (
 
 from ..runtime import ServiceRuntime, run_service
 from . import ReconcileConfig, explain, fence, reconcile
+from .reconcile import launches_for
 from .plan import Launch, Plan, Stop
 from .view import ClusterView, PortRange
 
@@ -100,6 +101,7 @@ class Scheduler(ServiceRuntime):
         # replica id -> (when, record or None if deleted) for our own recent writes
         self.recent: dict[str, tuple[float, Replica | None]] = {}
         self.wake = asyncio.Event()
+        self.acting = False
         for m in (self.nodes, self.leases, self.deployments, self.replicas):
             m.listeners.append(lambda *_: self.wake.set())
         await self.nc.subscribe(S.ALL_STATUS, cb=self.on_status)
@@ -184,13 +186,50 @@ class Scheduler(ServiceRuntime):
             except asyncio.TimeoutError:
                 pass
             self.wake.clear()
-            if not (self.leadership and self.leadership.is_leader):
+            leading = bool(self.leadership and self.leadership.is_leader)
+            if leading and not self.acting:
+                await self.take_over()
+            self.acting = leading
+            if not leading:
                 continue
             try:
                 with RECONCILE_SECONDS.time():
                     await self.reconcile_once()
             except Exception:
                 self.log.exception("reconcile failed; retrying next cycle")
+
+    async def take_over(self) -> None:
+        """Become the acting scheduler: refresh what agents run, finish interrupted launches.
+
+        Everything else is re-derived from the records by the next reconcile;
+        only the commands a previous leader may not have sent need resending,
+        and launches are idempotent on the agent, so resending is safe.
+        """
+        self.log.info("acting as the scheduler; asking %d nodes what they run", len(self.nodes.items))
+        await asyncio.gather(*(self._ask_status(n) for n in self.nodes.items))
+        resend = []
+        for rep in self.replicas.items.values():
+            spec = self.deployments.items.get(rep.deployment)
+            if rep.state not in ("launching", "waiting-for-workers") or spec is None or not rep.members:
+                continue
+            if any(m.node_id not in self.nodes.items for m in rep.members):
+                continue  # reconcile fails it
+            for launch in launches_for(spec, rep, self.nodes.items):
+                if (rep.id, launch.member.rank) not in self.reported.get(launch.node_id, {}):
+                    resend.append(launch)
+        if resend:
+            self.log.info("re-sending %d launches an earlier leader may not have sent", len(resend))
+            await asyncio.gather(*(self._launch(l) for l in resend))
+
+    async def _ask_status(self, node: str) -> None:
+        try:
+            reply = await self.nc.request(S.cmd_list(node), b"{}", timeout=self.cfg.scheduler.command_timeout)
+            report = decode(reply.data, StatusReport)
+        except Exception:
+            return  # unreachable: its lease decides what happens to its replicas
+        if report.node_id == node:
+            self.reported[node] = {(f.replica_id, f.rank): f for f in report.engines}
+            self.full_report_at[node] = time.time()
 
     async def reconcile_once(self) -> Plan:
         base = dict(self.replicas.items)
