@@ -1,0 +1,376 @@
+"""``llmgw agent --config agent.yaml``: one per node.
+
+It tells the control plane what this node has (inventory), that it is alive
+(heartbeats), and what its engines do (status reports); it answers launch,
+stop and list commands addressed to this node. All of it under the node's own
+certificate, whose common name must be the configured node id.
+
+What it sends, and when:
+
+* ``Inventory`` at start, on every reconnect, when re-discovery finds a change,
+  and every ``inventory_interval`` regardless;
+* ``Heartbeat`` every ``heartbeat_interval``, only while connected: a heartbeat
+  held back during a disconnect and delivered later would vouch for a moment
+  that has passed, so none is ever buffered;
+* ``StatusReport(full=True)`` at start and on every reconnect, and
+  ``full=False`` with just the engines that changed in between. Changes seen
+  while disconnected are dropped, not queued: the full report on reconnect
+  carries the current state of every engine, which supersedes them.
+
+SIGTERM or SIGINT ends the agent and nothing else: engines keep running and the
+next agent adopts them (invariant 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from llmgw.shared import bus, subjects as S
+from llmgw.shared.durations import format_duration
+from llmgw.shared.errors import ConfigError, LlmgwError, WireError
+from llmgw.shared.schemas import (
+    MAX_PAYLOAD,
+    CommandAck,
+    EngineFact,
+    Heartbeat,
+    Inventory,
+    LaunchCommand,
+    StatusReport,
+    StopCommand,
+    decode,
+    encode,
+)
+
+from .config import AgentConfig, check_identity, load_agent_config
+from .discovery import Discovery, DiscoveryError, discover
+from .supervisor import Supervisor
+
+__all__ = ["Agent", "main"]
+
+log = logging.getLogger("llmgw.agent")
+
+# Re-discovery runs at least this often, so a GPU or HCA change is published
+# within this long even with a long inventory_interval.
+REDISCOVER_MAX = 30.0
+DRAIN_TIMEOUT = 5.0
+# Above this a full report sheds log tails to their last lines rather than
+# exceed the server's max_payload and not arrive at all.
+REPORT_BUDGET = MAX_PAYLOAD * 3 // 4
+SHED_TAIL_LINES = 20
+
+
+def _agent_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("llmgw")
+    except Exception:  # noqa: BLE001 - a version string is nice to have, not needed
+        return ""
+
+
+class _FullReport:
+    """Queued in place of an engine fact: send the full list now (start, reconnect)."""
+
+
+_FULL = _FullReport()
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig):
+        self.cfg = cfg
+        self.node = cfg.node_id
+        # New per process start: the health monitor tells a restarted agent
+        # from a running one by it, and resets its sequence expectations.
+        self.boot_id = uuid.uuid4().hex
+        self.seq = 0
+        self.nc: NATS | None = None
+        self.found: Discovery | None = None
+        self.inventory: Inventory | None = None
+        self.supervisor = Supervisor(
+            cfg.supervisor,
+            mgmt_addr=cfg.mgmt_addr,
+            mgmt_interface=cfg.mgmt_interface,
+            on_change=self._engine_changed,
+        )
+        self._outbox: asyncio.Queue[EngineFact | _FullReport] = asyncio.Queue()
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    # -- run ---------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            self._make_work_dir()
+            self.found = await asyncio.to_thread(discover, self.cfg)
+            self.inventory = self._inventory(self.found)
+            await self.supervisor.adopt()
+            self._log_summary()
+            self.supervisor.start()
+            self.nc = await self._connect()
+            if self.nc is None:
+                return 0  # asked to stop before the bus answered
+            await self._subscribe()
+            await self._announce()
+            self._tasks += [
+                asyncio.create_task(self._heartbeats(), name="heartbeats"),
+                asyncio.create_task(self._rediscover(), name="rediscover"),
+                asyncio.create_task(self._publish_status(), name="status"),
+            ]
+            await self._stop.wait()
+            return 0
+        finally:
+            await self._shutdown()
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        log.info("%s: stopping the agent; engines keep running and will be adopted by the next one", sig.name)
+        self._stop.set()
+
+    def _make_work_dir(self) -> None:
+        wd = self.cfg.supervisor.work_dir
+        try:
+            os.makedirs(wd, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"{self.cfg.source}: supervisor.work_dir: cannot create {wd}: {e.strerror or e}") from None
+
+    async def _connect(self) -> NATS | None:
+        connecting = asyncio.create_task(
+            bus.connect(
+                list(self.cfg.servers),
+                self.cfg.tls,
+                name="agent",
+                reconnect_base=self.cfg.reconnect_base,
+                reconnect_max=self.cfg.reconnect_max,
+                on_reconnect=self._on_reconnect,
+                logger=log,
+            )
+        )
+        stopping = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if connecting.done():
+            return connecting.result()
+        connecting.cancel()
+        try:
+            await connecting
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - we are leaving anyway
+            pass
+        return None
+
+    async def _shutdown(self) -> None:
+        # Heartbeats stop first, so the health monitor sees silence rather than
+        # a heartbeat from an agent that is already going.
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+        # Draining lets a command already received finish and be answered;
+        # only then does the supervisor stop watching. Engines keep running.
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), DRAIN_TIMEOUT)
+            except Exception:  # noqa: BLE001 - a drain that cannot finish becomes a close
+                try:
+                    await self.nc.close()
+                except Exception:  # noqa: BLE001
+                    pass
+        await self.supervisor.close()
+        log.info("agent %s stopped (boot %s)", self.node, self.boot_id)
+
+    # -- what we publish ---------------------------------------------------------
+    def _connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    async def _announce(self) -> None:
+        """What a (re)connected control plane needs at once: inventory, all engines, a heartbeat."""
+        await self._publish_inventory()
+        self._outbox.put_nowait(_FULL)
+        await self._heartbeat()
+
+    async def _on_reconnect(self) -> None:
+        await self._announce()
+
+    async def _heartbeat(self) -> None:
+        if not self._connected():
+            return
+        self.seq += 1
+        hb = Heartbeat(node_id=self.node, boot_id=self.boot_id, seq=self.seq, sent_at=time.time())
+        await self.nc.publish(S.heartbeat(self.node), encode(hb))
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval)
+            try:
+                await self._heartbeat()
+            except Exception as e:  # noqa: BLE001 - the next beat tries again
+                log.warning("heartbeat not sent: %s", e)
+
+    def _inventory(self, found: Discovery) -> Inventory:
+        return Inventory(
+            node_id=self.node,
+            boot_id=self.boot_id,
+            hostname=socket.gethostname(),
+            agent_version=_agent_version(),
+            mgmt_addr=self.cfg.mgmt_addr,
+            mgmt_interface=self.cfg.mgmt_interface,
+            gpus=found.gpus,
+            fabrics=found.fabrics,
+            hcas=found.hcas,
+        )
+
+    async def _publish_inventory(self) -> None:
+        if not self._connected() or self.inventory is None:
+            return
+        self.inventory.sent_at = time.time()
+        await self.nc.publish(S.inventory(self.node), encode(self.inventory))
+
+    async def _rediscover(self) -> None:
+        every = min(REDISCOVER_MAX, self.cfg.inventory_interval)
+        last_sent = time.monotonic()
+        last_error = ""
+        while True:
+            await asyncio.sleep(every)
+            try:
+                found = await asyncio.to_thread(discover, self.cfg)
+            except LlmgwError as e:
+                # Keep publishing what we last knew; say so once per distinct failure.
+                if str(e) != last_error:
+                    log.error("re-discovery failed, keeping the last inventory: %s", e)
+                    last_error = str(e)
+                found = None
+            if found is not None:
+                last_error = ""
+                changed = (found.gpus, found.fabrics, found.hcas) != (self.found.gpus, self.found.fabrics, self.found.hcas)
+                if changed:
+                    log.warning("inventory changed: %s", self._describe(found))
+                    for w in set(found.warnings) - set(self.found.warnings):
+                        log.warning("discovery: %s", w)
+                    self.found, self.inventory = found, self._inventory(found)
+                if not changed and time.monotonic() - last_sent < self.cfg.inventory_interval:
+                    continue
+            elif time.monotonic() - last_sent < self.cfg.inventory_interval:
+                continue
+            try:
+                await self._publish_inventory()
+                last_sent = time.monotonic()
+            except Exception as e:  # noqa: BLE001 - the next round tries again
+                log.warning("inventory not sent: %s", e)
+
+    def _engine_changed(self, fact: EngineFact) -> None:
+        self._outbox.put_nowait(fact)
+
+    def _full_report(self) -> StatusReport:
+        report = StatusReport(node_id=self.node, boot_id=self.boot_id, full=True, engines=self.supervisor.facts(), sent_at=time.time())
+        if len(encode(report)) > REPORT_BUDGET:
+            for f in report.engines:
+                f.log_tail = f.log_tail[-SHED_TAIL_LINES:]
+        return report
+
+    async def _publish_status(self) -> None:
+        """The one writer of status reports, so a full report is never overtaken by an older change."""
+        while True:
+            items = [await self._outbox.get()]
+            while not self._outbox.empty():
+                items.append(self._outbox.get_nowait())
+            if not self._connected():
+                continue  # the full report on reconnect carries all of it
+            if any(isinstance(i, _FullReport) for i in items):
+                # Taken now, the full list is newer than every change queued with it.
+                report = self._full_report()
+            else:
+                latest: dict[tuple, EngineFact] = {}
+                for f in items:
+                    latest[(f.replica_id, f.generation, f.rank)] = f
+                report = StatusReport(node_id=self.node, boot_id=self.boot_id, full=False, engines=list(latest.values()), sent_at=time.time())
+            try:
+                await self.nc.publish(S.status(self.node), encode(report))
+            except Exception as e:  # noqa: BLE001 - a reconnect brings a full report
+                log.warning("status report not sent: %s", e)
+
+    # -- commands ------------------------------------------------------------------
+    async def _subscribe(self) -> None:
+        await self.nc.subscribe(S.cmd_launch(self.node), cb=self._answering(self._launch))
+        await self.nc.subscribe(S.cmd_stop(self.node), cb=self._answering(self._stop_cmd))
+        await self.nc.subscribe(S.cmd_list(self.node), cb=self._answering(self._list))
+        await self.nc.flush()
+
+    def _answering(self, handler: Callable[[bytes], Awaitable[CommandAck | StatusReport]]):
+        """Every request gets exactly one reply: the handler's, or the error that stopped it."""
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                reply = await handler(msg.data)
+            except WireError as e:
+                log.warning("%s: %s", msg.subject, e)
+                reply = CommandAck(ok=False, code=e.code, reason=str(e))
+            except Exception as e:
+                log.exception("%s: handling failed", msg.subject)
+                reply = CommandAck(ok=False, code="internal_error", reason=f"the agent failed handling this: {type(e).__name__}: {e}")
+            if not msg.reply:
+                log.warning("%s: request without a reply subject; done but unacknowledged", msg.subject)
+                return
+            try:
+                await msg.respond(encode(reply))
+            except Exception as e:  # noqa: BLE001 - the requester times out and retries
+                log.warning("%s: reply not sent: %s", msg.subject, e)
+
+        return on_msg
+
+    async def _launch(self, data: bytes) -> CommandAck:
+        cmd = decode(data, LaunchCommand)
+        gpus = {g.index for g in self.found.gpus} if self.found else set()
+        return await self.supervisor.launch(cmd, gpus)
+
+    async def _stop_cmd(self, data: bytes) -> CommandAck:
+        cmd = decode(data, StopCommand)
+        return await self.supervisor.stop(cmd.replica_id, cmd.generation, cmd.reason)
+
+    async def _list(self, data: bytes) -> StatusReport:
+        return self._full_report()
+
+    # -- logs ------------------------------------------------------------------
+    @staticmethod
+    def _describe(found: Discovery) -> str:
+        names: dict[str, int] = {}
+        for g in found.gpus:
+            names[g.name] = names.get(g.name, 0) + 1
+        gpus = ", ".join(f"{n} x {name}" for name, n in names.items()) or "none"
+        fabrics = (
+            ", ".join(f"{f.name} [{', '.join(f.hcas)}]" + ("" if f.usable else f" NOT USABLE: {f.problem}") for f in found.fabrics)
+            or "none (single-node replicas only)"
+        )
+        return f"GPUs: {len(found.gpus)} ({gpus}); fabrics: {fabrics}"
+
+    def _log_summary(self) -> None:
+        c = self.cfg
+        log.info(
+            "agent %s (boot %s) from %s: mgmt %s on %s; %s; heartbeat every %s; work dir %s; %d engine(s) on record",
+            self.node, self.boot_id, c.source, c.mgmt_addr, c.mgmt_interface, self._describe(self.found),
+            format_duration(c.heartbeat_interval), c.supervisor.work_dir, len(self.supervisor.facts()),
+        )  # fmt: skip
+        for w in self.found.warnings:
+            log.warning("discovery: %s", w)
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = load_agent_config(args.config)
+    check_identity(cfg)
+    try:
+        return asyncio.run(Agent(cfg).run())
+    except DiscoveryError as e:
+        raise ConfigError(f"{cfg.source}: discovery: {e}") from None

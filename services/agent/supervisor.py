@@ -1,0 +1,595 @@
+"""The engine supervisor: launch, watch, stop and adopt the engine processes of one node.
+
+No NATS here: the agent turns commands into calls and state changes into
+status reports; this module knows processes, files and HTTP health checks.
+
+Engines outlive the agent (invariant 5). Each runs, through the wrapper
+(``wrapper.py``), in a session of its own, so neither an agent restart nor
+systemd's ``KillMode=process`` reaches it, and everything the supervisor knows
+about it is in its directory (``enginedir.py``), from which a restarted agent
+adopts it as it is: nothing killed, nothing restarted.
+
+Engine states, as reported in ``EngineFact.state``::
+
+    launch / adopt ──> starting ──(leader: GET /health == 200)──> ready
+                          ^                                          │
+                          └───(leader: /health fails twice running)──┘
+    any ──(process gone; exit_code from the wrapper)──> exited ──(stop)──> forgotten
+
+Workers never listen (invariant 3), so they are watched as processes only and
+stay ``starting`` while alive. An exited engine is kept, with its exit code and
+log tail, until a stop for it arrives, so the control plane always sees the
+exit, even across a reconnect or an agent restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from llmgw.shared.durations import format_duration
+from llmgw.shared.errors import LlmgwError, WireError
+from llmgw.shared.schemas import CommandAck, EngineFact, EngineState, LaunchCommand
+
+from . import adapters, procfs
+from .config import SupervisorConfig
+from .enginedir import EngineDir, EngineSpec, PidRecord, StopRequest, atomic_write, check_replica_id, dir_name
+
+__all__ = ["Engine", "Supervisor"]
+
+log = logging.getLogger("llmgw.agent.supervisor")
+
+# Refusal codes of a launch (CommandAck.code).
+STALE_GENERATION = "stale_generation"
+UNKNOWN_GPU = "unknown_gpu"
+GPU_BUSY = "gpu_busy"
+BAD_LAUNCH = "bad_launch"
+LAUNCH_CONFLICT = "launch_conflict"
+SPAWN_FAILED = "spawn_failed"
+
+# How long the wrapper may take to start the engine and write its pid. Past it
+# the launch is acked without a pid and the watch loop picks the pid up later.
+SPAWN_TIMEOUT = 15.0
+POLL = 0.02
+# One missed health check is a slow answer; two in a row is a leader that has
+# stopped serving. It also keeps a dying leader from flapping to ``starting``
+# just before its exit is seen.
+HEALTH_FAILURES_BEFORE_UNREADY = 2
+# How many stopped replicas' generations are remembered (for refusing late launches).
+MAX_FENCES = 4096
+FENCES_FILE = "fences.json"
+
+EngineKey = tuple[str, int, int]  # (replica_id, generation, rank)
+OnChange = Callable[[EngineFact], None]
+
+
+def _refuse(code: str, reason: str) -> CommandAck:
+    return CommandAck(ok=False, code=code, reason=reason)
+
+
+def _indices(values) -> str:
+    return ",".join(str(v) for v in sorted(values)) or "none"
+
+
+@dataclass(eq=False)
+class Engine:
+    """One engine process as the supervisor knows it."""
+
+    dir: EngineDir
+    spec: EngineSpec
+    pids: PidRecord | None = None
+    state: EngineState = "starting"
+    exit_code: int | None = None
+    log_tail: list[str] = field(default_factory=list)
+    since: float = field(default_factory=time.time)
+    stopping: StopRequest | None = None
+    health_failures: int = 0
+    # The wrapper, when this agent started it (adopted engines have none).
+    child: subprocess.Popen | None = None
+
+    @property
+    def cmd(self) -> LaunchCommand:
+        return self.spec.command
+
+    @property
+    def key(self) -> EngineKey:
+        return (self.cmd.replica_id, self.cmd.generation, self.cmd.rank)
+
+    @property
+    def label(self) -> str:
+        return dir_name(*self.key)
+
+    @property
+    def pid(self) -> int:
+        return self.pids.pid if self.pids else 0
+
+    @property
+    def live(self) -> bool:
+        return self.state != "exited"
+
+    def fact(self) -> EngineFact:
+        c = self.cmd
+        return EngineFact(
+            replica_id=c.replica_id,
+            generation=c.generation,
+            deployment=c.deployment,
+            rank=c.rank,
+            serves_http=self.spec.serves_http,
+            pid=self.pid,
+            state=self.state,
+            exit_code=self.exit_code,
+            gpus=list(c.gpus),
+            http_port=c.http_port,
+            rendezvous_port=c.rendezvous_port,
+            log_tail=list(self.log_tail),
+            since=self.since,
+        )
+
+    # -- liveness ----------------------------------------------------------------
+    def load_pids(self) -> None:
+        if self.pids is None:
+            try:
+                self.pids = self.dir.read_pid()
+            except WireError as e:
+                log.warning("%s: %s", self.label, e)
+
+    def recorded_exit(self) -> int | None:
+        try:
+            return self.dir.read_exit_code()
+        except WireError as e:
+            log.warning("%s: %s", self.label, e)
+            return None
+
+    def engine_alive(self) -> bool:
+        return self.pids is not None and procfs.is_alive(self.pids.pid, self.pids.start_time)
+
+    def wrapper_alive(self) -> bool:
+        if self.child is not None:
+            return self.child.poll() is None  # also reaps it
+        p = self.pids
+        return p is not None and p.wrapper_pid > 0 and procfs.is_alive(p.wrapper_pid, p.wrapper_start_time)
+
+    def running(self) -> bool:
+        """Still running as far as anyone can tell.
+
+        The engine may be gone while its wrapper is about to write how it
+        ended; until then it counts as running, so the exit is reported once,
+        with its code.
+        """
+        if self.engine_alive():
+            return True
+        return self.recorded_exit() is None and self.wrapper_alive()
+
+    def why_unknown(self) -> str:
+        """Why nobody recorded an exit code, for the log tail."""
+        if self.pids is None:
+            return "the engine's pid was never recorded (the agent or wrapper died while launching)"
+        st = procfs.stat(self.pids.pid)
+        if st is not None and st.start_time != self.pids.start_time:
+            return (
+                f"pid {self.pids.pid} now belongs to another process (started at tick {st.start_time}, "
+                f"the engine at {self.pids.start_time}); it was not adopted and will not be signalled"
+            )
+        return f"the engine (pid {self.pids.pid}) and its wrapper (pid {self.pids.wrapper_pid}) are gone"
+
+
+class Supervisor:
+    """The engines of this node. Use from one event loop; ``adopt()`` first, then ``start()``."""
+
+    def __init__(
+        self,
+        cfg: SupervisorConfig,
+        *,
+        mgmt_addr: str,
+        mgmt_interface: str,
+        on_change: OnChange | None = None,
+        python: str = sys.executable,
+    ):
+        self.cfg = cfg
+        self.mgmt_addr = mgmt_addr
+        self.mgmt_interface = mgmt_interface
+        self.on_change = on_change
+        self.python = python
+        self.root = Path(cfg.work_dir) / "engines"
+        self._engines: dict[EngineKey, Engine] = {}
+        # replica id -> the highest generation stopped on this node: a launch
+        # at or below it arrived late (or is stale) and must not start.
+        self._fences: dict[str, int] = {}
+        # Launches and stops change the set of engines and GPUs in use; they
+        # take turns so two launches cannot both see a GPU free.
+        self._lock = asyncio.Lock()
+        self._stops: dict[EngineKey, asyncio.Task] = {}
+        self._reaping: list[subprocess.Popen] = []
+        self._http: aiohttp.ClientSession | None = None
+        self._watch: asyncio.Task | None = None
+
+    # -- queries -----------------------------------------------------------------
+    def facts(self) -> list[EngineFact]:
+        return [self._engines[k].fact() for k in sorted(self._engines)]
+
+    # -- lifecycle -----------------------------------------------------------------
+    async def adopt(self) -> list[EngineFact]:
+        """Take over every engine recorded under ``work_dir``: alive ones as they are, dead ones as exited."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._load_fences()
+        for path in sorted(self.root.iterdir()):
+            if not path.is_dir() or path.name.startswith("."):
+                continue
+            e = self._load(EngineDir(path))
+            if e is None:
+                continue
+            if e.key in self._engines:
+                log.error("%s: records the same engine as %s; not adopted, left for a person to look at", path, self._engines[e.key].dir.path)
+                continue
+            self._engines[e.key] = e
+        # Ask the leaders now, so the first full report says ``ready`` for a
+        # leader that is serving instead of flapping through ``starting``.
+        await self._probe_leaders()
+        live = sum(e.live for e in self._engines.values())
+        if self._engines:
+            log.info("adopted %d engine(s) from %s: %d running, %d exited", len(self._engines), self.root, live, len(self._engines) - live)
+        return self.facts()
+
+    def start(self) -> None:
+        """Start watching (and finish stops an earlier agent left unfinished)."""
+        if self._watch is None:
+            for e in self._engines.values():
+                if e.stopping is not None:
+                    self._start_stop(e)
+            self._watch = asyncio.create_task(self._watch_loop(), name="supervisor-watch")
+
+    async def close(self) -> None:
+        """Stop watching. Engines keep running; unfinished stops are finished by the next agent."""
+        tasks = [t for t in (self._watch, *self._stops.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing; nothing left to tell
+                pass
+        self._watch = None
+        self._stops.clear()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    # -- launch ----------------------------------------------------------------
+    async def launch(self, cmd: LaunchCommand, node_gpus: set[int]) -> CommandAck:
+        """Start member ``cmd.rank`` of replica ``cmd.replica_id``; idempotent by (replica, generation, rank)."""
+        async with self._lock:
+            # A member already stopped here is refused even when its record
+            # lingers while it stops: the launch is the late one.
+            existing = self._engines.get((cmd.replica_id, cmd.generation, cmd.rank))
+            refusal = self._fenced(cmd)
+            if refusal is None and existing is not None:
+                return self._relaunch(existing, cmd)
+            refusal = refusal or self._check_launch(cmd, node_gpus)
+            if refusal is not None:
+                log.warning("launch of %s refused (%s): %s", dir_name(cmd.replica_id, cmd.generation, cmd.rank), refusal.code, refusal.reason)
+                return refusal
+            try:
+                built = adapters.build(cmd, mgmt_addr=self.mgmt_addr, mgmt_interface=self.mgmt_interface, python=self.python)
+            except LlmgwError as e:
+                log.warning("launch of %s refused (%s): %s", dir_name(cmd.replica_id, cmd.generation, cmd.rank), e.code, e)
+                return _refuse(e.code if e.code != "error" else BAD_LAUNCH, str(e))
+            return await self._spawn(cmd, built)
+
+    def _relaunch(self, e: Engine, cmd: LaunchCommand) -> CommandAck:
+        if e.cmd != cmd:
+            return _refuse(
+                LAUNCH_CONFLICT,
+                f"{e.label} already runs here from a different launch command (GPUs {_indices(e.cmd.gpus)}, "
+                f"http port {e.cmd.http_port}, rendezvous port {e.cmd.rendezvous_port}); "
+                "a changed member needs a new generation",
+            )
+        what = f"exited with code {e.exit_code}" if e.state == "exited" else e.state
+        return CommandAck(ok=True, pid=e.pid, reason=f"already launched: {e.label} pid {e.pid} ({what}); nothing started")
+
+    def _fenced(self, cmd: LaunchCommand) -> CommandAck | None:
+        fence = self._fences.get(cmd.replica_id, 0)
+        if cmd.generation <= fence:
+            return _refuse(
+                STALE_GENERATION,
+                f"replica {cmd.replica_id} generation {cmd.generation} was already stopped on this node "
+                f"(stops reached generation {fence}); a launch for it arrived late",
+            )
+        return None
+
+    def _check_launch(self, cmd: LaunchCommand, node_gpus: set[int]) -> CommandAck | None:
+        why = check_replica_id(cmd.replica_id)
+        if why:
+            return _refuse(BAD_LAUNCH, why)
+        if cmd.generation < 1:
+            return _refuse(BAD_LAUNCH, f"replica {cmd.replica_id}: generation must be at least 1, got {cmd.generation}")
+        same_replica = [e for e in self._engines.values() if e.cmd.replica_id == cmd.replica_id]
+        newest = max((e.cmd.generation for e in same_replica), default=0)
+        if cmd.generation < newest:
+            return _refuse(
+                STALE_GENERATION,
+                f"replica {cmd.replica_id} generation {cmd.generation} is older than generation {newest}, "
+                "which this node already runs; the older one was superseded",
+            )
+        unknown = set(cmd.gpus) - node_gpus
+        if unknown:
+            return _refuse(
+                UNKNOWN_GPU,
+                f"GPU {_indices(unknown)} does not exist on this node (it has GPUs {_indices(node_gpus)})",
+            )
+        for e in self._engines.values():
+            held = set(cmd.gpus) & set(e.cmd.gpus)
+            if e.live and held:
+                doing = "stopping" if e.stopping else e.state
+                return _refuse(
+                    GPU_BUSY,
+                    f"GPU {_indices(held)} held by {e.label} (pid {e.pid}, {doing}); stop it first",
+                )
+        return None
+
+    async def _spawn(self, cmd: LaunchCommand, built: adapters.EngineCommand) -> CommandAck:
+        d = EngineDir(self.root / dir_name(cmd.replica_id, cmd.generation, cmd.rank))
+        if d.path.exists():
+            # Only a directory adopt() could not read gets here; keep it for a person.
+            aside = d.path.with_name(f".{d.name}.unreadable.{int(time.time())}")
+            log.warning("%s exists but could not be read at start; moved aside to %s", d.path, aside)
+            d.path.rename(aside)
+        d.path.mkdir(parents=True)
+        host = f"[{self.mgmt_addr}]" if ":" in self.mgmt_addr else self.mgmt_addr
+        spec = EngineSpec(
+            command=cmd,
+            argv=built.argv,
+            env=built.env,
+            serves_http=built.serves_http,
+            health_url=f"http://{host}:{cmd.http_port}/health" if built.serves_http else "",
+            created_at=time.time(),
+        )
+        d.write_spec(spec)
+        e = Engine(dir=d, spec=spec)
+        try:
+            with open(d.log_path, "ab") as out:
+                e.child = subprocess.Popen(
+                    [self.python, "-m", "llmgw.services.agent.wrapper", str(d.path)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=d.path,
+                    env={**os.environ, **built.env},
+                    start_new_session=True,
+                )
+        except OSError as err:
+            d.remove()
+            return _refuse(SPAWN_FAILED, f"cannot start the engine wrapper ({self.python}): {err.strerror or err}")
+        self._engines[e.key] = e
+        outcome = await self._await_pid(e)
+        if outcome != "running" and outcome != "slow":
+            tail = d.log_tail(20)
+            self._forget(e)
+            log.warning("launch of %s failed: %s", e.label, " | ".join(tail[-3:]) or outcome)
+            return _refuse(SPAWN_FAILED, f"{e.label} did not start: " + (" | ".join(tail[-5:]) or outcome))
+        log.info(
+            "launched %s: %s rank %d/%d, GPUs %s, pid %s: %s",
+            e.label, cmd.engine, cmd.rank, cmd.nnodes, _indices(cmd.gpus), e.pid or "(not yet known)", " ".join(built.argv),
+        )  # fmt: skip
+        self._notify(e)
+        reason = f"launched {e.label}" if e.pid else f"launching {e.label}; its pid is not known yet"
+        return CommandAck(ok=True, pid=e.pid, reason=reason)
+
+    async def _await_pid(self, e: Engine) -> str:
+        """'running' once the wrapper wrote the pid; 'failed' if it could not start the engine; 'slow'."""
+        deadline = time.monotonic() + SPAWN_TIMEOUT
+        while True:
+            e.load_pids()
+            if e.pids is not None:
+                return "running"
+            if e.recorded_exit() is not None:
+                return "failed"
+            if not e.wrapper_alive():
+                e.load_pids()  # it may have written the pid just before exiting
+                return "running" if e.pids is not None else "wrapper exited without starting the engine"
+            if time.monotonic() > deadline:
+                return "slow"
+            await asyncio.sleep(POLL)
+
+    # -- stop ------------------------------------------------------------------
+    async def stop(self, replica_id: str, generation: int = 0, reason: str = "") -> CommandAck:
+        """Stop this replica's engines with generation <= ``generation`` (0: all). Acks at once."""
+        async with self._lock:
+            targets = [
+                e for e in self._engines.values() if e.cmd.replica_id == replica_id and (generation == 0 or e.cmd.generation <= generation)
+            ]
+            fence = generation or max((e.cmd.generation for e in targets), default=0)
+            if fence > self._fences.get(replica_id, 0):
+                self._fences.pop(replica_id, None)
+                self._fences[replica_id] = fence  # re-inserted: newest last, oldest pruned first
+                self._save_fences()
+            stopping, removed = [], []
+            for e in targets:
+                if e.live:
+                    if e.stopping is None:
+                        e.stopping = StopRequest(reason=reason, requested_at=time.time())
+                        e.dir.write_stop(reason)
+                    self._start_stop(e)
+                    stopping.append(e.label)
+                else:
+                    self._forget(e)
+                    removed.append(e.label)
+        upto = f"generation <= {generation}" if generation else "any generation"
+        if not targets:
+            return CommandAck(ok=True, reason=f"nothing of replica {replica_id} ({upto}) runs here")
+        parts = []
+        if stopping:
+            parts.append(f"stopping {', '.join(stopping)} (SIGTERM, SIGKILL after {format_duration(self.cfg.stop_timeout)})")
+        if removed:
+            parts.append(f"removed exited {', '.join(removed)}")
+        log.info("stop replica %s (%s)%s: %s", replica_id, upto, f" because {reason}" if reason else "", "; ".join(parts))
+        return CommandAck(ok=True, reason="; ".join(parts))
+
+    def _start_stop(self, e: Engine) -> None:
+        if e.key not in self._stops:
+            self._stops[e.key] = asyncio.create_task(self._stop_engine(e), name=f"stop-{e.label}")
+
+    async def _stop_engine(self, e: Engine) -> None:
+        try:
+            e.load_pids()
+            if e.running():
+                self._signal(e, signal.SIGTERM)
+                deadline = time.monotonic() + self.cfg.stop_timeout
+                while e.running() and time.monotonic() < deadline:
+                    await asyncio.sleep(POLL)
+                    if e.pids is None:  # launched moments ago; signal once its pid is known
+                        e.load_pids()
+                        self._signal(e, signal.SIGTERM)
+                if e.engine_alive():
+                    log.warning("%s (pid %d) still running %s after SIGTERM; sending SIGKILL", e.label, e.pid, format_duration(self.cfg.stop_timeout))
+                    self._signal(e, signal.SIGKILL)
+                nagged = time.monotonic()
+                while e.running():
+                    await asyncio.sleep(POLL)
+                    if time.monotonic() - nagged > 30:
+                        nagged = time.monotonic()
+                        log.error("%s (pid %d) survives SIGKILL (stuck in the kernel or a driver?); still waiting", e.label, e.pid)
+            self._exited(e)
+            async with self._lock:
+                self._forget(e)
+        finally:
+            self._stops.pop(e.key, None)
+
+    def _signal(self, e: Engine, sig: signal.Signals) -> None:
+        if e.pids is not None and procfs.signal_group(e.pids.pid, e.pids.start_time, sig):
+            log.info("%s: %s to process group %d", e.label, sig.name, e.pids.pid)
+
+    def _forget(self, e: Engine) -> None:
+        """Drop an engine from the record: its directory goes, its wrapper is reaped."""
+        if self._engines.get(e.key) is e:
+            del self._engines[e.key]
+        e.dir.remove()
+        if e.child is not None and e.child.poll() is None:
+            self._reaping.append(e.child)
+
+    # -- watching ----------------------------------------------------------------
+    async def _watch_loop(self) -> None:
+        while True:
+            try:
+                await self.check()
+            except Exception:  # a bug here must not stop the watching of every engine
+                log.exception("watching engines failed; trying again")
+            await asyncio.sleep(self.cfg.health_interval)
+
+    async def check(self) -> None:
+        """One round: reap, notice exits, ask the leaders."""
+        self._reaping = [p for p in self._reaping if p.poll() is None]
+        for e in list(self._engines.values()):
+            if not e.live:
+                if e.child is not None:
+                    e.child.poll()
+                continue
+            known = e.pids is not None
+            e.load_pids()
+            if not e.running():
+                self._exited(e)
+            elif not known and e.pids is not None:
+                log.info("%s: the engine's pid is %d (the wrapper was slow to start it)", e.label, e.pid)
+                self._notify(e)
+        await self._probe_leaders()
+
+    def _exited(self, e: Engine) -> None:
+        if not e.live:
+            return
+        e.load_pids()
+        code = e.recorded_exit()
+        e.state, e.exit_code, e.since = "exited", code, time.time()
+        e.log_tail = e.dir.log_tail(self.cfg.log_lines)
+        if code is None:
+            note = f"[llmgw agent] exit code unknown: {e.why_unknown()}"
+            e.log_tail = [*e.log_tail[-(self.cfg.log_lines - 1) :], note] if self.cfg.log_lines > 1 else [note]
+        how = "exit code unknown" if code is None else (f"killed by signal {-code}" if code < 0 else f"exit code {code}")
+        level = logging.INFO if e.stopping is not None else logging.WARNING
+        log.log(level, "%s (pid %d) exited: %s%s", e.label, e.pid, how, "" if e.stopping else "; last lines: " + " | ".join(e.log_tail[-3:]))
+        self._notify(e)
+
+    def _set_state(self, e: Engine, state: EngineState, why: str) -> None:
+        if e.state != state and e.live:
+            e.state, e.since = state, time.time()
+            log.info("%s (pid %d) is %s: %s", e.label, e.pid, state, why)
+            self._notify(e)
+
+    def _notify(self, e: Engine) -> None:
+        if self.on_change is None:
+            return
+        try:
+            self.on_change(e.fact())
+        except Exception:  # the listener's bug is not the engine's state
+            log.exception("engine state listener failed for %s", e.label)
+
+    async def _probe_leaders(self) -> None:
+        leaders = [e for e in self._engines.values() if e.live and e.spec.serves_http and e.spec.health_url]
+        if leaders:
+            await asyncio.gather(*(self._probe(e) for e in leaders))
+
+    async def _probe(self, e: Engine) -> None:
+        ok = await self._healthy(e.spec.health_url)
+        if not e.live:
+            return
+        if ok:
+            e.health_failures = 0
+            self._set_state(e, "ready", f"{e.spec.health_url} answers 200")
+        else:
+            e.health_failures += 1
+            if e.state == "ready" and e.health_failures >= HEALTH_FAILURES_BEFORE_UNREADY:
+                self._set_state(e, "starting", f"{e.spec.health_url} stopped answering")
+
+    async def _healthy(self, url: str) -> bool:
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        timeout = aiohttp.ClientTimeout(total=min(2.0, max(0.5, self.cfg.health_interval)))
+        try:
+            async with self._http.get(url, timeout=timeout, allow_redirects=False) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    # -- adoption ------------------------------------------------------------------
+    def _load(self, d: EngineDir) -> Engine | None:
+        try:
+            spec = d.read_spec()
+        except FileNotFoundError:
+            log.error("%s has no spec.json; not adopted, left for a person to look at", d.path)
+            return None
+        except (WireError, OSError) as err:
+            log.error("%s: unreadable spec.json (%s); not adopted, left for a person to look at", d.path, err)
+            return None
+        e = Engine(dir=d, spec=spec)
+        e.load_pids()
+        e.stopping = d.read_stop()
+        if e.running():
+            log.info("adopting %s: pid %d, running", e.label, e.pid)
+        else:
+            self._exited(e)
+        return e
+
+    def _load_fences(self) -> None:
+        path = Path(self.cfg.work_dir) / FENCES_FILE
+        try:
+            data = json.loads(path.read_text())
+            self._fences = {str(k): int(v) for k, v in data.items()}
+        except FileNotFoundError:
+            self._fences = {}
+        except (OSError, ValueError, AttributeError, TypeError) as e:
+            log.warning("%s is unreadable (%s); starting without remembered stops", path, e)
+            self._fences = {}
+
+    def _save_fences(self) -> None:
+        while len(self._fences) > MAX_FENCES:
+            self._fences.pop(next(iter(self._fences)))
+        atomic_write(Path(self.cfg.work_dir) / FENCES_FILE, json.dumps(self._fences).encode())
