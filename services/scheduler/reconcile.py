@@ -223,7 +223,10 @@ class _Cycle:
         stopping = [
             m for m in replica.members if not self.node_down(m.node_id) and m.engine_state not in ENDED
         ]
-        for m in stopping:
+        # An exited engine gets a stop too: the agent keeps an exited engine's
+        # record (and its log) until told, so without one it would stay forever.
+        exited = [m for m in replica.members if not self.node_down(m.node_id) and m.engine_state == "exited"]
+        for m in stopping + exited:
             self.plan.stops.append(Stop(m.node_id, replica.id, replica.generation, reason))
         detail = "stopping " + ", ".join(m.node_id for m in stopping) if stopping else "nothing left to stop"
         return self.transition(replica, "reaping", reason, detail=detail)

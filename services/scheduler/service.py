@@ -93,9 +93,6 @@ class Scheduler(ServiceRuntime):
         self.replicas = await KvMirror(self.replicas_kv, Replica).start()
         # node -> {(replica id, rank): fact}, from the agents' status reports
         self.reported: dict[str, dict[tuple[str, int], EngineFact]] = defaultdict(dict)
-        # (replica id, rank) -> when its launch was acknowledged; a full report
-        # newer than that which lacks the engine means the engine is absent.
-        self.launched_at: dict[tuple[str, int], float] = {}
         self.full_report_at: dict[str, float] = {}
         self.absent: set[tuple[str, int]] = set()
         # replica id -> (when, record or None if deleted) for our own recent writes
@@ -127,10 +124,6 @@ class Scheduler(ServiceRuntime):
         if report.full:
             self.reported[node] = facts
             self.full_report_at[node] = time.time()
-            for key, at in self.launched_at.items():
-                rep = self.replicas.items.get(key[0])
-                if key not in facts and at < self.full_report_at[node] and rep and any(m.node_id == node and m.rank == key[1] for m in rep.members):
-                    self.absent.add(key)
         else:
             self.reported[node].update(facts)
         if self.leadership and self.leadership.is_leader:
@@ -157,6 +150,14 @@ class Scheduler(ServiceRuntime):
                 known[rid] = rep
         return known
 
+    def _missing(self, node: str, rep: Replica) -> bool:
+        """A full report from ``node``, taken well after the launch, lacks this engine.
+
+        The grace covers a launch still in flight when the report was taken.
+        """
+        at = self.full_report_at.get(node)
+        return at is not None and rep.created_at > 0 and at > rep.created_at + self.cfg.scheduler.command_timeout
+
     def _with_reports(self, replicas: dict[str, Replica]) -> dict[str, Replica]:
         """Replicas with members' engine states folded in from the latest reports."""
         out = {}
@@ -168,7 +169,7 @@ class Scheduler(ServiceRuntime):
                 state, pid = m.engine_state, m.pid
                 if fact is not None and fact.generation == rep.generation:
                     state, pid = fact.state, fact.pid
-                elif (rid, m.rank) in self.absent:
+                elif (rid, m.rank) in self.absent or self._missing(m.node_id, rep):
                     state = "absent"
                 if (state, pid) != (m.engine_state, m.pid):
                     changed = True
@@ -262,9 +263,7 @@ class Scheduler(ServiceRuntime):
                 await self.replicas_kv.purge(rid)
             except Exception as e:
                 self.log.warning("could not delete replica %s: %s", rid, e)
-            for key in [k for k in self.launched_at if k[0] == rid]:
-                self.launched_at.pop(key, None)
-                self.absent.discard(key)
+            self.absent = {k for k in self.absent if k[0] != rid}
         # 3. commands, concurrently: a rebuild should not wait on one slow agent.
         await asyncio.gather(*(self._launch(l) for l in plan.launches), self._send_stops(plan.stops))
         # 4. history.
@@ -286,7 +285,6 @@ class Scheduler(ServiceRuntime):
             return
         if ack.ok:
             COMMANDS.labels("launch", "ok").inc()
-            self.launched_at[key] = time.time()
         else:
             COMMANDS.labels("launch", ack.code or "refused").inc()
             self.log.warning("launch of %s on %s refused: %s %s", launch.replica_id, launch.node_id, ack.code, ack.reason)
