@@ -127,3 +127,86 @@ async def test_standby_scheduler_finishes_a_rebuild_without_duplicates(cluster, 
     gens = [r.generation for r in cluster.live("demo")]
     assert len(set(gens)) == len(gens) == 2
     assert all(r.fabric == "ib-b" for r in cluster.live("demo")), "the replacement must be whole on the fabric that can hold it"
+
+
+def ctl(cfg, *args, check=True):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "llmgw.services", "ctl", *args, "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    if check:
+        assert r.returncode == 0, f"ctl {args}: {r.stderr}"
+    return r
+
+
+async def test_ctl_reads_and_changes_the_cluster(cluster, connector, tmp_path):
+    import json
+
+    from llmgw.shared.config import write_config
+
+    await bring_up(cluster, connector, nodes=2)
+    tls = cluster.server.issue("admin", "operator")
+    cluster.server.reload()
+    cfg = tmp_path / "operator.yaml"
+    write_config(cfg, {"server": cluster.server.url, "tls": {"ca": tls.ca, "cert": tls.cert, "key": tls.key}})
+    deploy = tmp_path / "demo.yaml"
+    deploy.write_text("name: demo\nmodel: sim-7b\nengine: sim\nreplicas: 1\nnodes_per_replica: 2\ngpus_per_node: 2\nengine_args: [--load-time, 0.2s]\nstartup_timeout: 30s\n")
+    r = await asyncio.to_thread(ctl, cfg, "deploy", "apply", "-f", str(deploy))
+    assert "deployment demo applied" in r.stdout
+    (rep,) = await cluster.wait(lambda: cluster.ready("demo"), what="replica ready")
+
+    nodes = json.loads((await asyncio.to_thread(ctl, cfg, "nodes", "-o", "json")).stdout)
+    assert [(n["node_id"], n["fabrics"], n["gpus_total"], n["gpus_free"], n["state"], n["mgmt_addr"]) for n in nodes] == [
+        ("node01", ["ib-a"], 4, 2, "ready", "127.0.1.1"),
+        ("node02", ["ib-a"], 4, 2, "ready", "127.0.1.2"),
+    ]
+    reps = json.loads((await asyncio.to_thread(ctl, cfg, "replicas", "-o", "json")).stdout)
+    assert [(r["id"], r["deployment"], r["generation"], r["fabric"], r["state"], r["endpoint"]) for r in reps] == [(rep.id, "demo", rep.generation, "ib-a", "ready", rep.endpoint)]
+    assert [(m["node"], m["rank"], m["role"], len(m["gpus"])) for m in reps[0]["members"]] == [("node01", 0, "leader", 2), ("node02", 1, "worker", 2)]
+    table = (await asyncio.to_thread(ctl, cfg, "replicas")).stdout
+    assert rep.id in table and "node01:0 node02:1" in table
+    ex = json.loads((await asyncio.to_thread(ctl, cfg, "explain", "demo", "-o", "json")).stdout)
+    assert {n["node_id"] for n in ex["nodes"]} == {"node01", "node02"}
+
+    r = await asyncio.to_thread(ctl, cfg, "cordon", "node01")
+    assert "node01 is now cordoned" in r.stdout
+    nodes = json.loads((await asyncio.to_thread(ctl, cfg, "nodes", "-o", "json")).stdout)
+    assert nodes[0]["admin"] == "cordoned"
+    events = [json.loads(l) for l in (await asyncio.to_thread(ctl, cfg, "events", "-o", "json")).stdout.splitlines()]
+    assert {"time", "kind", "subject", "what", "detail"} <= set(events[0])
+    assert ("node", "node01", "cordoned") in {(e["kind"], e["subject"], e["what"]) for e in events}
+    assert ("replica", rep.id, "ready") in {(e["kind"], e["subject"], e["what"]) for e in events}
+
+    # bad input: a clear one-line error, nothing applied
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: demo2\nmodel: m\nengine: sim\nreplicas: 1\ngpus_per_nod: 2\n")
+    r = await asyncio.to_thread(ctl, cfg, "deploy", "apply", "-f", str(bad), check=False)
+    assert r.returncode == 2 and "unknown key 'gpus_per_nod'" in r.stderr and "did you mean 'gpus_per_node'" in r.stderr
+    r = await asyncio.to_thread(ctl, cfg, "cordon", "node99", check=False)
+    assert r.returncode == 2 and "no node 'node99'" in r.stderr
+
+    r = await asyncio.to_thread(ctl, cfg, "deploy", "delete", "demo")
+    assert "deleted" in r.stdout
+    await cluster.wait(lambda: not cluster.live("demo"), what="replicas reaped after delete")
+
+
+async def test_services_expose_prometheus_metrics(nats_server):
+    import urllib.request
+
+    from llmgw.services.registry import Registry
+    from llmgw.shared.natsserver import free_port
+
+    from .conftest import service_config
+
+    port = free_port()
+    cfg = service_config(nats_server, "registry")
+    import dataclasses
+
+    svc = Registry(dataclasses.replace(cfg, metrics_listen=f"127.0.0.1:{port}"))
+    nats_server.reload()
+    await svc.start()
+    try:
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+        assert "llmgw_registry_inventories_total" in body and "llmgw_registry_nodes" in body
+    finally:
+        await svc.stop()
