@@ -200,9 +200,9 @@ trap 'rm -rf "$TMP"' EXIT
 
 # -- 1. The certificate ---------------------------------------------------------
 # Issued fresh every time: re-onboarding a machine should not depend on finding
-# an old key. The server maps a certificate to a user by its subject, so an
-# older certificate for the same node keeps working until it expires; refusing
-# the node altogether is 'llmgw ctl cert revoke', a separate decision.
+# an old key. The server pins the ledger's certificates, so the node's older
+# certificate stops working at the reload below; refusing the node altogether
+# is 'llmgw ctl cert revoke', a separate decision.
 say "issuing a certificate (CN=$NODE,OU=node)"
 "$BINARY" ctl cert issue-client "$NODE" --dir "$PKI" --out "$TMP" >/dev/null
 

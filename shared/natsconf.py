@@ -72,8 +72,12 @@ def render(pki_dir: str | os.PathLike, opts: ServerOptions) -> str:
         )
     host, port = _host_port(opts.listen, "--listen")
     users = []
+    pins = []
     for entry in pki.active_identities(pki_path):
+        if not entry.spki_sha256:
+            raise ConfigError(f"ledger entry {entry.key} has no key fingerprint; re-issue it with 'llmgw ctl cert issue-…'")
         users.append({"user": entry.subject, "permissions": _perm_block(for_identity(entry.role, entry.name))})
+        pins.append(entry.spki_sha256)
     conf: dict = {
         "server_name": opts.server_name,
         "host": host,
@@ -85,6 +89,10 @@ def render(pki_dir: str | os.PathLike, opts: ServerOptions) -> str:
             "key_file": str(key.resolve()),
             "ca_file": str((pki_path / pki.CA_CERT).resolve()),
             "verify_and_map": True,
+            # Only the ledger's current certificates: a re-issued identity's old
+            # certificate (same subject, other key) is refused too, and a reload
+            # closes connections made with certificates no longer pinned.
+            "pinned_certs": pins,
             "timeout": 5,
         },
         "authorization": {"users": users},

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import fcntl
+import hashlib
 import ipaddress
 import json
 import os
@@ -67,6 +68,9 @@ class LedgerEntry:
     issued_at: str
     sans: list[str] = field(default_factory=list)
     revoked_at: str | None = None
+    # SHA-256 of the certificate's SubjectPublicKeyInfo (hex): what nats-server's
+    # ``pinned_certs`` compares, so exactly this certificate is accepted.
+    spki_sha256: str = ""
 
     @property
     def key(self) -> str:
@@ -131,6 +135,11 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
+
+
+def spki_sha256(cert: x509.Certificate) -> str:
+    spki = cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(spki).hexdigest()
 
 
 def _iso(t: dt.datetime) -> str:
@@ -317,8 +326,9 @@ def issue(
 
     Files land in ``out_dir`` (default ``PKI/certs/<role>``) as ``<name>.pem`` and
     ``<name>-key.pem``, the names the onboarding script copies. Issuing again
-    for the same identity replaces its ledger entry: the old certificate stops
-    being accepted at the next ``nats-config`` + reload, exactly like a revoke.
+    for the same identity replaces its ledger entry, and the server pins the
+    ledger's certificates (``pinned_certs``): the old certificate stops being
+    accepted at the next ``nats-config`` + reload, exactly like a revoke.
     """
     check_role(role)
     if role == "server":  # pragma: no cover - guarded by check_role
@@ -356,6 +366,7 @@ def issue(
             not_before=_iso(nb),
             not_after=_iso(na),
             issued_at=_iso(now),
+            spki_sha256=spki_sha256(cert),
         )
         entries = _load_ledger(pki)
         entries[entry.key] = entry

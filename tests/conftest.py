@@ -87,9 +87,17 @@ class Connector:
         self.server = server
         self.conns = []
         self.errors: dict[str, list[Exception]] = {}
+        self.issued: dict[tuple[str, str], bus.TlsFiles] = {}
 
     def identity(self, name: str, role: str, *, reload: bool = True) -> bus.TlsFiles:
-        tls = self.server.issue(name, role)
+        """The identity's certificate, issued once per test.
+
+        Issuing again would replace it in the ledger, and the server pins the
+        ledger's certificates: connections under the old one would be closed.
+        """
+        if (name, role) in self.issued:
+            return self.issued[(name, role)]
+        tls = self.issued[(name, role)] = self.server.issue(name, role)
         if reload:
             self.server.reload()
         return tls
