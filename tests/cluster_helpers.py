@@ -37,6 +37,7 @@ class Cluster:
         self.root = root
         self.services: list = []
         self.agents: dict[str, subprocess.Popen] = {}
+        self.spawned: list[subprocess.Popen] = []
         self.nodes: dict[str, simcluster.SimNode] = {}
 
     async def start_service(self, cls, role, name=None, **sections):
@@ -69,6 +70,7 @@ class Cluster:
         )
         log.close()
         self.agents[node_id] = p
+        self.spawned.append(p)  # every one is waited for, restarted agents' old processes too
         return p
 
     async def operator(self, connector):
@@ -109,7 +111,7 @@ class Cluster:
                 pass
         for node_id in self.nodes:
             simcluster.kill_node(node_id)
-        for p in self.agents.values():
+        for p in self.spawned:
             try:
                 p.wait(2)
             except subprocess.TimeoutExpired:
