@@ -15,7 +15,6 @@ import time
 from prometheus_client import Counter, Gauge, Histogram
 
 from llmgw.shared import subjects as S
-from llmgw.shared.errors import WireError
 from llmgw.shared.schemas import Heartbeat, Lease, decode, encode
 
 from .leases import LeaseBook, Timings, Transition
@@ -57,16 +56,8 @@ class HealthMonitor(ServiceRuntime):
     async def on_heartbeat(self, msg) -> None:
         if not self.acting:
             return
-        node = S.node_of(msg.subject)
-        try:
-            hb = decode(msg.data, Heartbeat)
-        except WireError as e:
-            HEARTBEATS.labels("malformed").inc()
-            self.log.warning("heartbeat from %s rejected: %s", node, e)
-            return
-        if hb.node_id != node:
-            HEARTBEATS.labels("inconsistent").inc()
-            self.log.warning("heartbeat on %s claims node_id %r; ignored", msg.subject, hb.node_id)
+        hb = self.node_message(msg, Heartbeat, HEARTBEATS, "heartbeat")
+        if hb is None:
             return
         HEARTBEATS.labels("accepted").inc()
         tr = self.book.heartbeat(hb, time.time())

@@ -16,7 +16,6 @@ from prometheus_client import Counter, Gauge
 
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import LlmgwError, WireError
-from llmgw.shared.names import is_valid_name
 from llmgw.shared.pki import subject_dn
 from llmgw.shared.schemas import Inventory, NodeRecord, decode, encode, now
 
@@ -47,17 +46,10 @@ class Registry(ServiceRuntime):
 
     # -- inventories -----------------------------------------------------------
     async def on_inventory(self, msg) -> None:
-        node = S.node_of(msg.subject)
-        try:
-            inv = decode(msg.data, Inventory)
-        except WireError as e:
-            INVENTORIES.labels("malformed").inc()
-            self.log.warning("inventory from %s rejected: %s", node or msg.subject, e)
-            return
-        if inv.node_id != node or not is_valid_name(node):
-            INVENTORIES.labels("inconsistent").inc()
-            self.log.warning("inventory on %s claims node_id %r; rejected, previous record kept", msg.subject, inv.node_id)
-            return
+        inv = self.node_message(msg, Inventory, INVENTORIES, "inventory")
+        if inv is None:
+            return  # the previous record stays
+        node = inv.node_id
         if len({g.index for g in inv.gpus}) != len(inv.gpus):
             INVENTORIES.labels("inconsistent").inc()
             self.log.warning("inventory from %s lists a GPU index twice; rejected, previous record kept", node)

@@ -19,7 +19,8 @@ from llmgw.shared.config import ServiceConfig, load_service_config
 from llmgw.shared.errors import ConfigError, LlmgwError, WireError
 from llmgw.shared.events import EventPublisher
 from llmgw.shared.leader import Leadership
-from llmgw.shared.schemas import ApiError, encode
+from llmgw.shared.names import is_valid_name
+from llmgw.shared.schemas import ApiError, decode, encode
 
 VERSION = "0.1.0"
 
@@ -92,6 +93,26 @@ class ServiceRuntime:
                 await req.respond_error("500", f"{type(e).__name__}: {e}", data=encode(ApiError(code="internal", description=str(e))))
 
         return run
+
+    def node_message(self, msg, schema, counter, what: str):
+        """Decode a message an agent published on ``llmgw.node.<node>.…``, or None.
+
+        The server already binds the subject to the certificate; the payload
+        must claim the same node. Every rejection is logged with the node and
+        counted by ``counter`` (a Counter with a ``result`` label).
+        """
+        node = S.node_of(msg.subject)
+        try:
+            obj = decode(msg.data, schema)
+        except WireError as e:
+            counter.labels("malformed").inc()
+            self.log.warning("%s from %s rejected: %s", what, node or msg.subject, e)
+            return None
+        if getattr(obj, "node_id", None) != node or not is_valid_name(node):
+            counter.labels("inconsistent").inc()
+            self.log.warning("%s on %s claims node_id %r; rejected", what, msg.subject, getattr(obj, "node_id", None))
+            return None
+        return obj
 
     def spawn(self, coro) -> asyncio.Task:
         t = asyncio.create_task(coro)

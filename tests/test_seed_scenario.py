@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
-import time
 
 import openai
 import pytest

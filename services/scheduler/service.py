@@ -20,7 +20,7 @@ import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 
 from llmgw.shared import subjects as S
-from llmgw.shared.errors import ConfigError, LlmgwError, WireError
+from llmgw.shared.errors import ConfigError, LlmgwError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.names import check_name
 from llmgw.shared.schemas import (
@@ -108,17 +108,10 @@ class Scheduler(ServiceRuntime):
 
     # -- agent status ------------------------------------------------------------
     async def on_status(self, msg) -> None:
-        node = S.node_of(msg.subject)
-        try:
-            report = decode(msg.data, StatusReport)
-        except WireError as e:
-            STATUS.labels("malformed").inc()
-            self.log.warning("status from %s rejected: %s", node, e)
+        report = self.node_message(msg, StatusReport, STATUS, "status")
+        if report is None:
             return
-        if report.node_id != node:
-            STATUS.labels("inconsistent").inc()
-            self.log.warning("status on %s claims node_id %r; ignored", msg.subject, report.node_id)
-            return
+        node = report.node_id
         STATUS.labels("accepted").inc()
         facts = {(f.replica_id, f.rank): f for f in report.engines}
         if report.full:
