@@ -206,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--dir", default=".llmgw")
     p.set_defaults(func=_lazy("llmgw.services.up:sim"))
 
-    p = sub.add_parser("tui", help="the live console")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_not_yet("tui"))
+    p = sub.add_parser("tui", help="the live console: fabrics, nodes, replicas and events, as they change")
+    p.add_argument("--config", help="operator.yaml (default $LLMGW_CONFIG, then ./.llmgw/operator.yaml)")
+    p.set_defaults(func=_lazy("llmgw.tui.app:main"))
     return parser
 
 

@@ -1,0 +1,377 @@
+"""What the console shows, computed from the buckets: pure functions, no Textual, no bus.
+
+The widgets only draw the frozen views built here, so every decision about a
+word, a colour class or an order is unit-testable with plain records, and the
+clock is a parameter (``now``) — snapshot tests pin it.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from llmgw.services.ctl.ops import node_rows
+from llmgw.shared.schemas import Event, Lease, NodeRecord, Replica
+
+# The panel of nodes configured on no fabric (they host single-node replicas only).
+NO_FABRIC = "no fabric"
+
+# A node's one word, most urgent first: health beats administration, because a
+# lost node is lost whether or not someone cordoned it.
+NODE_STATES = ("lost", "suspect", "draining", "cordoned", "ready", "unknown")
+
+# Replica states grouped by what an operator should feel about them.
+STARTING = ("pending", "launching", "waiting-for-workers")
+FAILING = ("failed", "reaping")
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """The three buckets the console mirrors, as last seen."""
+
+    nodes: Mapping[str, NodeRecord] = field(default_factory=dict)
+    leases: Mapping[str, Lease] = field(default_factory=dict)
+    replicas: Mapping[str, Replica] = field(default_factory=dict)
+
+
+def node_state(record: NodeRecord, lease: Lease | None) -> str:
+    if lease is None:
+        return "unknown"  # registered, but the health monitor has not spoken yet
+    if lease.state != "ready":
+        return lease.state
+    if record.admin != "active":
+        return record.admin
+    return "ready"
+
+
+def replica_tone(state: str) -> str:
+    """ready | starting | failing | gone: the colour family of a replica state."""
+    if state in STARTING:
+        return "starting"
+    if state in FAILING:
+        return "failing"
+    return state if state in ("ready", "gone") else "starting"
+
+
+def format_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = max(0.0, seconds)
+    if s < 10:
+        return f"{s:.1f}s"
+    if s < 60:
+        return f"{s:.0f}s"
+    if s < 3600:
+        return f"{s // 60:.0f}m{s % 60:02.0f}s"
+    if s < 86400:
+        return f"{s / 3600:.1f}h"
+    return f"{s / 86400:.1f}d"
+
+
+def matches(pattern: str, *texts: str) -> bool:
+    """Every word of the filter occurs somewhere in ``texts`` (case-insensitive)."""
+    words = pattern.lower().split()
+    if not words:
+        return True
+    hay = " ".join(texts).lower()
+    return all(w in hay for w in words)
+
+
+# --------------------------------------------------------------------------
+# replica marks: the letter a GPU cell shows for the replica holding it
+# --------------------------------------------------------------------------
+
+MARK_SYMBOLS = string.ascii_uppercase + string.ascii_lowercase + string.digits
+
+
+class MarkBook:
+    """One symbol per replica for the whole session.
+
+    Symbols are never handed to another replica while the console runs, so a
+    letter seen on a GPU during an incident still means the same replica a
+    minute later. Replicas arriving together get symbols in id order, which
+    keeps the first screen the same from run to run.
+    """
+
+    def __init__(self) -> None:
+        self.marks: dict[str, str] = {}
+
+    def update(self, replica_ids: Iterable[str]) -> None:
+        for rid in sorted(set(replica_ids) - self.marks.keys()):
+            self.marks[rid] = MARK_SYMBOLS[len(self.marks) % len(MARK_SYMBOLS)]
+
+    def get(self, replica_id: str) -> str:
+        return self.marks.get(replica_id, "?")
+
+
+def gpu_holders(replicas: Mapping[str, Replica]) -> dict[str, dict[int, Replica]]:
+    """node -> GPU index -> the replica holding it.
+
+    Should a replica being reaped and its replacement both name a GPU, the
+    live one wins: that is who will hold it once reaping ends.
+    """
+    held: dict[str, dict[int, Replica]] = {}
+    for r in sorted(replicas.values(), key=lambda r: (r.state in FAILING, r.id), reverse=True):
+        if r.state == "gone":
+            continue
+        for m in r.members:
+            for g in m.gpus:
+                held.setdefault(m.node_id, {})[g] = r
+    return held
+
+
+# --------------------------------------------------------------------------
+# fabrics and their nodes
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuCell:
+    index: int
+    mark: str  # "·" when free
+    replica: str = ""
+    tone: str = "free"  # free | ready | starting | failing
+
+
+@dataclass(frozen=True)
+class NodeView:
+    node_id: str
+    fabric: str  # the panel this row sits in
+    state: str
+    lease_age: str
+    cells: tuple[GpuCell, ...] = ()
+    gpus_free: int = 0
+    mgmt_addr: str = ""
+    problem: str = ""  # e.g. a configured fabric whose HCAs are down
+    # The admin state when the state word does not already say it (a lost node
+    # that is also cordoned), so an operator's cordon never looks ignored.
+    admin: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.fabric}/{self.node_id}"
+
+
+@dataclass(frozen=True)
+class FabricView:
+    name: str
+    nodes: tuple[NodeView, ...]
+    summary: str  # "2 nodes · 8/16 GPUs free"
+
+
+def _problem(record: NodeRecord) -> str:
+    broken = [f"{f.name}: {f.problem or 'unusable'}" for f in record.fabrics if not f.usable]
+    return "; ".join(broken)
+
+
+def fabric_views(state: ClusterState, now: float, marks: MarkBook, pattern: str = "") -> tuple[FabricView, ...]:
+    holders = gpu_holders(state.replicas)
+    members: dict[str, list[str]] = {}
+    for rid, rec in state.nodes.items():
+        for fab in rec.fabrics or ():
+            members.setdefault(fab.name, []).append(rid)
+        if not rec.fabrics:
+            members.setdefault(NO_FABRIC, []).append(rid)
+    rows = {r["node_id"]: r for r in node_rows(dict(state.nodes), dict(state.leases), dict(state.replicas))}
+    out = []
+    for fabric in sorted(members, key=lambda f: (f == NO_FABRIC, f)):
+        views = []
+        for node_id in sorted(members[fabric]):
+            rec, lease = state.nodes[node_id], state.leases.get(node_id)
+            word = node_state(rec, lease)
+            held = holders.get(node_id, {})
+            cells = tuple(
+                GpuCell(g.index, marks.get(held[g.index].id), held[g.index].id, replica_tone(held[g.index].state))
+                if g.index in held
+                else GpuCell(g.index, "·")
+                for g in sorted(rec.gpus, key=lambda g: g.index)
+            )
+            holders_text = " ".join(sorted({c.replica for c in cells if c.replica}))
+            if not matches(pattern, node_id, fabric, word, rec.mgmt_addr, holders_text):
+                continue
+            views.append(
+                NodeView(
+                    node_id=node_id,
+                    fabric=fabric,
+                    state=word,
+                    lease_age=format_age(now - lease.last_renew) if lease else "-",
+                    cells=cells,
+                    gpus_free=rows[node_id]["gpus_free"],
+                    mgmt_addr=rec.mgmt_addr,
+                    problem=_problem(rec),
+                    admin=rec.admin if rec.admin not in ("active", word) else "",
+                )
+            )
+        total = sum(len(state.nodes[n].gpus) for n in members[fabric])
+        free = sum(rows[n]["gpus_free"] for n in members[fabric])
+        count = len(members[fabric])
+        summary = f"{count} node{'s' if count != 1 else ''} · {free}/{total} GPUs free"
+        if views or not pattern:
+            out.append(FabricView(fabric, tuple(views), summary))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------
+# replicas
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    mark: str
+    id: str
+    deployment: str
+    fabric: str
+    members: str  # "node03:0 node04:1"
+    state: str
+    age: str
+    reason: str
+    tone: str
+    rebuild: bool = False  # the replacement of a failed replica
+
+
+def members_text(replica: Replica) -> str:
+    return " ".join(f"{m.node_id}:{m.rank}" for m in sorted(replica.members, key=lambda m: m.rank)) or "-"
+
+
+def replica_views(
+    state: ClusterState, now: float, marks: MarkBook, *, rebuilding: frozenset[str] = frozenset(), pattern: str = ""
+) -> tuple[ReplicaView, ...]:
+    out = []
+    for r in sorted(state.replicas.values(), key=lambda r: (r.deployment, r.generation, r.id)):
+        members = members_text(r)
+        if not matches(pattern, r.id, r.deployment, r.fabric or "", members, r.state):
+            continue
+        out.append(
+            ReplicaView(
+                mark=marks.get(r.id),
+                id=r.id,
+                deployment=r.deployment,
+                fabric=r.fabric or "-",
+                members=members,
+                state=r.state,
+                age=format_age(now - r.since) if r.since else "-",
+                reason=r.reason,
+                tone=replica_tone(r.state),
+                rebuild=r.id in rebuilding and r.state != "ready",
+            )
+        )
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------
+# one node, in detail
+# --------------------------------------------------------------------------
+
+
+def remember_members(seen: dict[str, set[str]], replicas: Mapping[str, Replica]) -> None:
+    """Which nodes each replica ever had, so a node's history outlives reaped records."""
+    for r in replicas.values():
+        seen.setdefault(r.id, set()).update(m.node_id for m in r.members)
+
+
+def touches_node(ev: Event, node_id: str, members_seen: Mapping[str, set[str]]) -> bool:
+    if ev.kind == "node":
+        return ev.subject == node_id
+    if ev.kind == "replica" and node_id in members_seen.get(ev.subject, ()):
+        return True
+    return re.search(rf"(?<![\w-]){re.escape(node_id)}(?![\w-])", ev.detail) is not None
+
+
+@dataclass(frozen=True)
+class GpuLine:
+    index: int
+    name: str
+    memory: str
+    replica: str  # "" when free
+
+
+@dataclass(frozen=True)
+class HcaLine:
+    name: str
+    ports: str  # "1: ACTIVE 200 Gb/sec (4X HDR)"
+    usable: bool
+    problem: str
+
+
+@dataclass(frozen=True)
+class MemberLine:
+    replica: str
+    state: str
+    rank: int
+    role: str
+    gpus: str
+    engine_state: str
+
+
+@dataclass(frozen=True)
+class NodeDetailView:
+    node_id: str
+    known: bool
+    state: str = "unknown"
+    admin: str = ""
+    lease: str = ""  # "ready since 19:27:34, renewed 0.4s ago, boot 72424447"
+    mgmt: str = ""
+    fabrics: str = ""
+    gpus: tuple[GpuLine, ...] = ()
+    hcas: tuple[HcaLine, ...] = ()
+    members: tuple[MemberLine, ...] = ()
+    events: tuple[Event, ...] = ()
+
+
+def memory_text(mib: int | None) -> str:
+    return "?" if mib is None else f"{mib / 1024:.0f} GiB"
+
+
+def node_detail(
+    node_id: str,
+    state: ClusterState,
+    events: Iterable[Event],
+    members_seen: Mapping[str, set[str]],
+    now: float,
+    *,
+    recent: int = 12,
+) -> NodeDetailView:
+    rec = state.nodes.get(node_id)
+    relevant = tuple(e for e in events if touches_node(e, node_id, members_seen))[-recent:]
+    if rec is None:
+        return NodeDetailView(node_id=node_id, known=False, events=relevant)
+    lease = state.leases.get(node_id)
+    held = gpu_holders(state.replicas).get(node_id, {})
+    lease_text = "no lease yet"
+    if lease is not None:
+        lease_text = f"{lease.state} for {format_age(now - lease.since)}, renewed {format_age(now - lease.last_renew)} ago, boot {lease.boot_id[:8]}"
+    members = []
+    for r in sorted(state.replicas.values(), key=lambda r: r.id):
+        for m in r.members:
+            if m.node_id == node_id:
+                gpus = ",".join(map(str, m.gpus)) or "-"
+                members.append(MemberLine(r.id, r.state, m.rank, m.role, gpus, m.engine_state or "-"))
+    hcas = tuple(
+        HcaLine(
+            name=h.name,
+            ports="; ".join(f"{p.port}: {p.state} {p.rate}".strip() for p in h.ports) or "no ports",
+            usable=h.usable,
+            problem=h.problem,
+        )
+        for h in rec.hcas
+    )
+    fabrics = ", ".join(f"{f.name} [{', '.join(f.hcas)}]" + ("" if f.usable else f" UNUSABLE: {f.problem}") for f in rec.fabrics)
+    return NodeDetailView(
+        node_id=node_id,
+        known=True,
+        state=node_state(rec, lease),
+        admin=rec.admin,
+        lease=lease_text,
+        mgmt=f"{rec.mgmt_addr} ({rec.mgmt_interface})" if rec.mgmt_interface else rec.mgmt_addr,
+        fabrics=fabrics or NO_FABRIC,
+        gpus=tuple(
+            GpuLine(g.index, g.name, memory_text(g.memory_mib), held[g.index].id if g.index in held else "")
+            for g in sorted(rec.gpus, key=lambda g: g.index)
+        ),
+        hcas=hcas,
+        members=tuple(members),
+        events=relevant,
+    )

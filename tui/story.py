@@ -1,0 +1,147 @@
+"""Rebuild stories: consecutive events composed into one line an operator reads at a glance.
+
+    node02 lost → demo-g1 failed → reaped → demo-g3 placed on ib-b → ready (20.1 s)
+
+Pure: events go in, in stream order; stories come out. Nothing here knows the
+buckets, so the history replayed at start tells the same stories as live events.
+
+A story opens when a replica fails. Its cause is a node declared lost shortly
+before, when the failure names that node (the scheduler's reason is
+"node node02 lost"); otherwise the failure's own reason. The first replica of
+the same deployment created after the failure is its replacement. The story
+ends when the replacement is ready; its duration counts from the cause.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from llmgw.shared.schemas import Event
+
+# A lost node explains a failure only if the failure follows soon after.
+CAUSE_WINDOW = 300.0
+
+_PLACED_ON_FABRIC = re.compile(r"^placed on ([^\s:]+):")
+_PLACED_ON_NODE = re.compile(r"^placed (\S+)")
+
+
+def _names(text: str, word: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", text) is not None
+
+
+def _deployment(ev: Event) -> str:
+    return ev.data.get("deployment") or re.sub(r"-g\d+$", "", ev.subject)
+
+
+def placed_where(detail: str) -> str:
+    """'placed on ib-b: node03 (leader), node04' -> 'ib-b'; 'placed node05' -> 'node05'."""
+    m = _PLACED_ON_FABRIC.match(detail) or _PLACED_ON_NODE.match(detail)
+    return m.group(1).rstrip(",") if m else ""
+
+
+@dataclass
+class Rebuild:
+    deployment: str
+    failed: str  # the replica that failed
+    started: float  # the cause's time
+    steps: list[str] = field(default_factory=list)
+    replacement: str = ""
+    reaping_step: int | None = None  # index of "reaping", turned into "reaped" when the record goes
+    ready_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.ready_at is not None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.ready_at is None else self.ready_at - self.started
+
+    def text(self) -> str:
+        return " → ".join(self.steps) + ("" if self.done else " …")
+
+
+class StoryBook:
+    def __init__(self, keep: int = 50) -> None:
+        self.lost: dict[str, float] = {}  # node -> when it was declared lost
+        self.open: list[Rebuild] = []
+        self.told: list[Rebuild] = []
+        self.keep = keep
+
+    @property
+    def rebuilding(self) -> frozenset[str]:
+        """Replicas that are the replacement of a failed one, still on their way."""
+        return frozenset(s.replacement for s in self.open if s.replacement)
+
+    def current(self) -> str:
+        """The story still unfolding, newest first ('' when none)."""
+        return self.open[-1].text() if self.open else ""
+
+    def add(self, ev: Event) -> Rebuild | None:
+        """Take the next event; returns a story it completed."""
+        if ev.kind == "node" and ev.what == "lost":
+            self.lost[ev.subject] = ev.time
+            return None
+        if ev.kind == "node" and ev.what in ("ready", "joined"):
+            self.lost.pop(ev.subject, None)
+            return None
+        if ev.kind == "deployment" and ev.what == "deleted":
+            self.open = [s for s in self.open if s.deployment != ev.subject]
+            return None
+        if ev.kind != "replica":
+            return None
+        if ev.what == "failed":
+            self._failed(ev)
+        elif ev.what == "reaping":
+            for s in self.open:
+                if s.failed == ev.subject and s.reaping_step is None:
+                    s.reaping_step = len(s.steps)
+                    s.steps.append("reaping")
+        elif ev.what == "gone":
+            for s in self.open:
+                if s.failed == ev.subject and s.reaping_step is not None:
+                    s.steps[s.reaping_step] = "reaped"
+        elif ev.data.get("from", "x") == "" or ev.what == "launching":
+            self._placed(ev)
+        if ev.what == "ready":
+            return self._ready(ev)
+        return None
+
+    def _failed(self, ev: Event) -> None:
+        for s in self.open:
+            if s.replacement == ev.subject:  # the replacement failed too: the same story goes on
+                s.steps.append(f"{ev.subject} failed")
+                s.replacement = ""
+                return
+        cause, started = "", ev.time
+        for node, at in sorted(self.lost.items(), key=lambda kv: -kv[1]):
+            if 0 <= ev.time - at <= CAUSE_WINDOW and _names(ev.detail, node):
+                cause, started = f"{node} lost", at
+                break
+        steps = [cause, f"{ev.subject} failed"] if cause else [f"{ev.subject} failed ({ev.detail})" if ev.detail else f"{ev.subject} failed"]
+        self.open.append(Rebuild(deployment=_deployment(ev), failed=ev.subject, started=started, steps=steps))
+
+    def _placed(self, ev: Event) -> None:
+        new = ev.data.get("from") == ""
+        for s in self.open:
+            if s.deployment != _deployment(ev) or ev.subject == s.failed:
+                continue
+            if s.replacement == ev.subject or (not s.replacement and new and ev.time >= s.started):
+                s.replacement = ev.subject
+                if ev.what == "launching":
+                    where = placed_where(ev.detail)
+                    s.steps.append(f"{ev.subject} placed on {where}" if where else f"{ev.subject} placed")
+                elif ev.what == "pending":
+                    s.steps.append(f"{ev.subject} pending")
+                return
+
+    def _ready(self, ev: Event) -> Rebuild | None:
+        for s in self.open:
+            if s.replacement == ev.subject:
+                s.ready_at = ev.time
+                s.steps.append(f"ready ({s.seconds:.1f} s)")
+                self.open.remove(s)
+                self.told = (self.told + [s])[-self.keep :]
+                return s
+        return None
