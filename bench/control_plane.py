@@ -1,0 +1,819 @@
+"""Control-plane benchmark: registry, health monitor and scheduler at cluster scale.
+
+Not a test: it prints figures (and ``--json FILE`` writes them). Run from the
+repository root with the project's virtual environment::
+
+    python bench/control_plane.py                       # 2,000 nodes x 8 GPUs
+    python bench/control_plane.py --nodes 20 --replicas 5 --steady 3s \\
+        --node-lost-after 3s --heartbeat 0.5s           # smoke: well under a minute
+
+What runs where:
+
+* a real nats-server (``NatsServer`` in a temporary directory) whose ledger
+  holds one certificate per simulated node, one per service and an operator;
+* registry, health monitor and scheduler as separate processes, started the
+  way ``llmgw up`` starts them (``up.Cluster``: same config files, same
+  ``python -m llmgw.services ROLE --config FILE``, same teardown), so their CPU
+  can be read from ``/proc/<pid>/stat``;
+* the simulated agents in this process, on one asyncio loop: one TLS
+  connection per node under that node's own certificate (the server only lets
+  ``CN=nodeNNNN,OU=node`` publish ``llmgw.node.nodeNNNN.>``). Each publishes its
+  inventory once, a heartbeat every ``--heartbeat`` (+-10 % jitter), answers
+  launch with an ok ``CommandAck`` followed by a ``StatusReport`` (leader
+  ``ready``, worker ``starting``), and answers stop and list. The arrival time
+  of every launch command is recorded.
+
+Phases: (1) bring-up, (2) steady-state CPU, (3) placement of ``--replicas``
+replicas x 2 nodes x 4 GPUs applied as the operator, (4) failover of one member
+node whose heartbeats stop. Everything started is stopped on exit, Ctrl-C or
+failure; if this process is killed outright, ``llmgw down --dir DIR`` (the
+directory is printed first) stops what is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmgw.services.simcluster import GPU_MEMORY_MIB, GPU_NAME, HCAS_PER_NODE, fabric_name, gpu_uuid
+from llmgw.services.up import Cluster
+from llmgw.shared import bus, pki, subjects as S
+from llmgw.shared.durations import format_duration, parse_duration
+from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared.natsserver import NatsServer, free_port
+from llmgw.shared.schemas import (
+    CommandAck,
+    DeploymentSpec,
+    EngineFact,
+    Event,
+    FabricMembership,
+    Gpu,
+    Hca,
+    HcaPort,
+    Heartbeat,
+    Inventory,
+    Lease,
+    LaunchCommand,
+    NodeRecord,
+    Replica,
+    StatusReport,
+    StopCommand,
+    decode,
+    encode,
+)
+
+TARGETS = {"cpu": 25.0, "placement": 2.0, "failover": 0.5}  # % of one core, s, s
+DEPLOYMENT = "bench"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds (``/proc/<pid>/stat`` fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+# --------------------------------------------------------------------------
+# The PKI, issued in bulk
+# --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def one_ledger_write(pki_dir: Path):
+    """Let ``pki.issue`` run thousands of times with one ledger read and one write.
+
+    ``pki.issue`` re-reads and rewrites the whole ledger on every call, which is
+    right for onboarding a node and quadratic for 2,000 of them (about a minute
+    here). The certificates and ledger entries are the ones ``pki.issue``
+    makes; only the ledger file's round trips are batched.
+    """
+    entries = pki._load_ledger(pki_dir)
+    load, save = pki._load_ledger, pki._save_ledger
+    pki._load_ledger = lambda _p: entries
+    pki._save_ledger = lambda _p, _e: None
+    try:
+        yield
+    finally:
+        pki._load_ledger, pki._save_ledger = load, save
+        save(pki_dir, entries)
+
+
+# --------------------------------------------------------------------------
+# Simulated agents
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchSeen:
+    at: float  # wall clock, comparable with the services' event times
+    node: str
+    replica_id: str
+    generation: int
+    rank: int
+
+
+@dataclass
+class SimAgent:
+    node_id: str
+    fabric: str
+    mgmt_addr: str
+    gpus: int
+    tls: bus.TlsFiles
+    board: "Board"
+    boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    seq: int = 0
+    last_beat: float = 0.0
+    nc: object = None
+    engines: dict = field(default_factory=dict)  # (replica id, rank) -> EngineFact
+    beating: asyncio.Task | None = None
+
+    def inventory(self) -> Inventory:
+        return Inventory(
+            node_id=self.node_id,
+            boot_id=self.boot_id,
+            hostname=self.node_id,
+            agent_version="bench",
+            mgmt_addr=self.mgmt_addr,
+            mgmt_interface="eth0",
+            gpus=[Gpu(index=i, uuid=gpu_uuid(self.node_id, i), name=GPU_NAME, memory_mib=GPU_MEMORY_MIB, pci_bus_id=f"00000000:{0x18 + i * 0x10:02X}:00.0") for i in range(self.gpus)],
+            fabrics=[FabricMembership(name=self.fabric, hcas=list(HCAS_PER_NODE), usable=True)],
+            hcas=[Hca(name=h, ports=[HcaPort(port=1, state="ACTIVE", phys_state="LinkUp", rate="200 Gb/sec (4X HDR)", link_layer="InfiniBand")], usable=True) for h in HCAS_PER_NODE],
+            sent_at=time.time(),
+        )
+
+    async def connect(self, url: str) -> None:
+        self.nc = await bus.connect(url, self.tls, name="bench-agent", initial_attempts=5, reconnect_base=0.5, reconnect_max=5.0, connect_timeout=20)
+        await self.nc.subscribe(S.cmd_launch(self.node_id), cb=self.on_launch)
+        await self.nc.subscribe(S.cmd_stop(self.node_id), cb=self.on_stop)
+        await self.nc.subscribe(S.cmd_list(self.node_id), cb=self.on_list)
+        await self.nc.flush()
+
+    async def announce(self, heartbeat: float) -> None:
+        """What a real agent sends on connect: inventory, a full status report, a heartbeat."""
+        await self.publish_inventory()
+        await self.nc.publish(S.status(self.node_id), encode(self.report(full=True)))
+        await self.heartbeat()
+        self.beating = asyncio.create_task(self.heartbeats(heartbeat))
+
+    async def publish_inventory(self) -> None:
+        await self.nc.publish(S.inventory(self.node_id), encode(self.inventory()))
+
+    async def heartbeat(self) -> None:
+        self.seq += 1
+        self.last_beat = time.time()
+        await self.nc.publish(S.heartbeat(self.node_id), encode(Heartbeat(node_id=self.node_id, boot_id=self.boot_id, seq=self.seq, sent_at=self.last_beat)))
+
+    async def heartbeats(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval * random.uniform(0.9, 1.1))
+            if self.nc.is_connected:
+                try:
+                    await self.heartbeat()
+                except Exception:  # noqa: BLE001 - the next beat tries again
+                    pass
+
+    def stop_heartbeats(self) -> None:
+        if self.beating:
+            self.beating.cancel()
+
+    def report(self, *, full: bool, engines: list[EngineFact] | None = None) -> StatusReport:
+        facts = list(self.engines.values()) if full else (engines or [])
+        return StatusReport(node_id=self.node_id, boot_id=self.boot_id, full=full, engines=facts, sent_at=time.time())
+
+    async def on_launch(self, msg) -> None:
+        at = time.time()
+        cmd = decode(msg.data, LaunchCommand)
+        self.board.launched(LaunchSeen(at, self.node_id, cmd.replica_id, cmd.generation, cmd.rank))
+        fact = EngineFact(
+            replica_id=cmd.replica_id,
+            generation=cmd.generation,
+            deployment=cmd.deployment,
+            rank=cmd.rank,
+            serves_http=cmd.rank == 0,
+            pid=self.board.next_pid(),
+            state="ready" if cmd.rank == 0 else "starting",
+            gpus=list(cmd.gpus),
+            http_port=cmd.http_port,
+            rendezvous_port=cmd.rendezvous_port,
+            since=at,
+        )
+        old = self.engines.get((cmd.replica_id, cmd.rank))
+        if old is not None and old.generation == cmd.generation:
+            fact = old  # idempotent, like the real agent
+        self.engines[(cmd.replica_id, cmd.rank)] = fact
+        await msg.respond(encode(CommandAck(ok=True, pid=fact.pid)))
+        await self.nc.publish(S.status(self.node_id), encode(self.report(full=False, engines=[fact])))
+
+    async def on_stop(self, msg) -> None:
+        cmd = decode(msg.data, StopCommand)
+        ended = []
+        for key, fact in list(self.engines.items()):
+            if fact.replica_id == cmd.replica_id and (cmd.generation == 0 or fact.generation <= cmd.generation):
+                del self.engines[key]
+                ended.append(EngineFact(replica_id=fact.replica_id, generation=fact.generation, deployment=fact.deployment, rank=fact.rank, pid=fact.pid, state="exited", exit_code=0, gpus=fact.gpus, since=time.time()))
+        await msg.respond(encode(CommandAck(ok=True)))
+        if ended:
+            await self.nc.publish(S.status(self.node_id), encode(self.report(full=False, engines=ended)))
+
+    async def on_list(self, msg) -> None:
+        await msg.respond(encode(self.report(full=True)))
+
+
+@dataclass
+class Board:
+    """What the agents saw, shared by all of them."""
+
+    launches: list[LaunchSeen] = field(default_factory=list)
+    pid: int = 100_000
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def launched(self, seen: LaunchSeen) -> None:
+        self.launches.append(seen)
+        self.changed.set()
+
+    def next_pid(self) -> int:
+        self.pid += 1
+        return self.pid
+
+
+# --------------------------------------------------------------------------
+# The bench
+# --------------------------------------------------------------------------
+
+
+class BenchError(Exception):
+    pass
+
+
+@dataclass
+class Figures:
+    values: dict = field(default_factory=dict)
+
+    def __setitem__(self, k, v):
+        self.values[k] = v
+
+    def __getitem__(self, k):
+        return self.values[k]
+
+    def get(self, k, default=None):
+        return self.values.get(k, default)
+
+
+class Bench:
+    def __init__(self, args, root: Path):
+        self.args = args
+        self.root = root
+        self.cluster = Cluster(dir=root, progress=lambda m: print(m, flush=True))
+        self.t0 = time.monotonic()
+        self.board = Board()
+        self.agents: list[SimAgent] = []
+        self.fig = Figures()
+        self.nc = None
+        self.js = None
+        self.mirrors: list[KvMirror] = []
+        self.metrics: dict[str, str] = {}
+
+    # -- output ---------------------------------------------------------------
+    def out(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.t0:7.1f}s] {msg}", flush=True)
+
+    def phase(self, n: int, name: str) -> None:
+        print(f"\n== phase {n}: {name} ==", flush=True)
+
+    # -- setup ----------------------------------------------------------------
+    def node_ids(self) -> list[str]:
+        width = max(2, len(str(self.args.nodes)))
+        return [f"node{i:0{width}d}" for i in range(1, self.args.nodes + 1)]
+
+    def prepare(self) -> None:
+        a = self.args
+        nats = self.cluster.nats = NatsServer(root=self.root)
+        nats.prepare()
+        ids = self.node_ids()
+        per = -(-a.nodes // a.fabrics)
+        t = time.monotonic()
+        with one_ledger_write(nats.pki_dir):
+            for i, node in enumerate(ids):
+                tls = nats.issue(node, "node")
+                self.agents.append(SimAgent(node, fabric_name(i // per), f"10.{(i + 1) >> 16 & 255}.{(i + 1) >> 8 & 255}.{(i + 1) & 255}", a.gpus, tls, self.board))
+        self.out(f"issued {len(ids)} node certificates in {time.monotonic() - t:.1f}s ({a.fabrics} fabrics of {per} nodes)")
+        hb, lost = a.heartbeat, a.node_lost_after
+        self.suspect_after = next(k for k in (3, 2, 1) if k * hb < lost)
+        common = {"reconnect_base": "0.5s", "reconnect_max": "5s"}
+        self.metrics = {role: f"127.0.0.1:{free_port()}" for role in ("registry", "health", "scheduler")}
+        self.configs = {
+            "registry": self.cluster._service_config("registry", {**common, "metrics_listen": self.metrics["registry"]}),
+            "health": self.cluster._service_config(
+                "health",
+                {**common, "metrics_listen": self.metrics["health"], "health": {"heartbeat_interval": format_duration(hb), "suspect_after_missed": self.suspect_after, "node_lost_after": format_duration(lost)}},
+            ),
+            "scheduler": self.cluster._service_config("scheduler", {**common, "metrics_listen": self.metrics["scheduler"]}),
+        }
+        self.cluster._service_config("operator", {})
+        self.out(f"health: heartbeat {format_duration(hb)}, suspect after {self.suspect_after} missed, lost after {format_duration(lost)}; scheduler: defaults")
+
+    def start_processes(self) -> None:
+        self.cluster.start_nats()
+        for role in ("registry", "health", "scheduler"):
+            self.cluster._spawn(role, self.cluster.llmgw(role, "--config", str(self.configs[role])))
+        self.out("started registry, health, scheduler (pids " + ", ".join(f"{r} {self.cluster.procs[r].pid}" for r in ("registry", "health", "scheduler")) + ")")
+
+    async def connect_operator(self) -> None:
+        tls = self.cluster.nats.tls_for("operator", "operator")
+        self.nc = await bus.connect(self.cluster.nats.url, tls, name="bench", initial_attempts=20, reconnect_base=0.2, reconnect_max=1.0)
+        self.js = self.nc.jetstream(timeout=10)
+
+    async def wait_services(self, timeout: float = 60.0) -> None:
+        """The registry's and scheduler's APIs answer: their subscriptions are in place."""
+        deadline = time.monotonic() + timeout
+        for svc in ("llmgw-registry", "llmgw-scheduler"):
+            while True:
+                self.cluster.check_alive()
+                try:
+                    await self.nc.request(f"$SRV.PING.{svc}", b"", timeout=1)
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise BenchError(f"{svc} did not answer in {timeout:.0f}s; see {self.root / 'logs'}") from None
+                    await asyncio.sleep(0.2)
+
+    async def mirror(self, bucket: str, schema, wait: float = 60.0) -> KvMirror:
+        m = await KvMirror(await open_bucket(self.js, bucket, wait=wait), schema).start(timeout=60)
+        self.mirrors.append(m)
+        return m
+
+    async def unmirror(self, m: KvMirror) -> None:
+        await m.stop()
+        self.mirrors.remove(m)
+
+    def scrape(self, role: str) -> dict[str, float]:
+        """A service's Prometheus metrics, name{labels} -> value."""
+        out = {}
+        try:
+            with urllib.request.urlopen(f"http://{self.metrics[role]}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            return out
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                k, _, v = line.rpartition(" ")
+                with contextlib.suppress(ValueError):
+                    out[k] = float(v)
+        return out
+
+    def pids(self) -> dict[str, int]:
+        p = {r: self.cluster.procs[r].pid for r in ("registry", "health", "scheduler", "nats-server")}
+        p["bench (agents)"] = os.getpid()
+        return p
+
+    def cpu_all(self) -> dict[str, float]:
+        return {name: cpu_seconds(pid) for name, pid in self.pids().items()}
+
+    # -- phase 1 ---------------------------------------------------------------
+    async def bring_up(self) -> None:
+        a = self.args
+        self.phase(1, "bring-up")
+        t_start = time.monotonic()
+        self.prepare()
+        self.start_processes()
+        await self.connect_operator()
+        await self.wait_services()
+        self.out("services answer; connecting agents")
+        nodes = await self.mirror(S.BUCKET_NODES, NodeRecord)
+        leases = await self.mirror(S.BUCKET_LEASES, Lease)
+        c0 = self.cpu_all()
+        # 2,000 TLS handshakes from one loop: bounded concurrency, with progress.
+        sem = asyncio.Semaphore(a.connect_concurrency)
+        done = 0
+        t = time.monotonic()
+        last_print = t
+
+        async def one(agent: SimAgent):
+            nonlocal done, last_print
+            async with sem:
+                await agent.connect(self.cluster.nats.url)
+                await agent.announce(a.heartbeat)
+            done += 1
+            if time.monotonic() - last_print >= 2 or done == len(self.agents):
+                last_print = time.monotonic()
+                self.out(f"agents connected {done}/{len(self.agents)} ({done / max(1e-9, last_print - t):.0f}/s)")
+
+        await asyncio.gather(*(one(ag) for ag in self.agents))
+        connect_s = time.monotonic() - t
+        self.fig["connect_s"] = connect_s
+        self.fig["connect_bench_cpu_pct"] = 100 * (cpu_seconds(os.getpid()) - c0["bench (agents)"]) / connect_s
+        self.out(f"{len(self.agents)} TLS connections (one per node certificate) in {connect_s:.1f}s: {len(self.agents) / connect_s:.0f} handshakes/s; this process used {self.fig['connect_bench_cpu_pct']:.0f}% of a core meanwhile")
+        want = {ag.node_id for ag in self.agents}
+        deadline = time.monotonic() + max(120.0, a.nodes * 0.1)
+        last, republished = None, time.monotonic()
+        while True:
+            self.cluster.check_alive()
+            registered = len(want & set(nodes.items))
+            ready = len({k for k, l in leases.items.items() if l.state == "ready"} & want)
+            if (registered, ready) != last:
+                self.out(f"nodes registered {registered}/{len(want)}, leases ready {ready}/{len(want)}")
+                last = (registered, ready)
+            if registered == ready == len(want):
+                break
+            if time.monotonic() > deadline:
+                raise BenchError(f"bring-up incomplete: {registered} registered, {ready} ready of {len(want)}")
+            if registered < len(want) and time.monotonic() - republished > 15:
+                # A real agent re-sends its inventory periodically; do so for the missing ones.
+                missing = [ag for ag in self.agents if ag.node_id not in nodes.items]
+                self.out(f"re-sending the inventory of {len(missing)} unregistered nodes")
+                for ag in missing:
+                    await ag.publish_inventory()
+                republished = time.monotonic()
+            await asyncio.sleep(0.2)
+        self.fig["bringup_s"] = time.monotonic() - t_start
+        c1 = self.cpu_all()
+        self.fig["bringup_cpu_s"] = {k: c1[k] - c0[k] for k in c0}
+        self.out(f"bring-up complete in {self.fig['bringup_s']:.1f}s")
+        self.out("CPU seconds from the first agent connect: " + ", ".join(f"{k} {v:.1f}" for k, v in self.fig["bringup_cpu_s"].items()))
+        await self.unmirror(nodes)
+        await self.unmirror(leases)
+
+    # -- phase 2 ---------------------------------------------------------------
+    async def steady(self) -> None:
+        a = self.args
+        self.phase(2, "steady state")
+        settle = max(1.0, a.heartbeat * 2)
+        self.out(f"settling for {format_duration(settle)}, then measuring CPU over {format_duration(a.steady)}")
+        await asyncio.sleep(settle)
+        hb_before = self.scrape("health").get('llmgw_health_heartbeats_total{result="accepted"}', 0.0)
+        writes_before = (await self.js.stream_info(S.kv_stream(S.BUCKET_LEASES))).state.last_seq
+        c0, w0 = self.cpu_all(), time.monotonic()
+        step = min(a.steady, 10.0)
+        while time.monotonic() - w0 < a.steady - 1e-3:
+            await asyncio.sleep(min(step, a.steady - (time.monotonic() - w0)))
+            self.cluster.check_alive()
+            c = self.cpu_all()
+            el = time.monotonic() - w0
+            self.out(f"  {el:5.1f}s: registry+health {100 * (c['registry'] - c0['registry'] + c['health'] - c0['health']) / el:5.1f}% of a core so far")
+        c1, window = self.cpu_all(), time.monotonic() - w0
+        pct = {k: 100.0 * (c1[k] - c0[k]) / window for k in c0}
+        hb_after = self.scrape("health").get('llmgw_health_heartbeats_total{result="accepted"}', 0.0)
+        writes_after = (await self.js.stream_info(S.kv_stream(S.BUCKET_LEASES))).state.last_seq
+        self.fig["steady_window_s"] = window
+        self.fig["steady_cpu_pct"] = pct
+        self.fig["steady_cpu_rh"] = pct["registry"] + pct["health"]
+        self.fig["heartbeats_per_s"] = (hb_after - hb_before) / window
+        self.fig["lease_writes_per_s"] = (writes_after - writes_before) / window
+        for k, v in pct.items():
+            self.out(f"  {k:15s} {v:6.1f}% of one core")
+        self.out(f"registry + health: {self.fig['steady_cpu_rh']:.1f}% of one core; health accepted {self.fig['heartbeats_per_s']:.0f} heartbeats/s and wrote {self.fig['lease_writes_per_s']:.0f} leases/s")
+
+    # -- phase 3 ---------------------------------------------------------------
+    async def placement(self) -> None:
+        a = self.args
+        self.phase(3, "placement")
+        replicas = await self.mirror(S.BUCKET_REPLICAS, Replica)
+        want = a.replicas
+        ready_at: dict[str, float] = {}
+        recorded_at: dict[str, float] = {}
+
+        def on_replica(key, old, new):
+            if new is None or new.deployment != DEPLOYMENT:
+                return
+            recorded_at.setdefault(key, time.time())
+            if new.state == "ready" and key not in ready_at:
+                ready_at[key] = time.time()
+
+        replicas.listeners.append(on_replica)
+        spec = DeploymentSpec(name=DEPLOYMENT, model="bench-70b", engine="sim", replicas=want, nodes_per_replica=2, gpus_per_node=4, startup_timeout=600)
+        sched0 = self.scrape("scheduler")
+        c0 = self.cpu_all()
+        n_launch0 = len(self.board.launches)
+        t_apply = time.time()
+        reply = await self.nc.request(S.api("scheduler", "apply"), encode(spec), timeout=30)
+        if (reply.headers or {}).get("Nats-Service-Error-Code"):
+            raise BenchError(f"apply refused: {reply.data.decode(errors='replace')}")
+        self.out(f"applied {want} replicas x 2 nodes x 4 GPUs (reply after {1000 * (time.time() - t_apply):.0f} ms)")
+        expected = 2 * want
+        deadline = time.monotonic() + max(60.0, want * 0.2)
+        last = -1
+        while len(self.board.launches) - n_launch0 < expected:
+            self.cluster.check_alive()
+            got = len(self.board.launches) - n_launch0
+            if got != last:
+                self.out(f"launch commands at agents {got}/{expected}")
+                last = got
+            if time.monotonic() > deadline:
+                raise BenchError(f"only {got} of {expected} launch commands arrived")
+            self.board.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.board.changed.wait(), 0.5)
+        mine = self.board.launches[n_launch0:]
+        first, lastl = min(s.at for s in mine), max(s.at for s in mine)
+        self.fig["place_first_launch_s"] = first - t_apply
+        self.fig["place_last_launch_s"] = lastl - t_apply
+        self.out(f"all {expected} launch commands arrived: first {1000 * (first - t_apply):.0f} ms, last {1000 * (lastl - t_apply):.0f} ms after the apply")
+        last = -1
+        while len(ready_at) < want:
+            self.cluster.check_alive()
+            if len(ready_at) != last:
+                self.out(f"replicas ready {len(ready_at)}/{want}")
+                last = len(ready_at)
+            if time.monotonic() > deadline:
+                raise BenchError(f"only {len(ready_at)} of {want} replicas ready")
+            await asyncio.sleep(0.1)
+        self.fig["place_ready_s"] = max(ready_at.values()) - t_apply
+        self.fig["place_first_record_s"] = min(recorded_at.values()) - t_apply
+        self.fig["place_last_record_s"] = max(recorded_at.values()) - t_apply
+        self.out(f"replica records (as a reader sees them): first {1000 * self.fig['place_first_record_s']:.0f} ms, last {1000 * self.fig['place_last_record_s']:.0f} ms after the apply")
+        c1 = self.cpu_all()
+        self.fig["place_cpu_s"] = {k: c1[k] - c0[k] for k in c0}
+        sched1 = self.scrape("scheduler")
+        k_sum, k_cnt = "llmgw_scheduler_reconcile_seconds_sum", "llmgw_scheduler_reconcile_seconds_count"
+        self.fig["place_reconciles"] = sched1.get(k_cnt, 0) - sched0.get(k_cnt, 0)
+        self.fig["place_reconcile_s"] = sched1.get(k_sum, 0) - sched0.get(k_sum, 0)
+        self.out(f"all {want} replicas ready {self.fig['place_ready_s']:.2f}s after the apply ({self.fig['place_reconciles']:.0f} reconciles, {self.fig['place_reconcile_s']:.2f}s in them)")
+        self.out("CPU seconds meanwhile: " + ", ".join(f"{k} {v:.2f}" for k, v in self.fig["place_cpu_s"].items()))
+        self.replicas = replicas
+        # For context: steady state again, now with every replica placed.
+        window = min(a.steady, 10.0)
+        await asyncio.sleep(min(a.heartbeat, 5.0))
+        c0, w0 = self.cpu_all(), time.monotonic()
+        await asyncio.sleep(window)
+        c1, el = self.cpu_all(), time.monotonic() - w0
+        self.fig["placed_cpu_pct"] = {k: 100.0 * (c1[k] - c0[k]) / el for k in c0}
+        self.out(f"steady state with {want} replicas placed, over {el:.0f}s: " + ", ".join(f"{k} {v:.1f}%" for k, v in self.fig["placed_cpu_pct"].items()))
+
+    # -- phase 4 ---------------------------------------------------------------
+    async def failover(self) -> None:
+        a = self.args
+        self.phase(4, "failover")
+        live = sorted((r for r in self.replicas.items.values() if r.deployment == DEPLOYMENT and r.state == "ready"), key=lambda r: r.generation)
+        victim_id = live[0].members[-1].node_id  # a worker of the oldest replica
+        hosted = [r.id for r in live if any(m.node_id == victim_id for m in r.members)]
+        max_gen = max(r.generation for r in live)
+        victim = next(ag for ag in self.agents if ag.node_id == victim_id)
+        lost_sub = await self.nc.subscribe(S.event("node", victim_id, "lost"))
+        n_launch0 = len(self.board.launches)
+        victim.stop_heartbeats()
+        self.out(f"stopped the heartbeats of {victim_id} (member of {', '.join(hosted)}); its connection stays up")
+        try:
+            msg = await lost_sub.next_msg(timeout=a.node_lost_after + 30)
+        except Exception:
+            raise BenchError(f"no lost event for {victim_id} within {a.node_lost_after + 30:.0f}s") from None
+        seen_lost = time.time()
+        await lost_sub.unsubscribe()
+        expected = 2 * len(hosted)
+        deadline = time.monotonic() + 60
+        while True:
+            new = [s for s in self.board.launches[n_launch0:] if s.generation > max_gen]
+            if len(new) >= expected:
+                break
+            if time.monotonic() > deadline:
+                raise BenchError(f"only {len(new)} of {expected} replacement launches arrived")
+            self.board.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.board.changed.wait(), 0.5)
+        # The lost event's time, as the health monitor stamped it, from the stream.
+        stored = await self.js.get_last_msg(S.EVENT_STREAM, S.event("node", victim_id, "lost"))
+        ev = decode(stored.data, Event)
+        if abs(ev.time - decode(msg.data, Event).time) > 1e-6:
+            raise BenchError("the lost event in the stream differs from the one published")
+        first, lastl = min(s.at for s in new), max(s.at for s in new)
+        self.fig["lost_after_beat_s"] = ev.time - victim.last_beat
+        self.fig["failover_first_s"] = first - ev.time
+        self.fig["failover_last_s"] = lastl - ev.time
+        self.fig["failover_replicas"] = len(hosted)
+        self.fig["failover_event_seen_s"] = seen_lost - ev.time
+        self.out(f"{victim_id} declared lost {ev.time - victim.last_beat:.2f}s after its last heartbeat (event time from {S.EVENT_STREAM}; lost after {format_duration(a.node_lost_after)}, checked every {format_duration(min(a.heartbeat / 4, 1.0))})")
+        self.out(f"replacement launch commands ({len(new)} for {len(hosted)} replicas) arrived {1000 * (first - ev.time):.0f} .. {1000 * (lastl - ev.time):.0f} ms after the lost event")
+        new_ids = {s.replica_id for s in new}
+        t_wait = time.monotonic()
+        while not all(self.replicas.items.get(r) is not None and self.replicas.items[r].state == "ready" for r in new_ids):
+            if time.monotonic() - t_wait > 30:
+                self.out("replacements not ready within 30s (not a target; continuing)")
+                break
+            await asyncio.sleep(0.05)
+        else:
+            self.fig["failover_ready_s"] = time.time() - ev.time
+            self.out(f"replacements ready {self.fig['failover_ready_s']:.2f}s after the lost event (observed through the replicas bucket)")
+
+    # -- teardown ----------------------------------------------------------------
+    async def close(self) -> None:
+        for m in list(self.mirrors):
+            with contextlib.suppress(Exception):
+                await m.stop()
+        for ag in self.agents:
+            ag.stop_heartbeats()
+        conns = [ag.nc for ag in self.agents if ag.nc is not None] + ([self.nc] if self.nc else [])
+
+        async def close(nc):
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.gather(*(close(nc) for nc in conns)), 15)
+
+    async def run(self) -> None:
+        try:
+            await self.bring_up()
+            await self.steady()
+            await self.placement()
+            await self.failover()
+        finally:
+            t = time.monotonic()
+            await self.close()
+            self.out(f"closed {len(self.agents)} agent connections in {time.monotonic() - t:.1f}s")
+
+
+# --------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------
+
+
+def summary(args, fig: Figures, argv: list[str]) -> str:
+    def row(phase, what, value, target="", ok=None):
+        mark = "" if ok is None else ("ok" if ok else "MISSED")
+        return f"| {phase:10s} | {what:44s} | {value:>14s} | {target:>8s} | {mark:6s} |"
+
+    v = fig.values
+    lines = [
+        "",
+        "== SUMMARY ==",
+        f"command:  {' '.join(shlex.quote(x) for x in argv)}",
+        f"machine:  {os.cpu_count()} cores ({_cpu_model()}), python {sys.version.split()[0]}",
+        f"cluster:  {args.nodes} nodes x {args.gpus} GPUs, {args.fabrics} fabrics, heartbeat {format_duration(args.heartbeat)}, lost after {format_duration(args.node_lost_after)}",
+        "",
+        f"| {'phase':10s} | {'figure':44s} | {'value':>14s} | {'target':>8s} | {'check':6s} |",
+        "|" + "-" * 12 + "|" + "-" * 46 + "|" + "-" * 16 + "|" + "-" * 10 + "|" + "-" * 8 + "|",
+    ]
+    if "bringup_s" in v:
+        lines.append(row("bring-up", f"{args.nodes} agent TLS connections ({args.nodes / v['connect_s']:.0f}/s)", f"{v['connect_s']:.1f} s"))
+        lines.append(row("bring-up", "all nodes registered, leases ready", f"{v['bringup_s']:.1f} s"))
+    if "steady_cpu_rh" in v:
+        p = v["steady_cpu_pct"]
+        lines.append(row("steady", f"registry + health CPU ({v['steady_window_s']:.0f} s window)", f"{v['steady_cpu_rh']:.1f} %", f"< {TARGETS['cpu']:.0f} %", v["steady_cpu_rh"] < TARGETS["cpu"]))
+        for k in ("registry", "health", "scheduler", "nats-server", "bench (agents)"):
+            lines.append(row("steady", f"  {k}", f"{p[k]:.1f} %"))
+        lines.append(row("steady", "  heartbeats accepted by health", f"{v['heartbeats_per_s']:.0f} /s"))
+        lines.append(row("steady", "  lease writes by health", f"{v['lease_writes_per_s']:.0f} /s"))
+    if "place_last_launch_s" in v:
+        if "place_first_record_s" in v:
+            lines.append(row("placement", "apply -> first replica record visible", f"{v['place_first_record_s']:.2f} s"))
+            lines.append(row("placement", f"apply -> last of {args.replicas} records visible", f"{v['place_last_record_s']:.2f} s"))
+        lines.append(row("placement", "apply -> first launch at an agent", f"{v['place_first_launch_s']:.2f} s"))
+        lines.append(row("placement", f"apply -> last of {2 * args.replicas} launches at agents", f"{v['place_last_launch_s']:.2f} s", f"< {TARGETS['placement']:.0f} s", v["place_last_launch_s"] < TARGETS["placement"]))
+    if "place_ready_s" in v:
+        lines.append(row("placement", f"apply -> all {args.replicas} replicas ready", f"{v['place_ready_s']:.2f} s"))
+    if "placed_cpu_pct" in v:
+        p = v["placed_cpu_pct"]
+        lines.append(row("placement", "then steady: registry + health CPU", f"{p['registry'] + p['health']:.1f} %"))
+        lines.append(row("placement", "then steady: scheduler CPU", f"{p['scheduler']:.1f} %"))
+    if "failover_last_s" in v:
+        lines.append(row("failover", "last heartbeat -> lost event", f"{v['lost_after_beat_s']:.2f} s"))
+        lines.append(row("failover", "lost -> first replacement launch", f"{1000 * v['failover_first_s']:.0f} ms"))
+        lines.append(row("failover", f"lost -> last replacement launch ({v['failover_replicas']} repl.)", f"{1000 * v['failover_last_s']:.0f} ms", f"< {1000 * TARGETS['failover']:.0f} ms", v["failover_last_s"] < TARGETS["failover"]))
+        if "failover_ready_s" in v:
+            lines.append(row("failover", "lost -> replacements ready", f"{1000 * v['failover_ready_s']:.0f} ms"))
+    phases = [p for p, k in (("bring-up", "bringup_s"), ("steady", "steady_cpu_rh"), ("placement", "place_ready_s"), ("failover", "failover_last_s")) if k in v]
+    lines.append("")
+    lines.append(f"phases completed: {', '.join(phases) or 'none'} ({len(phases)}/4)")
+    return "\n".join(lines)
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return re.sub(r"\s+", " ", line.split(":", 1)[1].strip())
+    return "unknown CPU"
+
+
+# --------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------
+
+
+def stop_processes(cluster: Cluster) -> None:
+    """Services first, then nats-server; each reaped as soon as it exits.
+
+    ``up.stop_recorded`` does the same from the pids file, but it cannot reap
+    children it did not start and so waits out its full grace period on their
+    zombies; here they are our children, so wait on them directly, then let it
+    clean up whatever is left (and the pids file).
+    """
+    for group in ([r for r in ("scheduler", "health", "registry") if r in cluster.procs], ["nats-server"] if "nats-server" in cluster.procs else []):
+        procs = [cluster.procs[r] for r in group if cluster.procs[r].poll() is None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+    cluster.stop_all()
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2000)
+    p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
+    p.add_argument("--fabrics", type=int, default=None, help="default: 20, fewer when that would leave a fabric under 10 nodes")
+    p.add_argument("--replicas", type=int, default=1000, help="replicas of 2 nodes x 4 GPUs to place")
+    p.add_argument("--heartbeat", default="5s")
+    p.add_argument("--node-lost-after", default="15s")
+    p.add_argument("--steady", default="30s", help="CPU measuring window")
+    p.add_argument("--connect-concurrency", type=int, default=64, help="TLS handshakes in flight at once")
+    p.add_argument("--dir", help="work directory, kept (default: a fresh temporary one, removed after a successful run)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs, configs)")
+    p.add_argument("--json", help="also write the figures to this file")
+    args = p.parse_args(argv)
+    for name in ("heartbeat", "node_lost_after", "steady"):
+        setattr(args, name, parse_duration(getattr(args, name), "--" + name.replace("_", "-")))
+    if args.fabrics is None:
+        args.fabrics = max(1, min(20, args.nodes // 10))
+    if args.nodes < 4 or args.fabrics < 1 or args.fabrics > args.nodes // 2:
+        p.error("need at least 4 nodes and 1 to nodes/2 fabrics")
+    if args.gpus < 4:
+        p.error("--gpus: replicas take 4 GPUs per node")
+    if args.node_lost_after <= args.heartbeat:
+        p.error("--node-lost-after must exceed --heartbeat")
+    capacity = args.nodes * (args.gpus // 4)  # members of 4 GPUs
+    if 2 * args.replicas + 2 * (args.gpus // 4) * 2 > capacity:
+        p.error(f"{args.replicas} replicas x 2 nodes x 4 GPUs (and room for a rebuild) do not fit {args.nodes} nodes x {args.gpus} GPUs")
+    if args.replicas < 1:
+        p.error("--replicas: at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv_full = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    args = parse_args(argv_full[1:])
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("asyncio").setLevel(logging.ERROR)
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="llmgw-cpbench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"llmgw control-plane bench: work dir {root} (if this process is killed: llmgw down --dir {root})", flush=True)
+    bench = Bench(args, root)
+    rc = 0
+
+    async def go():
+        task = asyncio.current_task()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        await bench.run()
+
+    try:
+        asyncio.run(go())
+    except KeyboardInterrupt:
+        bench.out("interrupted")
+        rc = 130
+    except asyncio.CancelledError:
+        bench.out("terminated")
+        rc = 143
+    except BenchError as e:
+        bench.out(f"FAILED: {e}")
+        rc = 1
+    except Exception as e:
+        bench.out(f"FAILED: {type(e).__name__}: {e}")
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
+    finally:
+        # Ignore further Ctrl-C while cleaning up, so nothing is left running.
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            t = time.monotonic()
+            stop_processes(bench.cluster)
+            bench.out(f"stopped the services and nats-server in {time.monotonic() - t:.1f}s")
+        finally:
+            signal.signal(signal.SIGINT, old)
+        if args.keep or args.dir or rc == 1:
+            print(f"work dir kept: {root} (logs in {root / 'logs'})")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    print(summary(args, bench.fig, argv_full), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "cores": os.cpu_count(), "rc": rc, **bench.fig.values}, indent=2, default=str) + "\n")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The control-plane benchmark's smoke mode runs every phase and prints a well-formed summary.
+
+Timing targets are not checked here: this is a shared machine, and the
+benchmark (``bench/control_plane.py``) is for figures, not verdicts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOKE = ["--nodes", "20", "--replicas", "5", "--steady", "3s", "--node-lost-after", "3s", "--heartbeat", "0.5s"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_smoke_mode_runs_every_phase_and_cleans_up(tmp_path):
+    figures = tmp_path / "figures.json"
+    work = tmp_path / "work"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "control_plane.py"), *SMOKE, "--dir", str(work), "--json", str(figures)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    out = r.stdout
+    assert r.returncode == 0, out[-4000:] + r.stderr[-4000:]
+    for n, name in enumerate(("bring-up", "steady state", "placement", "failover"), 1):
+        assert f"== phase {n}: {name} ==" in out
+
+    summary = out.split("== SUMMARY ==", 1)[1]
+    assert re.search(r"^command: .*control_plane\.py --nodes 20 --replicas 5", summary, re.M)
+    assert re.search(rf"^machine:  {os.cpu_count()} cores", summary, re.M)
+    assert "phases completed: bring-up, steady, placement, failover (4/4)" in summary
+    rows = [line for line in summary.splitlines() if line.startswith("| ")]
+    header, body = rows[0], rows[1:]
+    assert [c.strip() for c in header.strip("|").split("|")] == ["phase", "figure", "value", "target", "check"]
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in body]
+    assert all(len(c) == 5 for c in cells), body
+    assert {c[0] for c in cells} == {"bring-up", "steady", "placement", "failover"}
+    for phase, what, value, target, check in cells:
+        assert re.fullmatch(r"\d+(\.\d+)? (s|ms|%|/s)", value), (what, value)
+        assert (target == "") == (check == ""), (what, target, check)
+        assert check in ("", "ok", "MISSED")
+    targeted = {c[1] for c in cells if c[3]}
+    assert any("registry + health CPU" in w for w in targeted)
+    assert any("last of 10 launches" in w for w in targeted)
+    assert any("last replacement launch" in w for w in targeted)
+
+    data = json.loads(figures.read_text())
+    assert data["rc"] == 0
+    for key in ("bringup_s", "steady_cpu_rh", "place_last_launch_s", "place_ready_s", "failover_last_s"):
+        assert isinstance(data[key], float), key
+    assert data["failover_replicas"] >= 1
+
+    # Everything it started is gone.
+    pids = [int(p) for p in re.findall(r"(?:registry|health|scheduler) (\d+)", out.split("started registry, health, scheduler", 1)[1].split("\n", 1)[0])]
+    assert len(pids) == 3
+    assert not any(_alive(p) for p in pids)
+    assert not (work / "pids.json").exists()
+    assert not (work / "nats-server.pid").exists() or not _alive(int((work / "nats-server.pid").read_text().strip() or 0))
