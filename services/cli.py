@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("registry", "single writer of node records", "llmgw.services.registry:main"),
         ("health", "single writer of node leases", "llmgw.services.health:main"),
         ("scheduler", "places, launches, reaps and rebuilds replicas", "llmgw.services.scheduler.service:main"),
-        ("gateway", "the OpenAI-compatible HTTP API", None),
+        ("gateway", "the OpenAI-compatible HTTP API", "llmgw.services.gateway.service:main"),
     ):
         p = sub.add_parser(name, help=what)
         p.add_argument("--config", "-c", required=True, help=f"{name}.yaml (server, tls, metrics_listen, …)")

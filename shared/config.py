@@ -188,6 +188,18 @@ class GatewaySection:
     api_keys_file: str = ""
     cooldown: float = field(default=10.0, metadata=DURATION)
     failures_before_cooldown: int = 3
+    # What a 503 (no ready replica) tells clients to wait before trying again.
+    retry_after: float = field(default=5.0, metadata=DURATION)
+
+    def __post_init__(self):
+        if self.max_body_bytes < 1:
+            raise ConfigError("gateway.max_body_bytes: must be at least 1")
+        if self.upstream_timeout <= 0 or self.connect_timeout <= 0:
+            raise ConfigError("gateway: upstream_timeout and connect_timeout must be positive")
+        if self.cooldown < 0 or self.retry_after < 0:
+            raise ConfigError("gateway: cooldown and retry_after must not be negative")
+        if self.failures_before_cooldown < 1:
+            raise ConfigError("gateway.failures_before_cooldown: must be at least 1")
 
 
 @dataclass(frozen=True)

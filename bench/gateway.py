@@ -1,0 +1,269 @@
+"""Gateway overhead, side by side: clients straight to a ``sim`` engine (a),
+through ``llmgw gateway`` (b), and through the LiteLLM proxy (c).
+
+Not a test: it prints figures. Run from the repository root::
+
+    python -m bench.gateway [--seconds 3] [--rounds 2] [--litellm /tmp/litellm-venv/bin/litellm]
+
+One ``sim`` engine (zero load time, ``--token-rate 0``: no simulated delay)
+serves all three. Both gateways run as their own single process (LiteLLM:
+one uvicorn worker, its default; llmgw: one process), fed the same engine.
+llmgw's gateway gets its routing the real way: a nats-server with one ready
+Replica record written under the scheduler's identity. The load generator is
+one asyncio process with an aiohttp client and keep-alive connections; for
+each cell (mode x clients) the targets take turns (a b c a b c ...) so drift
+hits all of them. Everything shares this machine's cores, so the direct
+figures are the machine's limit, not the engine's.
+
+Latency is per request, end to end (for streams: to the last byte). "Added"
+is the target's percentile minus the direct percentile of the same cell.
+Omit LiteLLM with ``--litellm ''`` (or when it is not installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+from llmgw.shared.natsserver import NatsServer, free_port
+
+from tests.gateway_helpers import HOST, Board, Sim, replica, wait_for
+
+MODEL = "sim"
+MASTER_KEY = "sk-bench-0000"  # LiteLLM refuses to start without one (or a "dangerous" flag)
+BODY_TOKENS = 8
+
+
+@dataclass
+class Target:
+    name: str
+    url: str  # base, e.g. http://127.0.0.1:8080
+    headers: dict = field(default_factory=dict)
+
+
+@dataclass
+class Sample:
+    latencies: list[float] = field(default_factory=list)
+    first: list[float] = field(default_factory=list)
+    errors: int = 0
+    seconds: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return len(self.latencies)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def drive(session: aiohttp.ClientSession, target: Target, clients: int, stream: bool, seconds: float, into: Sample, rate: float = 0.0) -> None:
+    """``clients`` closed-loop clients (each sends its next request when the last one ends), or,
+    with ``rate``, clients paced to that many requests per second in total (open loop)."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "how fast is the gateway"}], "max_tokens": BODY_TOKENS, "stream": stream}).encode()
+    headers = {"Content-Type": "application/json", **target.headers}
+    url = f"{target.url}/v1/chat/completions"
+    deadline = time.perf_counter() + seconds
+
+    async def client(k: int) -> None:
+        due = time.perf_counter() + (k / rate if rate else 0.0)
+        while time.perf_counter() < deadline:
+            if rate:
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                due += clients / rate
+            t0 = time.perf_counter()
+            first = None
+            try:
+                async with session.post(url, data=body, headers=headers) as r:
+                    if stream:
+                        tail = b""
+                        async for chunk in r.content.iter_any():
+                            if first is None:
+                                first = time.perf_counter()
+                            tail = (tail + chunk)[-64:]
+                        ok = r.status == 200 and b"[DONE]" in tail
+                    else:
+                        data = await r.read()
+                        ok = r.status == 200 and b'"choices"' in data
+            except aiohttp.ClientError:
+                ok = False
+            end = time.perf_counter()
+            if not ok:
+                into.errors += 1
+                continue
+            into.latencies.append(end - t0)
+            if first is not None:
+                into.first.append(first - t0)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    into.seconds += time.perf_counter() - start
+
+
+async def wait_http(url: str, proc: subprocess.Popen, what: str, log: Path, timeout: float = 120.0, headers: dict | None = None) -> None:
+    async with aiohttp.ClientSession() as s:
+
+        async def up():
+            if proc.poll() is not None:
+                raise SystemExit(f"{what} exited {proc.returncode}; its log:\n{log.read_text()[-3000:]}")
+            try:
+                async with s.get(url, headers=headers or {}) as r:
+                    return r.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        await wait_for(up, what, timeout=timeout, interval=0.2)
+
+
+def find_litellm(arg: str | None) -> str | None:
+    if arg is not None:
+        return arg or None
+    for candidate in (shutil.which("litellm"), "/tmp/litellm-venv/bin/litellm"):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    return None
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=3.0, help="length of one run (default 3)")
+    ap.add_argument("--rounds", type=int, default=2, help="turns each target takes per cell (default 2: a b c a b c)")
+    ap.add_argument("--clients", default="1,16,64", help="concurrent clients per cell (default 1,16,64)")
+    ap.add_argument("--litellm", default=None, help="path of the litellm command ('' to skip; default: PATH, then /tmp/litellm-venv/bin/litellm)")
+    ap.add_argument("--paced", type=float, default=0.0, help="also run 16 clients paced to this many req/s in total, below saturation (llmgw and direct)")
+    ap.add_argument("--json", help="also write the raw figures here")
+    args = ap.parse_args()
+    clients_list = [int(c) for c in args.clients.split(",")]
+    litellm = find_litellm(args.litellm)
+
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
+    procs: list[subprocess.Popen] = []
+    nats = NatsServer(root=work / "nats")
+    sim = None
+    board = None
+    try:
+        nats.prepare()
+        nats.start()
+        sim = Sim(work, "engine", MODEL, token_rate=0.0)
+        gw_tls = nats.issue("gateway", "gateway")
+        board = await Board.open(nats)  # its reload admits the gateway's certificate too
+        await sim.wait_serving()
+        await board.put(replica("sim-1", MODEL, sim.endpoint))
+
+        gw_port = free_port(HOST)
+        conf = {"server": nats.url, "tls": {"ca": gw_tls.ca, "cert": gw_tls.cert, "key": gw_tls.key}, "gateway": {"listen": f"{HOST}:{gw_port}"}}
+        (work / "gateway.yaml").write_text(yaml.safe_dump(conf))
+        gw_log = work / "gateway.log"
+        with open(gw_log, "wb") as out:
+            gw = subprocess.Popen([sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(work / "gateway.yaml")], stdout=out, stderr=subprocess.STDOUT)
+        procs.append(gw)
+        await wait_http(f"http://{HOST}:{gw_port}/v1/models", gw, "llmgw gateway", gw_log)
+
+        targets = [Target("direct", sim.endpoint), Target("llmgw", f"http://{HOST}:{gw_port}")]
+        litellm_note = "not run (--litellm '')" if args.litellm == "" else "not installed"
+        if litellm:
+            lport = free_port(HOST)
+            lconf = {"model_list": [{"model_name": MODEL, "litellm_params": {"model": f"openai/{MODEL}", "api_base": f"{sim.endpoint}/v1", "api_key": "none"}}],
+                     "general_settings": {"master_key": MASTER_KEY}}  # fmt: skip
+            (work / "litellm.yaml").write_text(yaml.safe_dump(lconf))
+            lenv = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "DISABLE_SCHEMA_UPDATE": "True", "LITELLM_LOG": "ERROR"}
+            l_log = work / "litellm.log"
+            with open(l_log, "wb") as out:
+                lp = subprocess.Popen([litellm, "--config", str(work / "litellm.yaml"), "--host", HOST, "--port", str(lport), "--num_workers", "1"],
+                                      stdout=out, stderr=subprocess.STDOUT, env=lenv, start_new_session=True)  # fmt: skip
+            procs.append(lp)
+            auth = {"Authorization": f"Bearer {MASTER_KEY}"}
+            await wait_http(f"http://{HOST}:{lport}/v1/models", lp, "litellm", l_log, headers=auth)
+            targets.append(Target("litellm", f"http://{HOST}:{lport}", auth))
+            litellm_note = subprocess.run([litellm, "--version"], capture_output=True, text=True).stdout.strip() or "litellm"
+
+        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        results: dict[tuple, Sample] = {}
+        async with aiohttp.ClientSession(connector=connector) as session:
+            for t in targets:  # warm every path (imports, pools, caches) before measuring
+                await drive(session, t, 4, False, 1.0, Sample())
+                await drive(session, t, 4, True, 1.0, Sample())
+            for stream in (False, True):
+                for clients in clients_list:
+                    for _ in range(args.rounds):
+                        for t in targets:
+                            sample = results.setdefault((stream, clients, t.name), Sample())
+                            await drive(session, t, clients, stream, args.seconds, sample)
+            if args.paced:
+                for _ in range(args.rounds):
+                    for t in targets[:2]:  # LiteLLM cannot keep up with a rate the others idle at
+                        await drive(session, t, 16, False, args.seconds, results.setdefault(("paced", 16, t.name), Sample()), rate=args.paced)
+
+        rows = []
+        print(f"\nmachine: {os.cpu_count()} cores; {args.rounds} rounds x {args.seconds:g}s per target and cell; "
+              f"max_tokens {BODY_TOKENS}; litellm: {litellm_note}\n")  # fmt: skip
+        print("| mode | clients | target | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | first chunk p50 ms | errors |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for stream in (False, True):
+            for clients in clients_list:
+                direct = results[(stream, clients, "direct")]
+                for t in targets:
+                    s = results[(stream, clients, t.name)]
+                    p50, p99 = pct(s.latencies, 0.5) * 1e3, pct(s.latencies, 0.99) * 1e3
+                    d50, d99 = pct(direct.latencies, 0.5) * 1e3, pct(direct.latencies, 0.99) * 1e3
+                    added = "" if t.name == "direct" else f"{p50 - d50:.2f} | {p99 - d99:.2f}"
+                    added = added or "– | –"
+                    first = f"{pct(s.first, 0.5) * 1e3:.2f}" if s.first else "–"
+                    rps = s.count / s.seconds if s.seconds else 0.0
+                    mode = "stream" if stream else "plain"
+                    print(f"| {mode} | {clients} | {t.name} | {rps:,.0f} | {p50:.2f} | {p99:.2f} | {added} | {first} | {s.errors} |")
+                    rows.append({"stream": stream, "clients": clients, "target": t.name, "rps": rps, "p50_ms": p50, "p99_ms": p99,
+                                 "added_p50_ms": p50 - d50, "added_p99_ms": p99 - d99, "requests": s.count, "errors": s.errors,
+                                 "mean_ms": statistics.fmean(s.latencies) * 1e3 if s.latencies else None})  # fmt: skip
+        if args.paced:
+            direct = results[("paced", 16, "direct")]
+            for t in targets[:2]:
+                s = results[("paced", 16, t.name)]
+                p50, p99 = pct(s.latencies, 0.5) * 1e3, pct(s.latencies, 0.99) * 1e3
+                d50, d99 = pct(direct.latencies, 0.5) * 1e3, pct(direct.latencies, 0.99) * 1e3
+                added = "– | –" if t.name == "direct" else f"{p50 - d50:.2f} | {p99 - d99:.2f}"
+                print(f"| plain, paced {args.paced:g} req/s | 16 | {t.name} | {s.count / s.seconds:,.0f} | {p50:.2f} | {p99:.2f} | {added} | – | {s.errors} |")
+                rows.append({"stream": False, "paced": args.paced, "clients": 16, "target": t.name, "rps": s.count / s.seconds,
+                             "p50_ms": p50, "p99_ms": p99, "added_p50_ms": p50 - d50, "added_p99_ms": p99 - d99})  # fmt: skip
+        if args.json:
+            Path(args.json).write_text(json.dumps({"litellm": litellm_note, "cores": os.cpu_count(), "rows": rows}, indent=1))
+        return 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM) if p is not procs[0] else p.terminate()
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        if board is not None:
+            await board.close()
+        if sim is not None:
+            sim.kill()
+        nats.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,7 @@
+"""``llmgw gateway``: the OpenAI-compatible front door to ready replicas.
+
+Modules: ``router`` (which replica serves a request; pure, no I/O), ``proxy``
+(forwarding one request upstream, with its single retry), ``auth`` (hashed API
+keys), ``errors`` (OpenAI-shaped error answers), ``metrics``, ``server`` (the
+aiohttp application) and ``service`` (the process: NATS watch + HTTP).
+"""

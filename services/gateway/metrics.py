@@ -1,0 +1,90 @@
+"""The gateway's Prometheus metrics (``llmgw_gateway_*``).
+
+Each gateway has its own registry, not the process-global one, so several
+gateways in one process (tests, embedders) count apart. In-flight requests
+per replica are read from the router when scraped, so the hot path pays
+nothing for them. Unknown model names are folded into one label value: a
+client must not be able to grow the label set by asking for made-up models.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from .router import Router
+
+# Latency buckets start at a millisecond (the gateway's own overhead shows at
+# the low end) and reach the default upstream timeout (600 s).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+UNKNOWN_MODEL = "_unknown"  # label for names that match no deployment or replica
+
+
+class _RouterCollector:
+    def __init__(self, router: Router):
+        self.router = router
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        inflight = GaugeMetricFamily("llmgw_gateway_inflight_requests", "Requests in flight through this gateway, by replica", labels=["replica", "model"])
+        ready = GaugeMetricFamily("llmgw_gateway_ready_replicas", "Routable replicas, by model (cooling ones included)", labels=["model"])
+        cooling = GaugeMetricFamily("llmgw_gateway_replica_cooling", "1 while a replica is out of rotation after repeated failures", labels=["replica", "model"])
+        counts: dict[str, int] = {}
+        for b in list(self.router.backends()):
+            inflight.add_metric([b.id, b.model], b.outstanding)
+            cooling.add_metric([b.id, b.model], 1.0 if self.router.cooling(b) else 0.0)
+            if b.routable:
+                counts[b.model] = counts.get(b.model, 0) + 1
+        for model, n in counts.items():
+            ready.add_metric([model], n)
+        yield inflight
+        yield ready
+        yield cooling
+
+
+class GatewayMetrics:
+    def __init__(self, router: Router):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self._requests = Counter("llmgw_gateway_requests", "Requests answered, by model and HTTP status (499: the client left)", ["model", "status"], registry=r)
+        self._latency = Histogram("llmgw_gateway_request_duration_seconds", "Time from request to the end of its answer", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self._ttft = Histogram("llmgw_gateway_time_to_first_token_seconds", "Time from request to the first streamed chunk", ["model"], buckets=TTFT_BUCKETS, registry=r)
+        self._upstream_errors = Counter("llmgw_gateway_upstream_errors", "Failed upstream attempts, by replica and kind", ["replica", "kind"], registry=r)
+        self._retries = Counter("llmgw_gateway_retries", "Requests retried on another replica", ["model"], registry=r)
+        self._cooldowns = Counter("llmgw_gateway_cooldowns", "Times a replica was taken out of rotation", ["replica"], registry=r)
+        self._served = Counter("llmgw_gateway_replica_requests", "Upstream attempts, by replica", ["replica"], registry=r)
+        r.register(_RouterCollector(router))
+        # labels() takes a lock and hashes its arguments; the hot path reuses children.
+        self._children: dict[tuple, object] = {}
+
+    def _child(self, metric, *labels):
+        key = (id(metric), *labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def answered(self, model: str, status: int, seconds: float) -> None:
+        self._child(self._requests, model, str(status)).inc()
+        self._child(self._latency, model).observe(seconds)
+
+    def first_token(self, model: str, seconds: float) -> None:
+        self._child(self._ttft, model).observe(seconds)
+
+    def upstream_error(self, replica: str, kind: str) -> None:
+        self._child(self._upstream_errors, replica, kind).inc()
+
+    def retried(self, model: str) -> None:
+        self._child(self._retries, model).inc()
+
+    def cooled(self, replica: str) -> None:
+        self._child(self._cooldowns, replica).inc()
+
+    def attempt(self, replica: str) -> None:
+        self._child(self._served, replica).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

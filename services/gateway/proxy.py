@@ -1,0 +1,240 @@
+"""Forwarding one request to a replica, with one retry on another.
+
+The client is sent nothing until the chosen replica has produced something:
+the whole body of a plain answer, or the first chunk of a stream. Until then a
+failed attempt is invisible to the client, so it is retried once on another
+ready replica. After that the bytes are the replica's own, passed through as
+they arrive; a stream that breaks is ended with an OpenAI error event on an
+event boundary (the client never sees half an event) and closed cleanly.
+
+An upstream *answer* with an error status (a 400 for a bad parameter, a 500)
+is the replica's word and is passed through as is; 5xx ones count towards the
+replica's cool-down. A timeout (no byte for ``upstream_timeout``) is answered
+with 504 and not retried: the wait has already been spent once.
+
+A client that leaves cancels its handler (aiohttp ``handler_cancellation``);
+the upstream connection is then closed, not returned to the pool, which is how
+an engine learns to stop generating.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import aiohttp
+import yarl
+from aiohttp import web
+from llmgw.shared.config import GatewaySection
+
+from . import errors
+from .metrics import GatewayMetrics
+from .router import Backend, NoReadyReplica, Router
+
+# Headers sent upstream: the body was checked to be JSON; nothing of the
+# client's (its API key above all) travels to the engine.
+log = logging.getLogger("llmgw.gateway")
+
+_UPSTREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+CLIENT_CLOSED = 499  # nginx's code for "the client went away"
+
+
+class _Retryable(Exception):
+    """The attempt failed before the client was sent anything."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return text if len(text) < 200 else text[:200] + "…"
+
+
+def _event_boundary(buf: bytes) -> int:
+    """Length of ``buf`` up to and including its last complete SSE event."""
+    i = buf.rfind(b"\n\n")
+    j = buf.rfind(b"\r\n\r\n")
+    return max(i + 2 if i >= 0 else 0, j + 4 if j >= 0 else 0)
+
+
+class Upstream:
+    """The one client session to every replica, with a connection pool per endpoint."""
+
+    def __init__(self, cfg: GatewaySection):
+        self.cfg = cfg
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=0,  # no hidden queue in the gateway: engines queue (and report it) themselves
+            keepalive_timeout=4.0,  # under uvicorn's 5 s, so vLLM never closes a socket we are about to reuse
+            ttl_dns_cache=60,
+        )
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            # connect: how long a dead host may take to refuse; sock_read: the longest
+            # silence allowed from a replica (before its answer or between chunks).
+            timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout, sock_read=self.cfg.upstream_timeout),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; storing them is work per answer
+        )
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+class Forwarder:
+    def __init__(self, router: Router, upstream: Upstream, metrics: GatewayMetrics):
+        self.router = router
+        self.upstream = upstream
+        self.metrics = metrics
+        self._urls: dict[tuple[str, str], yarl.URL] = {}
+
+    def _url(self, b: Backend, path: str) -> yarl.URL:
+        # Parsing a URL string is a visible share of a request's CPU; endpoints change rarely.
+        key = (b.endpoint, path)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) > 4096:
+                self._urls.clear()
+            url = self._urls[key] = yarl.URL(b.endpoint + path)
+        return url
+
+    async def forward(self, request: web.Request, path: str, body: bytes, model: str) -> web.StreamResponse:
+        """Answer ``request`` from a replica of ``model``; raises UnknownModel / NoReadyReplica before any attempt."""
+        started = time.perf_counter()
+        backend = self.router.pick(model)
+        status = CLIENT_CLOSED  # what is counted if the client's leaving cancels us
+        try:
+            try:
+                resp, status = await self._attempt(request, backend, path, body, model, started)
+            except _Retryable as first:
+                self.metrics.retried(model)
+                try:
+                    backend = self.router.pick(model, exclude=backend)
+                except NoReadyReplica:
+                    resp = errors.bad_gateway(f"the replica of '{model}' failed ({first}) and no other is ready")
+                    status = resp.status
+                else:
+                    try:
+                        resp, status = await self._attempt(request, backend, path, body, model, started)
+                    except _Retryable as second:
+                        resp = errors.bad_gateway(f"two replicas of '{model}' failed: {first}; then {second}")
+                        status = resp.status
+            return resp
+        finally:
+            self.metrics.answered(model, status, time.perf_counter() - started)
+
+    async def _attempt(self, request: web.Request, b: Backend, path: str, body: bytes, model: str, started: float) -> tuple[web.StreamResponse, int]:
+        """One try on ``b``: the response and the status to count. Raises _Retryable while nothing was sent."""
+        self.metrics.attempt(b.id)
+        upstream: aiohttp.ClientResponse | None = None
+        finished = False  # the upstream answer was read to its end: its connection may be reused
+        headers = _UPSTREAM_HEADERS
+        if rid := request.headers.get("X-Request-Id"):
+            headers = {**headers, "X-Request-Id": rid}
+        try:
+            try:
+                upstream = await self.upstream.session.post(self._url(b, path), data=body, headers=headers)
+                streaming = upstream.status == 200 and upstream.content_type == "text/event-stream"
+                if streaming:
+                    first = await upstream.content.readany()
+                    if not first:
+                        raise aiohttp.ServerDisconnectedError("the replica ended the stream before its first byte")
+                else:
+                    data = await upstream.read()
+            except aiohttp.ConnectionTimeoutError as e:
+                raise self._failed(b, "connect", f"replica {b.id} did not accept a connection in time: {_describe(e)}") from None
+            except aiohttp.ServerTimeoutError:
+                self.metrics.upstream_error(b.id, "timeout")
+                self._count_failure(b)
+                resp = errors.gateway_timeout(f"replica {b.id} of '{model}' sent nothing for {self.upstream.cfg.upstream_timeout:g}s")
+                return resp, resp.status
+            except aiohttp.ClientConnectorError as e:
+                raise self._failed(b, "connect", f"cannot connect to replica {b.id}: {_describe(e.os_error)}") from None
+            except aiohttp.ClientError as e:
+                raise self._failed(b, "broken", f"replica {b.id} failed before answering: {_describe(e)}") from None
+
+            if streaming:
+                self.metrics.first_token(model, time.perf_counter() - started)
+                resp, status, finished = await self._relay_stream(request, b, upstream, first)
+                return resp, status
+            finished = True
+            if upstream.status >= 500:
+                self.metrics.upstream_error(b.id, f"http_{upstream.status}")
+                self._count_failure(b)
+            else:
+                self.router.succeeded(b)
+            resp = web.Response(
+                status=upstream.status,
+                body=data,
+                headers={"Content-Type": upstream.headers.get("Content-Type", "application/json"), "x-llmgw-replica": b.id},
+            )
+            return resp, upstream.status
+        finally:
+            self.router.release(b)
+            if upstream is not None:
+                # Close rather than pool a connection whose answer was not read to
+                # the end: that is what tells the engine to stop (client left, broke).
+                upstream.release() if finished else upstream.close()
+
+    async def _relay_stream(self, request: web.Request, b: Backend, upstream: aiohttp.ClientResponse, first: bytes) -> tuple[web.StreamResponse, int, bool]:
+        """Pass the stream through; returns the response, the status to count, and whether upstream ended cleanly."""
+        resp = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no", "x-llmgw-replica": b.id},
+        )
+        pending = first
+        content = upstream.content
+        try:
+            await resp.prepare(request)
+            while True:
+                # Pass each arrival on at once, up to its last whole event.
+                if pending.endswith(b"\n\n"):
+                    await resp.write(pending)
+                    pending = b""
+                else:
+                    cut = _event_boundary(pending)
+                    if cut:
+                        await resp.write(pending[:cut])
+                        pending = pending[cut:]
+                try:
+                    chunk = await content.readany()
+                except aiohttp.ServerTimeoutError:
+                    await self._end_broken(resp, b, "timeout", f"replica {b.id} sent nothing for {self.upstream.cfg.upstream_timeout:g}s", "upstream_timeout")
+                    return resp, 200, False
+                except (aiohttp.ClientError, OSError) as e:
+                    await self._end_broken(resp, b, "stream_broken", f"the stream from replica {b.id} broke: {_describe(e)}", "upstream_error")
+                    return resp, 200, False
+                if not chunk:
+                    break
+                pending += chunk
+            if pending:
+                await resp.write(pending)
+            await resp.write_eof()
+        except ConnectionResetError:  # the client left mid-stream; closing upstream tells the engine
+            return resp, CLIENT_CLOSED, False
+        self.router.succeeded(b)
+        return resp, 200, True
+
+    async def _end_broken(self, resp: web.StreamResponse, b: Backend, kind: str, message: str, code: str) -> None:
+        self.metrics.upstream_error(b.id, kind)
+        self._count_failure(b)
+        # A half-received event is dropped: the error event must start on a boundary.
+        await resp.write(errors.sse_error(message, code=code))
+        await resp.write_eof()
+
+    def _failed(self, b: Backend, kind: str, detail: str) -> _Retryable:
+        self.metrics.upstream_error(b.id, kind)
+        self._count_failure(b)
+        return _Retryable(kind, detail)
+
+    def _count_failure(self, b: Backend) -> None:
+        if self.router.failed(b):
+            self.metrics.cooled(b.id)
+            # One line per cool-down, not per failed request: a dead replica under load must not flood the log.
+            log.warning("replica %s (%s) failed %d times in a row; out of rotation for %gs", b.id, b.endpoint, self.router.failures_before_cooldown, self.router.cooldown)

@@ -1,0 +1,168 @@
+"""Which replica serves a request: pure bookkeeping, no I/O, no clock of its own.
+
+The service feeds it replica and deployment records as its KV watches see them;
+the proxy asks ``pick`` for a backend and reports how the attempt went. Keeping
+this free of sockets and NATS lets its rules be read in one place:
+
+* only a *ready* replica with an endpoint is routable — the endpoint is the
+  leader's, since only a replica's leader listens;
+* among those of the requested model, the one with the fewest requests in
+  flight through this gateway wins; ties rotate, so an idle pool still spreads;
+* ``failures_before_cooldown`` failures in a row take a replica out of rotation
+  for ``cooldown`` seconds; one success resets the count;
+* a model no deployment or replica record mentions is unknown (404); a known
+  model with nothing routable is unavailable (503, with a Retry-After).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from llmgw.shared.schemas import DeploymentSpec, Replica
+
+
+class UnknownModel(Exception):
+    def __init__(self, model: str):
+        super().__init__(f"the model '{model}' does not exist")
+        self.model = model
+
+
+class NoReadyReplica(Exception):
+    def __init__(self, model: str, why: str, retry_after: float):
+        super().__init__(f"no replica of '{model}' can take requests now: {why}")
+        self.model = model
+        self.retry_after = retry_after
+
+
+@dataclass(eq=False)
+class Backend:
+    """A ready replica as the gateway sees it. Identity matters (``eq=False``):
+    in-flight requests hold the object and release it, even after the record
+    left the ready state."""
+
+    id: str
+    model: str
+    endpoint: str
+    outstanding: int = 0
+    failures: int = 0  # consecutive
+    cool_until: float = 0.0
+    routable: bool = True
+
+
+def routable(rep: Replica | None) -> bool:
+    return rep is not None and rep.state == "ready" and rep.endpoint.startswith(("http://", "https://"))
+
+
+class Router:
+    def __init__(
+        self,
+        *,
+        cooldown: float,
+        failures_before_cooldown: int,
+        retry_after: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cooldown = cooldown
+        self.failures_before_cooldown = failures_before_cooldown
+        self.retry_after = retry_after
+        self.clock = clock
+        self._backends: dict[str, Backend] = {}  # replica id -> backend (routable or draining)
+        self._by_model: dict[str, list[Backend]] = {}  # routable ones only
+        self._replica_models: dict[str, str] = {}  # every replica record, any state
+        self._deployment_models: dict[str, str] = {}
+        self._turn = 0
+        self.cooldowns = 0  # how many times a replica was taken out of rotation
+
+    # -- feeding from the KV watches (KvMirror listener signature) ------------
+    def on_replica(self, key: str, old: Replica | None, new: Replica | None) -> None:
+        if new is None:
+            self._replica_models.pop(key, None)
+        else:
+            self._replica_models[key] = new.model
+        b = self._backends.get(key)
+        if routable(new):
+            if b is None:
+                b = self._backends[key] = Backend(key, new.model, new.endpoint.rstrip("/"))
+            elif b.endpoint != new.endpoint.rstrip("/") or b.model != new.model:
+                self._unlist(b)
+                b.model, b.endpoint = new.model, new.endpoint.rstrip("/")
+                b.failures, b.cool_until = 0, 0.0  # a new leader deserves a fresh start
+            if not b.routable or b not in self._by_model.get(b.model, ()):
+                b.routable = True
+                self._by_model.setdefault(b.model, []).append(b)
+        elif b is not None:
+            self._unlist(b)
+            b.routable = False
+            if b.outstanding == 0:
+                del self._backends[key]
+
+    def on_deployment(self, key: str, old: DeploymentSpec | None, new: DeploymentSpec | None) -> None:
+        if new is None:
+            self._deployment_models.pop(key, None)
+        else:
+            self._deployment_models[key] = new.model
+
+    def _unlist(self, b: Backend) -> None:
+        pool = self._by_model.get(b.model)
+        if pool and b in pool:
+            pool.remove(b)
+            if not pool:
+                del self._by_model[b.model]
+
+    # -- questions -------------------------------------------------------------
+    def models(self) -> list[str]:
+        """Models with at least one ready replica (cooling ones included: they are ready, just rested)."""
+        return sorted(self._by_model)
+
+    def known(self, model: str) -> bool:
+        return model in self._by_model or model in self._replica_models.values() or model in self._deployment_models.values()
+
+    def backends(self) -> Iterable[Backend]:
+        return self._backends.values()
+
+    # -- routing ---------------------------------------------------------------
+    def pick(self, model: str, exclude: Backend | None = None) -> Backend:
+        """The least-loaded routable backend of ``model`` (not ``exclude``), now counted as busy."""
+        pool = self._by_model.get(model)
+        if not pool:
+            if not self.known(model):
+                raise UnknownModel(model)
+            raise NoReadyReplica(model, "none is ready", self.retry_after)
+        now = self.clock()
+        candidates = [b for b in pool if b is not exclude and b.cool_until <= now]
+        if not candidates:
+            cooling = [b.cool_until for b in pool if b is not exclude and b.cool_until > now]
+            if cooling:
+                raise NoReadyReplica(model, "every ready replica is cooling down after repeated failures", max(1.0, min(cooling) - now))
+            raise NoReadyReplica(model, "no other replica is ready", self.retry_after)
+        least = min(b.outstanding for b in candidates)
+        ties = [b for b in candidates if b.outstanding == least]
+        # Take turns among equals, so an idle pool alternates instead of
+        # sending every lone request to the first replica listed.
+        best = ties[self._turn % len(ties)]
+        self._turn += 1
+        best.outstanding += 1
+        return best
+
+    def release(self, b: Backend) -> None:
+        b.outstanding -= 1
+        if not b.routable and b.outstanding == 0 and self._backends.get(b.id) is b:
+            del self._backends[b.id]
+
+    def succeeded(self, b: Backend) -> None:
+        b.failures = 0
+
+    def failed(self, b: Backend) -> bool:
+        """Count a failure; True when this one sent the replica into cool-down."""
+        b.failures += 1
+        if b.failures >= self.failures_before_cooldown:
+            b.failures = 0
+            b.cool_until = self.clock() + self.cooldown
+            self.cooldowns += 1
+            return True
+        return False
+
+    def cooling(self, b: Backend) -> bool:
+        return b.cool_until > self.clock()
