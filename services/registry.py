@@ -17,7 +17,9 @@ from prometheus_client import Counter, Gauge
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import LlmgwError, WireError
 from llmgw.shared.pki import subject_dn
-from llmgw.shared.schemas import Inventory, NodeRecord, decode, encode, now
+from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared.names import is_valid_name
+from llmgw.shared.schemas import Inventory, Lease, NodeRecord, decode, encode, now
 
 from .runtime import ServiceRuntime, run_service
 
@@ -39,10 +41,59 @@ class Registry(ServiceRuntime):
 
     async def setup(self) -> None:
         self.nodes_kv = self.kv[S.BUCKET_NODES]
+        # node -> boot id of the inventory last stored (what the record says)
+        self.boots: dict[str, str] = {}
+        self.pulling: set[str] = set()
         await self.nc.subscribe(S.ALL_INVENTORIES, cb=self.on_inventory, queue="llmgw-registry")
         await self.add_api({"cordon": self.api_cordon, "uncordon": self.api_uncordon, "drain": self.api_drain})
         await self._load_admin()
         await self._count()
+        self.spawn(self._watch_leases())
+
+    # -- inventories we missed -------------------------------------------------------
+    async def _watch_leases(self) -> None:
+        """Ask live nodes without a current record for their inventory.
+
+        An agent publishes its inventory when it connects; if the registry was
+        not subscribed yet (started after the agents, or restarted), that one
+        is gone and the next periodic one is minutes away. A lease going ready
+        with a boot id the record does not have is the sign.
+        """
+        kv = await open_bucket(self.js, S.BUCKET_LEASES, wait=3600, logger=self.log)
+        self.leases = KvMirror(kv, Lease)
+
+        def on_lease(node: str, old: Lease | None, new: Lease | None) -> None:
+            if new is not None and new.state == "ready" and self.boots.get(node) != new.boot_id:
+                self._pull(node)
+
+        self.leases.listeners.append(on_lease)
+        await self.leases.start()
+
+    def _pull(self, node: str) -> None:
+        if node in self.pulling or not is_valid_name(node):
+            return
+        self.pulling.add(node)
+        self.spawn(self._pull_one(node))
+
+    async def _pull_one(self, node: str) -> None:
+        try:
+            reply = await self.nc.request(S.cmd_inventory(node), b"{}", timeout=5)
+            inv = decode(reply.data, Inventory)
+            if inv.node_id != node:
+                INVENTORIES.labels("inconsistent").inc()
+                return
+            INVENTORIES.labels("pulled").inc()
+            self.log.info("asked %s for the inventory it sent before we listened", node)
+            await self._apply_inventory(inv)
+        except Exception as e:
+            self.log.warning("could not get the inventory of %s: %s", node, e or type(e).__name__)
+        finally:
+            self.pulling.discard(node)
+
+    async def stop(self) -> None:
+        if getattr(self, "leases", None) is not None:
+            await self.leases.stop()
+        await super().stop()
 
     # -- inventories -----------------------------------------------------------
     async def on_inventory(self, msg) -> None:
@@ -84,6 +135,7 @@ class Registry(ServiceRuntime):
                 updated_at=now(),
             )
             if old is not None and _same_facts(old, record):
+                self.boots[inv.node_id] = inv.boot_id
                 return  # the periodic re-send: nothing changed, write nothing
             try:
                 if rev:
@@ -96,6 +148,7 @@ class Registry(ServiceRuntime):
                 if "wrong last sequence" in str(e) or "key exists" in str(e).lower():
                     continue
                 raise
+            self.boots[inv.node_id] = inv.boot_id
             if old is None:
                 await self.events.emit("node", inv.node_id, "joined", f"{len(inv.gpus)} GPUs, fabrics {', '.join(f.name for f in inv.fabrics) or 'none'}")
             else:
@@ -111,7 +164,9 @@ class Registry(ServiceRuntime):
             keys = []  # nats-py raises on an empty bucket
         for key in keys:
             try:
-                self.admin[key] = decode((await self.nodes_kv.get(key)).value, NodeRecord).admin
+                rec = decode((await self.nodes_kv.get(key)).value, NodeRecord)
+                self.admin[key] = rec.admin
+                self.boots[key] = rec.boot_id
             except (KeyNotFoundError, WireError):
                 continue
 

@@ -44,10 +44,16 @@ class UpError(LlmgwError):
 
 
 def _start_time(pid: int) -> int | None:
-    """Process start time in clock ticks (/proc/<pid>/stat field 22), against pid reuse."""
+    """Process start time in clock ticks (/proc/<pid>/stat field 22), against pid reuse.
+
+    None for a process that is gone — or a zombie: it has exited and only
+    waits for its parent to reap it, so waiting for it to die would be waiting
+    for nothing.
+    """
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" else int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
 

@@ -100,9 +100,11 @@ def for_identity(role: str, name: str) -> Permissions:
             role,
             name,
             writes=[S.BUCKET_NODES],
-            reads=[],
+            # Leases tell it which nodes are alive, so it can ask one whose
+            # inventory it never got (an agent that started before it) to send it.
+            reads=[_KV(S.BUCKET_LEASES)],
             subscribe=[S.ALL_INVENTORIES],
-            publish=[],
+            publish=[S.ALL_CMD_INVENTORY],
         )
     if role == "health":
         return _service(

@@ -63,6 +63,14 @@ def cmd_list(node: str) -> str:
     return f"{CMD_SPACE}.{node}.list"
 
 
+def cmd_inventory(node: str) -> str:
+    """Ask an agent for its inventory (reply: Inventory)."""
+    return f"{CMD_SPACE}.{node}.inventory"
+
+
+ALL_CMD_INVENTORY = f"{CMD_SPACE}.*.inventory"
+
+
 # -- events (captured by the LLMGW_EVENTS stream) -----------------------------
 EVENT_SPACE = f"{PREFIX}.event"
 ALL_EVENTS = f"{EVENT_SPACE}.>"

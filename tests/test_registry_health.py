@@ -237,3 +237,32 @@ async def test_malformed_and_forged_heartbeats_are_counted_not_fatal(nats_server
         await beat.stop()
     finally:
         await svc.stop()
+
+
+async def test_registry_started_after_an_agent_asks_it_for_its_inventory(nats_server, connector):
+    """The agent's connect-time inventory went out before the registry listened."""
+    svc = await start_health(nats_server)
+    node = await connector.as_new("node05", "node")
+    asked = []
+
+    async def answer(msg):
+        asked.append(msg.subject)
+        await msg.respond(encode(inventory("node05", gpus=8)))
+
+    await node.subscribe(S.cmd_inventory("node05"), cb=answer)
+    await node.publish(S.inventory("node05"), encode(inventory("node05")))  # nobody listens yet
+    beat = Beater(node, "node05", boot="boot-1").start()
+    ops = await connector.as_new("ops", "operator")
+    leases = await ops.jetstream().key_value(S.BUCKET_LEASES)
+    await wait_for(lambda: _state(leases, "node05", "ready"))
+    reg = registry_mod.Registry(service_config(nats_server, "registry"))
+    nats_server.reload()
+    await reg.start()
+    try:
+        nodes = await ops.jetstream().key_value(S.BUCKET_NODES)
+        rec = await wait_for(lambda: read(nodes, "node05", NodeRecord), timeout=10)
+        assert len(rec.gpus) == 8 and asked == [S.cmd_inventory("node05")]
+    finally:
+        await beat.stop()
+        await reg.stop()
+        await svc.stop()

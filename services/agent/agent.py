@@ -307,9 +307,10 @@ class Agent:
         await self.nc.subscribe(S.cmd_launch(self.node), cb=self._answering(self._launch))
         await self.nc.subscribe(S.cmd_stop(self.node), cb=self._answering(self._stop_cmd))
         await self.nc.subscribe(S.cmd_list(self.node), cb=self._answering(self._list))
+        await self.nc.subscribe(S.cmd_inventory(self.node), cb=self._answering(self._inventory_cmd))
         await self.nc.flush()
 
-    def _answering(self, handler: Callable[[bytes], Awaitable[CommandAck | StatusReport]]):
+    def _answering(self, handler: Callable[[bytes], Awaitable[CommandAck | StatusReport | Inventory]]):
         """Every request gets exactly one reply: the handler's, or the error that stopped it."""
 
         async def on_msg(msg: Msg) -> None:
@@ -342,6 +343,11 @@ class Agent:
 
     async def _list(self, data: bytes) -> StatusReport:
         return self._full_report()
+
+    async def _inventory_cmd(self, data: bytes) -> Inventory:
+        """The registry asks when it has no record of a node it sees alive."""
+        self.inventory.sent_at = time.time()
+        return self.inventory
 
     # -- logs ------------------------------------------------------------------
     @staticmethod

@@ -99,8 +99,11 @@ class Scheduler(ServiceRuntime):
         self.recent: dict[str, tuple[float, Replica | None]] = {}
         self.wake = asyncio.Event()
         self.acting = False
-        for m in (self.nodes, self.leases, self.deployments, self.replicas):
+        for m in (self.nodes, self.deployments, self.replicas):
             m.listeners.append(lambda *_: self.wake.set())
+        # Leases are rewritten on every renewal; only a change of state (or of
+        # the agent's boot) can change a placement, so only that wakes us.
+        self.leases.listeners.append(lambda _k, old, new: self.wake.set() if (old is None or new is None or (old.state, old.boot_id) != (new.state, new.boot_id)) else None)
         await self.nc.subscribe(S.ALL_STATUS, cb=self.on_status)
         await self.add_api({"apply": self.api_apply, "delete": self.api_delete, "explain": self.api_explain})
         self.lead(sc.leader_ttl)
