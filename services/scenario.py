@@ -85,7 +85,8 @@ async def observe_seed_story(js, *, gateway_url: str, model: str, addresses: dic
                 r = replicas.items.get(rid)
                 if r and r.state in ("failed", "reaping") and story.failed is None:
                     story.failed, story.failed_at = r, r.since
-                    story.mark(r.since, f"{rid} {r.state}: {r.reason}")
+                    # failed and reaping happen in one scheduler cycle; the record shows the latter
+                    story.mark(r.since, f"{rid} failed → reaping ({r.reason})")
                 if r is None and story.gone_at is None and story.failed is not None:
                     story.gone_at = time.time()
                     story.mark(story.gone_at, f"{rid} reaped (record gone)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -190,7 +191,11 @@ class Cluster:
     # -- waiting, with progress --------------------------------------------------
     async def connect(self):
         tls = self.nats.tls_for("operator", "operator")
-        nc = await bus.connect(self.nats.url, tls, name="up", initial_attempts=20, reconnect_base=0.2, reconnect_max=1.0)
+        # Progress lines are the output here; connection chatter only if something is wrong.
+        quiet = logging.getLogger("llmgw.up.bus")
+        quiet.setLevel(max(logging.WARNING, logging.getLogger().level))
+        logging.getLogger("llmgw.kv").setLevel(max(logging.WARNING, logging.getLogger().level))
+        nc = await bus.connect(self.nats.url, tls, name="up", initial_attempts=20, reconnect_base=0.2, reconnect_max=1.0, logger=quiet)
         js = nc.jetstream(timeout=5)
         return nc, js
 
