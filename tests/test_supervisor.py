@@ -141,14 +141,15 @@ async def test_launches_that_cannot_run_here_are_refused_with_a_reason(superviso
 
 
 async def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(supervisors, work_dir):
-    # Zombies other tests' processes left behind are not this test's business.
-    earlier_zombies = set(zombie_children())
     sup = await supervisors()
     ack = await sup.launch(make_launch("r1", extra=("--ignore-sigterm",)), NODE_GPUS)
     assert ack.ok, ack
     # Ready means the engine is past installing its SIGTERM disposition.
     await eventually(lambda: sup.on_change.state("r1") == "ready", "the leader to be ready")
     (pid, started), = recorded_engines(work_dir).values()
+    (engine_dir,) = (work_dir / "engines").iterdir()
+    wrapper = EngineDir(engine_dir).read_pid().wrapper_pid
+    assert wrapper > 0
 
     stop = await sup.stop("r1", 1, reason="test")
     assert stop.ok and "SIGKILL after 1s" in stop.reason, stop
@@ -161,7 +162,8 @@ async def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(supervisors, wo
     # Stopped and reported: the record and its directory are gone, the wrapper reaped.
     await eventually(lambda: not sup.facts(), "the record to be dropped")
     assert os.listdir(work_dir / "engines") == []
-    await eventually(lambda: not set(zombie_children()) - earlier_zombies, "the wrapper to be reaped")
+    # Its own wrapper, by pid: zombies other tests' processes left are not this test's business.
+    await eventually(lambda: wrapper not in zombie_children() and not os.path.exists(f"/proc/{wrapper}"), "the wrapper to be reaped")
 
 
 async def test_a_leader_that_stops_answering_goes_back_to_starting(supervisors, work_dir):
