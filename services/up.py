@@ -170,6 +170,7 @@ class Cluster:
 
     def start_nats(self) -> None:
         self.nats.render()
+        self.nats.log_file = self.dir / "logs" / "nats-server.log"
         self._spawn("nats-server", self.llmgw("nats", "--config", str(self.nats.conf_path)))
         self.nats.proc = self.procs["nats-server"]
         self.nats.wait_ready(20)
@@ -382,7 +383,7 @@ def _ready_banner(cluster: Cluster, args) -> None:
 
 def up(args) -> int:
     _durations(args)
-    d = Path(args.dir)
+    d = Path(args.dir).resolve()  # children run elsewhere (cwd=DIR): every path they get is absolute
     cluster = Cluster(dir=d)
     try:
         asyncio.run(_bring_up(cluster, args))
@@ -423,7 +424,7 @@ def up(args) -> int:
 
 
 def down(args) -> int:
-    d = Path(args.dir)
+    d = Path(args.dir).resolve()  # children run elsewhere (cwd=DIR): every path they get is absolute
     if not (d / "pids.json").exists():
         print(f"nothing running from {d}")
         return 0
@@ -440,7 +441,7 @@ def _cluster_nodes(d: Path) -> dict[str, dict]:
 
 
 def sim(args) -> int:
-    d = Path(args.dir)
+    d = Path(args.dir).resolve()  # children run elsewhere (cwd=DIR): every path they get is absolute
     nodes = _cluster_nodes(d)
     if args.node not in nodes:
         raise UpError(f"no simulated node {args.node!r} in {d} (nodes: {', '.join(sorted(nodes))})")

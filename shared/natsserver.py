@@ -39,6 +39,7 @@ class NatsServer:
     monitor_port: int = 0
     proc: subprocess.Popen | None = None
     extra_hosts: list[str] = field(default_factory=list)
+    log_file: Path | None = None  # where the server's output goes (default ROOT/nats-server.log)
 
     @property
     def pki_dir(self) -> Path:
@@ -58,7 +59,7 @@ class NatsServer:
 
     @property
     def log_path(self) -> Path:
-        return self.root / "nats-server.log"
+        return self.log_file or self.root / "nats-server.log"
 
     def prepare(self) -> None:
         """Authority, server certificate and ports; idempotent."""

@@ -31,14 +31,15 @@ LOAD = 1.0
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
-def llmgw(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "llmgw.services", *args], capture_output=True, text=True, timeout=timeout)
+def llmgw(*args, timeout=180, cwd=None):
+    return subprocess.run([sys.executable, "-m", "llmgw.services", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 @pytest.fixture
 def cluster(tmp_path):
     d = tmp_path / "llmgw"
-    r = llmgw("up", "--dir", str(d), "--detach", "--heartbeat-interval", f"{HB}s", "--node-lost-after", f"{LOST_AFTER}s", "--engine-load-time", f"{LOAD}s", "--gateway-port", "0")
+    # A relative --dir, as a person types it: everything it starts runs elsewhere.
+    r = llmgw("up", "--dir", "llmgw", "--detach", "--heartbeat-interval", f"{HB}s", "--node-lost-after", f"{LOST_AFTER}s", "--engine-load-time", f"{LOAD}s", "--gateway-port", "0", cwd=tmp_path)
     info = json.loads((d / "cluster.json").read_text()) if (d / "cluster.json").exists() else None
     try:
         assert r.returncode == 0, f"llmgw up failed:\n{r.stdout}\n{r.stderr}"
