@@ -35,6 +35,7 @@ class HealthMonitor(ServiceRuntime):
         self.book = LeaseBook(Timings(h.heartbeat_interval, h.suspect_after_missed, h.node_lost_after))
         self.leases_kv = self.kv[S.BUCKET_LEASES]
         self.acting = False
+        self.heard: dict[str, tuple[Heartbeat, float]] = {}
         self.lead(h.leader_ttl)
         await self.nc.subscribe(S.ALL_HEARTBEATS, cb=self.on_heartbeat)
         self.spawn(self.tick_loop())
@@ -54,10 +55,14 @@ class HealthMonitor(ServiceRuntime):
         self.log.info("continuing from %d stored leases", len(leases))
 
     async def on_heartbeat(self, msg) -> None:
-        if not self.acting:
-            return
         hb = self.node_message(msg, Heartbeat, HEARTBEATS, "heartbeat")
         if hb is None:
+            return
+        if not self.acting:
+            # Standing by (or not yet leading): remember the latest, so taking
+            # over starts from what was heard instead of waiting a whole
+            # interval for every node's next heartbeat.
+            self.heard[hb.node_id] = (hb, time.time())
             return
         HEARTBEATS.labels("accepted").inc()
         tr = self.book.heartbeat(hb, time.time())
@@ -73,6 +78,8 @@ class HealthMonitor(ServiceRuntime):
             leading = bool(self.leadership and self.leadership.is_leader)
             if leading and not self.acting:
                 await self._load()
+                heard, self.heard = self.heard, {}
+                await self._apply([tr for hb, at in heard.values() if (tr := self.book.heartbeat(hb, at))])
                 self.acting = True
             elif not leading and self.acting:
                 self.acting = False
