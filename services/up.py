@@ -408,7 +408,10 @@ def up(args) -> int:
         return 0
     print("running; press Ctrl-C to stop everything")
     stop = {"flag": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    # Explicit handlers: a shell without job control starts background jobs
+    # with SIGINT ignored, and "stop everything" must still work there.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.update(flag=True))
     try:
         while not stop["flag"]:
             time.sleep(0.5)
