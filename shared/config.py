@@ -28,6 +28,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -114,25 +115,97 @@ def _convert(tp: Any, value: Any, path: str, source: str, meta: Any) -> Any:
     return value
 
 
-def read_yaml(path: str | os.PathLike) -> dict:
-    p = Path(path)
+class _StrictSafeLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, except that a key given twice is an error.
+
+    Plain ``safe_load`` keeps the last of two ``server:`` lines without a word,
+    which turns a half-edited file into a silent misconfiguration.
+    """
+
+
+def _construct_mapping(loader: _StrictSafeLoader, node: yaml.MappingNode, deep: bool = False):
+    loader.flatten_mapping(node)
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            continue  # SafeConstructor reports unhashable keys itself
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"key {key!r} appears twice (first on line {seen[key] + 1})",
+                key_node.start_mark,
+            )
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictSafeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def read_yaml_any(path: str | os.PathLike) -> Any:
+    """Parse a YAML file strictly (a key given twice is an error), naming file and line."""
+    path = Path(path)
     try:
-        text = p.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"configuration file {p} does not exist") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read configuration file {p}: {e.strerror}") from None
+        raise ConfigError(f"{path}: configuration file does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected a YAML configuration file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read configuration: {e}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.load(text, Loader=_StrictSafeLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        what = e.problem or e.context or "invalid YAML"
+        raise ConfigError(f"{where}: YAML syntax error: {what}") from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+        raise ConfigError(f"{path}: YAML syntax error: {e}") from None
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    """A configuration file whose top level is a mapping (an empty file is an empty one)."""
+    data = read_yaml_any(path)
     if data is None:
-        data = {}
+        return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping of keys at the top level")
+        raise ConfigError(f"{path}: expected a mapping of keys at the top level")
     return data
+
+
+DEFAULT_NATS_PORT = 4222
+
+
+def nats_url_problem(url: str) -> str | None:
+    """What is wrong with ``url`` as a NATS server URL, or None when it is fine."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        return f"{url!r} is not a valid URL ({e}); expected e.g. tls://HOST:{DEFAULT_NATS_PORT}"
+    scheme = parts.scheme.lower()
+    if scheme in ("http", "https"):
+        host = parts.hostname or "HOST"
+        return (
+            f"{url!r} is an HTTP(S) endpoint from the earlier design; the control plane is now "
+            f"reached through NATS: write the NATS server's URL, e.g. tls://{host}:{DEFAULT_NATS_PORT}"
+        )
+    if scheme not in ("nats", "tls"):
+        return f"{url!r}: expected a NATS URL with scheme tls:// or nats://, e.g. tls://HOST:{DEFAULT_NATS_PORT}"
+    if not parts.hostname:
+        return f"{url!r} has no host; expected e.g. tls://HOST:{DEFAULT_NATS_PORT}"
+    if parts.username or parts.password:
+        return f"{url!r} carries credentials; identities are certificates only"
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        return f"{url!r}: a NATS URL is only scheme://host:port"
+    if port == 0:
+        return f"{url!r}: port 0 is not a server port"
+    return None
 
 
 # --------------------------------------------------------------------------
@@ -235,8 +308,9 @@ def load_service_config(path: str | os.PathLike) -> ServiceConfig:
         if not Path(getattr(tls, k)).is_file():
             raise ConfigError(f"{path}: tls.{k}: file {getattr(tls, k)} does not exist")
     for url in cfg.server:
-        if not url.startswith(("tls://", "nats://")):
-            raise ConfigError(f"{path}: server: {url!r} is not a NATS URL; write e.g. tls://HOST:4222")
+        problem = nats_url_problem(url)
+        if problem:
+            raise ConfigError(f"{path}: server: {problem}")
     if cfg.reconnect_base > cfg.reconnect_max:
         raise ConfigError(f"{path}: reconnect_base ({cfg.reconnect_base:g}s) is longer than reconnect_max ({cfg.reconnect_max:g}s)")
     return dataclasses.replace(cfg, tls=tls, source=str(path))

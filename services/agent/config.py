@@ -27,11 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import yaml
 
 from llmgw.shared.bus import TlsFiles
+from llmgw.shared.config import nats_url_problem, read_yaml_any
 from llmgw.shared.durations import parse_duration
 from llmgw.shared.errors import ConfigError, LlmgwError
 from llmgw.shared.names import check_name
@@ -45,7 +44,6 @@ __all__ = [
     "load_agent_config",
 ]
 
-DEFAULT_NATS_PORT = 4222
 
 
 @dataclass(frozen=True)
@@ -92,57 +90,6 @@ class AgentConfig:
 # --------------------------------------------------------------------------
 # YAML: safe, and refusing duplicate keys
 # --------------------------------------------------------------------------
-
-
-class _StrictSafeLoader(yaml.SafeLoader):
-    """``yaml.safe_load``'s loader, except that a key given twice is an error.
-
-    Plain ``safe_load`` keeps the last of two ``server:`` lines without a word,
-    which turns a half-edited file into a silent misconfiguration.
-    """
-
-
-def _construct_mapping(loader: _StrictSafeLoader, node: yaml.MappingNode, deep: bool = False):
-    loader.flatten_mapping(node)
-    seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            hash(key)
-        except TypeError:
-            continue  # SafeConstructor reports unhashable keys itself
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None,
-                None,
-                f"key {key!r} appears twice (first on line {seen[key] + 1})",
-                key_node.start_mark,
-            )
-        seen[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictSafeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def _read_yaml(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: configuration file does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, expected the agent's YAML configuration file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read configuration: {e}") from None
-    try:
-        return yaml.load(text, Loader=_StrictSafeLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        what = e.problem or e.context or "invalid YAML"
-        raise ConfigError(f"{where}: YAML syntax error: {what}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: YAML syntax error: {e}") from None
 
 
 # --------------------------------------------------------------------------
@@ -252,29 +199,9 @@ _HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9
 
 def _server_url(ctx: _Ctx, value: Any, key: str) -> str:
     url = ctx.string(value, key)
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise ctx.fail(key, f"{url!r} is not a valid URL ({e}); expected e.g. tls://HOST:{DEFAULT_NATS_PORT}") from None
-    scheme = parts.scheme.lower()
-    if scheme in ("http", "https"):
-        host = parts.hostname or "HOST"
-        raise ctx.fail(
-            key,
-            f"{url!r} is an HTTP(S) endpoint from the earlier design; agents now reach the control "
-            f"plane through NATS: write the NATS server's URL, e.g. tls://{host}:{DEFAULT_NATS_PORT}",
-        )
-    if scheme not in ("nats", "tls"):
-        raise ctx.fail(key, f"{url!r}: expected a NATS URL with scheme tls:// or nats://, e.g. tls://HOST:{DEFAULT_NATS_PORT}")
-    if not parts.hostname:
-        raise ctx.fail(key, f"{url!r} has no host; expected e.g. tls://HOST:{DEFAULT_NATS_PORT}")
-    if parts.username or parts.password:
-        raise ctx.fail(key, f"{url!r} carries credentials; agents authenticate with their certificate only")
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ctx.fail(key, f"{url!r}: a NATS URL is only scheme://host:port")
-    if port == 0:
-        raise ctx.fail(key, f"{url!r}: port 0 is not a server port")
+    problem = nats_url_problem(url)
+    if problem:
+        raise ctx.fail(key, problem)
     return url
 
 
@@ -405,7 +332,7 @@ def _supervisor(ctx: _Ctx, value: Any) -> SupervisorConfig:
 def load_agent_config(path: str | os.PathLike) -> AgentConfig:
     """Read and check ``agent.yaml``; raise ``ConfigError`` naming file and key on any problem."""
     p = Path(os.path.expanduser(os.fspath(path))).absolute()
-    data = _read_yaml(p)
+    data = read_yaml_any(p)
     ctx = _Ctx(p)
     if data is None:
         raise ConfigError(f"{p}: the configuration is empty; it needs at least {', '.join(_TOP_REQUIRED)}")
