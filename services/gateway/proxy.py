@@ -22,20 +22,19 @@ from __future__ import annotations
 import logging
 import time
 
-import aiohttp
-import yarl
 from aiohttp import web
 from llmgw.shared.config import GatewaySection
 
 from . import errors
 from .metrics import GatewayMetrics
 from .router import Backend, NoReadyReplica, Router
+from .upstream import Broken, ConnectFailed, ConnectTimeout, Connection, ReadTimeout, UpstreamClient
 
-# Headers sent upstream: the body was checked to be JSON; nothing of the
-# client's (its API key above all) travels to the engine.
 log = logging.getLogger("llmgw.gateway")
 
-_UPSTREAM_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+# Headers sent upstream are fixed (upstream.py: Content-Type: application/json,
+# the body was checked to be JSON) plus the client's X-Request-Id: nothing else
+# of the client's (its API key above all) travels to the engine.
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"
 
 
@@ -52,6 +51,15 @@ def _describe(e: BaseException) -> str:
     return text if len(text) < 200 else text[:200] + "…"
 
 
+def _request_id_line(rid: str) -> bytes:
+    """The client's X-Request-Id as a header line for the engine; dropped if it cannot be one."""
+    try:
+        value = rid.encode("utf-8", "surrogateescape")  # the bytes the client sent
+    except UnicodeEncodeError:
+        return b""
+    return b"" if b"\r" in value or b"\n" in value else b"X-Request-Id: " + value + b"\r\n"
+
+
 def _event_boundary(buf: bytes) -> int:
     """Length of ``buf`` up to and including its last complete SSE event."""
     i = buf.rfind(b"\n\n")
@@ -60,31 +68,21 @@ def _event_boundary(buf: bytes) -> int:
 
 
 class Upstream:
-    """The one client session to every replica, with a connection pool per endpoint."""
+    """The one client to every replica (``upstream.py``), with a connection pool per endpoint."""
 
     def __init__(self, cfg: GatewaySection):
         self.cfg = cfg
-        self.session: aiohttp.ClientSession | None = None
+        self.client: UpstreamClient | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=0,  # no hidden queue in the gateway: engines queue (and report it) themselves
-            keepalive_timeout=4.0,  # under uvicorn's 5 s, so vLLM never closes a socket we are about to reuse
-            ttl_dns_cache=60,
-        )
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            # connect: how long a dead host may take to refuse; sock_read: the longest
-            # silence allowed from a replica (before its answer or between chunks).
-            timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout, sock_read=self.cfg.upstream_timeout),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-            cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; storing them is work per answer
-        )
+        # read_timeout: the longest silence allowed from a replica (before its answer or
+        # between chunks); keep-alive 4 s: under uvicorn's 5 s, so we never reuse a socket
+        # vLLM is closing. The pool has no limit: engines queue (and report it), not us.
+        self.client = UpstreamClient(connect_timeout=self.cfg.connect_timeout, read_timeout=self.cfg.upstream_timeout, keepalive=4.0)
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        if self.client is not None:
+            await self.client.close()
 
 
 class Forwarder:
@@ -92,17 +90,6 @@ class Forwarder:
         self.router = router
         self.upstream = upstream
         self.metrics = metrics
-        self._urls: dict[tuple[str, str], yarl.URL] = {}
-
-    def _url(self, b: Backend, path: str) -> yarl.URL:
-        # Parsing a URL string is a visible share of a request's CPU; endpoints change rarely.
-        key = (b.endpoint, path)
-        url = self._urls.get(key)
-        if url is None:
-            if len(self._urls) > 4096:
-                self._urls.clear()
-            url = self._urls[key] = yarl.URL(b.endpoint + path)
-        return url
 
     async def forward(self, request: web.Request, path: str, body: bytes, model: str) -> web.StreamResponse:
         """Answer ``request`` from a replica of ``model``; raises UnknownModel / NoReadyReplica before any attempt."""
@@ -132,31 +119,31 @@ class Forwarder:
     async def _attempt(self, request: web.Request, b: Backend, path: str, body: bytes, model: str, started: float) -> tuple[web.StreamResponse, int]:
         """One try on ``b``: the response and the status to count. Raises _Retryable while nothing was sent."""
         self.metrics.attempt(b.id)
-        upstream: aiohttp.ClientResponse | None = None
+        upstream: Connection | None = None
         finished = False  # the upstream answer was read to its end: its connection may be reused
-        headers = _UPSTREAM_HEADERS
+        extra = b""
         if rid := request.headers.get("X-Request-Id"):
-            headers = {**headers, "X-Request-Id": rid}
+            extra = _request_id_line(rid)
         try:
             try:
-                upstream = await self.upstream.session.post(self._url(b, path), data=body, headers=headers)
-                streaming = upstream.status == 200 and upstream.content_type == "text/event-stream"
+                upstream = await self.upstream.client.post(b.endpoint, path, body, extra)
+                streaming = upstream.status == 200 and upstream.mimetype == "text/event-stream"
                 if streaming:
-                    first = await upstream.content.readany()
+                    first = await upstream.read_some()
                     if not first:
-                        raise aiohttp.ServerDisconnectedError("the replica ended the stream before its first byte")
+                        raise Broken("the replica ended the stream before its first byte")
                 else:
                     data = await upstream.read()
-            except aiohttp.ConnectionTimeoutError as e:
+            except ConnectTimeout as e:
                 raise self._failed(b, "connect", f"replica {b.id} did not accept a connection in time: {_describe(e)}") from None
-            except aiohttp.ServerTimeoutError:
+            except ReadTimeout:
                 self.metrics.upstream_error(b.id, "timeout")
                 self._count_failure(b)
                 resp = errors.gateway_timeout(f"replica {b.id} of '{model}' sent nothing for {self.upstream.cfg.upstream_timeout:g}s")
                 return resp, resp.status
-            except aiohttp.ClientConnectorError as e:
+            except ConnectFailed as e:
                 raise self._failed(b, "connect", f"cannot connect to replica {b.id}: {_describe(e.os_error)}") from None
-            except aiohttp.ClientError as e:
+            except (Broken, OSError) as e:  # OSError: the socket broke under a write
                 raise self._failed(b, "broken", f"replica {b.id} failed before answering: {_describe(e)}") from None
 
             if streaming:
@@ -172,7 +159,7 @@ class Forwarder:
             resp = web.Response(
                 status=upstream.status,
                 body=data,
-                headers={"Content-Type": upstream.headers.get("Content-Type", "application/json"), "x-llmgw-replica": b.id},
+                headers={"Content-Type": upstream.content_type or "application/json", "x-llmgw-replica": b.id},
             )
             return resp, upstream.status
         finally:
@@ -182,14 +169,13 @@ class Forwarder:
                 # the end: that is what tells the engine to stop (client left, broke).
                 upstream.release() if finished else upstream.close()
 
-    async def _relay_stream(self, request: web.Request, b: Backend, upstream: aiohttp.ClientResponse, first: bytes) -> tuple[web.StreamResponse, int, bool]:
+    async def _relay_stream(self, request: web.Request, b: Backend, upstream: Connection, first: bytes) -> tuple[web.StreamResponse, int, bool]:
         """Pass the stream through; returns the response, the status to count, and whether upstream ended cleanly."""
         resp = web.StreamResponse(
             status=200,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no", "x-llmgw-replica": b.id},
         )
         pending = first
-        content = upstream.content
         try:
             await resp.prepare(request)
             while True:
@@ -203,11 +189,11 @@ class Forwarder:
                         await resp.write(pending[:cut])
                         pending = pending[cut:]
                 try:
-                    chunk = await content.readany()
-                except aiohttp.ServerTimeoutError:
+                    chunk = await upstream.read_some()
+                except ReadTimeout:
                     await self._end_broken(resp, b, "timeout", f"replica {b.id} sent nothing for {self.upstream.cfg.upstream_timeout:g}s", "upstream_timeout")
                     return resp, 200, False
-                except (aiohttp.ClientError, OSError) as e:
+                except (Broken, OSError) as e:
                     await self._end_broken(resp, b, "stream_broken", f"the stream from replica {b.id} broke: {_describe(e)}", "upstream_error")
                     return resp, 200, False
                 if not chunk:

@@ -1,0 +1,437 @@
+"""A lean keep-alive HTTP/1.1 client for the one thing the gateway asks of a
+replica: POST a JSON body, read the answer whole or as it streams.
+
+Why not ``aiohttp.ClientSession``: profiled under 16 closed-loop clients, its
+request path was about 30 % of the gateway's CPU (URL and header objects,
+cookie and redirect machinery, a timer context, a payload writer, a
+StreamReader per response), most of it for features an engine never uses.
+Here a request is one pre-encoded head plus the body, written with one
+``send``; the answer is parsed from a byte buffer: the status line, the
+three headers that matter (``Content-Length``, ``Transfer-Encoding``,
+``Connection``) and ``Content-Type``, then the body by length, by chunks, or
+to the end of the connection.
+
+Guarantees the gateway's proxy relies on:
+
+* a connection goes back to its pool only when its answer was read to the
+  end (``release``); anything else closes it (``close``), which is how an
+  engine learns that nobody waits for its tokens any more;
+* the pool is unbounded: the gateway never queues, engines do (and report it);
+* a connection idle for ``keepalive`` seconds (4 s, under uvicorn's 5 s) is
+  never reused and is closed, so we never write into a socket the engine is
+  closing;
+* failures are typed: ``ConnectFailed`` / ``ConnectTimeout`` (nothing was
+  sent), ``ReadTimeout`` (silence longer than ``read_timeout``, before the
+  answer or between chunks), ``Broken`` (anything else: reset, early EOF, a
+  malformed answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from urllib.parse import urlsplit
+
+
+class UpstreamError(Exception):
+    """The replica could not be asked, or its answer could not be read."""
+
+
+class ConnectFailed(UpstreamError):
+    def __init__(self, os_error: OSError):
+        super().__init__(str(os_error) or type(os_error).__name__)
+        self.os_error = os_error
+
+
+class ConnectTimeout(UpstreamError):
+    pass
+
+
+class ReadTimeout(UpstreamError):
+    pass
+
+
+class Broken(UpstreamError):
+    pass
+
+
+MAX_HEAD = 64 * 1024  # an answer's status line and headers; engines send a few hundred bytes
+_HIGH_WATER = 256 * 1024  # stop reading a socket whose bytes we have not passed on yet
+
+# Body framing of the answer being read.
+_LENGTH, _CHUNKED, _UNTIL_CLOSE, _NONE = range(4)
+# Where a chunked body is: in a chunk's data, at its CRLF, at a size line, in the trailers.
+_DATA, _DATA_END, _SIZE, _TRAILER = range(4)
+
+
+class Connection(asyncio.Protocol):
+    """One socket to a replica, and the answer being read on it (one at a time)."""
+
+    def __init__(self, pool: _Pool):
+        self.pool = pool
+        self.loop = pool.client.loop
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.waiter: asyncio.Future | None = None
+        self.eof = False  # the peer closed (or the socket broke): no byte will come any more
+        self.lost: BaseException | None = None
+        self.paused = False
+        self.idle_since = 0.0
+        # The answer being read
+        self.status = 0
+        self.content_type = ""  # as sent, for passing on
+        self.mimetype = ""  # lower case, parameters stripped
+        self.keep_alive = True
+        self._framing = _NONE
+        self._left = 0  # bytes left: of the body (_LENGTH) or of the current chunk (_CHUNKED)
+        self._chunk_state = _SIZE
+        self.done = False  # the answer was read to its end
+
+    # -- asyncio.Protocol: bytes in, one waiter woken ---------------------------------
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if len(self.buf) > _HIGH_WATER and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self):
+        self.eof = True
+        self._wake()
+        # None: let the transport close itself (a half-open socket is of no use here).
+
+    def connection_lost(self, exc):
+        self.eof = True
+        self.lost = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _timed_out(self, w: asyncio.Future) -> None:
+        if not w.done():
+            w.set_exception(ReadTimeout(f"no byte for {self.pool.client.read_timeout:g}s"))
+
+    async def _fill(self) -> None:
+        """Wait for more bytes. Raises Broken at EOF, ReadTimeout after read_timeout of silence."""
+        if self.eof:
+            raise Broken(f"the connection was closed ({self.lost})" if self.lost else "the replica closed the connection")
+        if self.paused:
+            self.paused = False
+            self.transport.resume_reading()
+        self.waiter = w = self.loop.create_future()
+        timer = self.loop.call_later(self.pool.client.read_timeout, self._timed_out, w)
+        try:
+            await w
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+    # -- one exchange --------------------------------------------------------------
+    def send(self, data: bytes) -> None:
+        self.status = 0
+        self.done = False
+        self.transport.write(data)
+
+    async def read_head(self) -> None:
+        """Parse the status line and headers; 1xx answers (other than 101) are skipped."""
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            while end < 0:
+                if len(self.buf) > MAX_HEAD:
+                    raise Broken(f"the answer's head is over {MAX_HEAD} bytes")
+                await self._fill()
+                end = self.buf.find(b"\r\n\r\n")
+            head = self.buf[:end].decode("latin-1")
+            del self.buf[: end + 4]
+            if self._parse_head(head):
+                return
+
+    def _parse_head(self, head: str) -> bool:
+        """Sets status and framing; False for an interim (1xx) answer to skip."""
+        lines = head.split("\r\n")
+        version, _, rest = lines[0].partition(" ")
+        code = rest[:3]
+        if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+            raise Broken(f"not an HTTP/1.x answer: {lines[0][:80]!r}")
+        self.status = status = int(code)
+        if 100 <= status < 200 and status != 101:
+            return False
+        length = None
+        chunked = False
+        self.keep_alive = version == "HTTP/1.1"
+        self.content_type = ""
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise Broken(f"a malformed header line: {line[:80]!r}")
+            name = name.strip().lower()
+            if name == "content-length":
+                value = value.strip()
+                if not value.isdigit():
+                    raise Broken(f"a malformed Content-Length: {value[:40]!r}")
+                length = int(value)
+            elif name == "transfer-encoding":
+                chunked = value.strip().lower().endswith("chunked")
+            elif name == "content-type":
+                self.content_type = value.strip()
+            elif name == "connection":
+                v = value.strip().lower()
+                if v == "close":
+                    self.keep_alive = False
+                elif v == "keep-alive":
+                    self.keep_alive = True
+        self.mimetype = self.content_type.partition(";")[0].strip().lower()
+        if status in (204, 304) or status < 200:
+            self._framing, self.done = _NONE, True
+        elif chunked:  # Transfer-Encoding wins over Content-Length (RFC 9112 6.3)
+            self._framing, self._chunk_state, self._left = _CHUNKED, _SIZE, 0
+        elif length is not None:
+            self._framing, self._left = _LENGTH, length
+            self.done = length == 0
+        else:
+            self._framing, self.keep_alive = _UNTIL_CLOSE, False
+        return True
+
+    def _take(self) -> bytes:
+        """The body bytes buffered so far (decoded from chunks); sets ``done`` at the end."""
+        buf = self.buf
+        if self._framing == _LENGTH:
+            n = min(self._left, len(buf))
+            out = bytes(buf[:n])
+            del buf[:n]
+            self._left -= n
+            self.done = self._left == 0
+            return out
+        if self._framing == _CHUNKED:
+            return self._take_chunks()
+        if self._framing == _UNTIL_CLOSE:
+            out = bytes(buf)
+            buf.clear()
+            self.done = self.eof
+            return out
+        return b""
+
+    def _take_chunks(self) -> bytes:
+        buf = self.buf
+        out = []
+        pos = 0
+        state = self._chunk_state
+        while not self.done:
+            if state == _DATA:
+                n = min(self._left, len(buf) - pos)
+                if n == 0:
+                    break
+                out.append(buf[pos : pos + n])
+                pos += n
+                self._left -= n
+                if self._left:
+                    break
+                state = _DATA_END
+            elif state == _DATA_END:
+                if len(buf) - pos < 2:
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise Broken("a chunk does not end with CRLF")
+                pos += 2
+                state = _SIZE
+            else:  # _SIZE or _TRAILER: a line
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    if len(buf) - pos > MAX_HEAD:
+                        raise Broken("a chunk size line (or trailer) is too long")
+                    break
+                line = buf[pos:eol]
+                pos = eol + 2
+                if state == _TRAILER:
+                    self.done = not line  # an empty line ends the trailers, and the body
+                    continue
+                try:
+                    size = int(bytes(line).split(b";", 1)[0], 16)
+                except ValueError:
+                    size = -1
+                if size < 0:
+                    raise Broken(f"a malformed chunk size: {bytes(line[:40])!r}")
+                state, self._left = (_DATA, size) if size else (_TRAILER, 0)
+        self._chunk_state = state
+        del buf[:pos]
+        return b"".join(out)
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = []
+        while True:
+            data = self._take()
+            if data:
+                parts.append(data)
+            if self.done:
+                return b"".join(parts)
+            if self._framing == _UNTIL_CLOSE and self.eof:
+                return b"".join(parts)
+            await self._fill()
+
+    async def read_some(self) -> bytes:
+        """The next body bytes as they arrive (may end mid-event); b"" at the end."""
+        while True:
+            data = self._take()
+            if data or self.done:
+                return data
+            await self._fill()
+
+    # -- after the exchange ---------------------------------------------------------
+    def release(self) -> None:
+        """Back to the pool if the answer was read to its end and the socket may be reused; else closed."""
+        if self.done and self.keep_alive and not self.eof and not self.buf and not self.paused:
+            self.pool.put(self)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()  # also what stops the engine's work on an abandoned answer
+        self.eof = True
+
+
+class _Pool:
+    """Idle connections to one host:port, most recently used last."""
+
+    def __init__(self, client: UpstreamClient, host: str, port: int, tls: ssl.SSLContext | None):
+        self.client = client
+        self.host = host
+        self.port = port
+        self.tls = tls
+        self.idle: list[Connection] = []
+
+    async def get(self) -> Connection:
+        idle = self.idle
+        if idle:
+            oldest_ok = time.monotonic() - self.client.keepalive
+            while idle:
+                conn = idle.pop()
+                if not conn.eof and conn.idle_since > oldest_ok and not conn.transport.is_closing():
+                    return conn
+                conn.close()
+        return await self._connect()
+
+    async def _connect(self) -> Connection:
+        loop = self.client.loop
+        try:
+            async with asyncio.timeout(self.client.connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: Connection(self), self.host, self.port, ssl=self.tls, server_hostname=self.host if self.tls else None
+                )
+        except TimeoutError:
+            raise ConnectTimeout(f"no connection to {self.host}:{self.port} within {self.client.connect_timeout:g}s") from None
+        except OSError as e:
+            raise ConnectFailed(e) from None
+        return conn
+
+    def put(self, conn: Connection) -> None:
+        conn.idle_since = time.monotonic()
+        self.idle.append(conn)
+        self.client._sweep_later()
+
+
+class _Target:
+    """One endpoint + path: its pool, and the request head up to Content-Length, encoded once."""
+
+    __slots__ = ("pool", "head")
+
+    def __init__(self, pool: _Pool, head: bytes):
+        self.pool = pool
+        self.head = head
+
+
+class UpstreamClient:
+    def __init__(self, *, connect_timeout: float, read_timeout: float, keepalive: float = 4.0):
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.keepalive = keepalive
+        self.loop = asyncio.get_running_loop()
+        self._pools: dict[tuple, _Pool] = {}
+        self._targets: dict[tuple[str, str], _Target] = {}
+        self._tls: ssl.SSLContext | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+        self.closed = False
+
+    def _target(self, endpoint: str, path: str) -> _Target:
+        # Parsing a URL and encoding a head is a visible share of a request's CPU; endpoints change rarely.
+        key = (endpoint, path)
+        t = self._targets.get(key)
+        if t is None:
+            u = urlsplit(endpoint)
+            if u.scheme not in ("http", "https") or not u.hostname:
+                raise ConnectFailed(OSError(f"not an http(s) endpoint: {endpoint!r}"))
+            tls = u.scheme == "https"
+            port = u.port or (443 if tls else 80)
+            pkey = (u.scheme, u.hostname, port)
+            pool = self._pools.get(pkey)
+            if pool is None:
+                if tls and self._tls is None:
+                    self._tls = ssl.create_default_context()
+                pool = self._pools[pkey] = _Pool(self, u.hostname, port, self._tls if tls else None)
+            host = u.netloc.rpartition("@")[2]
+            head = (
+                f"POST {u.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {host}\r\n"
+                "Content-Type: application/json\r\nAccept-Encoding: identity\r\nContent-Length: "
+            ).encode("latin-1")
+            if len(self._targets) > 4096:
+                self._targets.clear()
+            t = self._targets[key] = _Target(pool, head)
+        return t
+
+    async def post(self, endpoint: str, path: str, body: bytes, extra_headers: bytes = b"") -> Connection:
+        """Send ``body`` and read the answer's head. ``extra_headers``: whole ``Name: value\\r\\n`` lines.
+
+        The caller reads the body off the returned connection and then must
+        ``release()`` it (read to the end) or ``close()`` it (anything else).
+        """
+        if self.closed:
+            raise ConnectFailed(OSError("the gateway is stopping"))
+        t = self._target(endpoint, path)
+        conn = await t.pool.get()
+        try:
+            # One write, so one send(): head and body together.
+            conn.send(b"%s%d\r\n%s\r\n%s" % (t.head, len(body), extra_headers, body))
+            await conn.read_head()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _sweep_later(self) -> None:
+        if self._sweeper is None and not self.closed:
+            self._sweeper = self.loop.call_later(self.keepalive / 4, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close connections idle for ``keepalive``; runs while any connection is idle."""
+        self._sweeper = None
+        oldest_ok = time.monotonic() - self.keepalive
+        left = False
+        for pool in self._pools.values():
+            keep = []
+            for c in pool.idle:
+                if c.idle_since > oldest_ok and not c.eof:
+                    keep.append(c)
+                else:
+                    c.close()
+            pool.idle[:] = keep
+            left = left or bool(keep)
+        if left:
+            self._sweeper = self.loop.call_later(self.keepalive / 4, self._sweep)
+
+    async def close(self) -> None:
+        self.closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for pool in self._pools.values():
+            for c in pool.idle:
+                c.close()
+            pool.idle.clear()
