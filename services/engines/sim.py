@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import math
 import signal
@@ -140,8 +139,12 @@ async def _run(cfg: SimConfig) -> int:
         stopped.cancel()
         if not work.done():
             work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
+            # Not "await work": on Python 3.11 asyncio.wait_for can swallow a
+            # cancellation that races its inner read completing (the peer
+            # closing at the same moment, as when a whole replica is stopped),
+            # and the role would then carry on into its idle wait. Bounded
+            # here; asyncio.run cancels whatever is left once more.
+            await asyncio.wait({work}, timeout=1.0)
         await role.close()
     log.info("stopped (exit %d)", rc)
     return rc
