@@ -32,18 +32,40 @@ class KvMirror(Generic[T]):
         self.listeners: list[Listener] = []
         self._task: asyncio.Task | None = None
         self._watcher = None
+        self._initial_seq = 0
+        self._marker_seen = False
 
     async def start(self, timeout: float = 10.0) -> "KvMirror[T]":
+        # nats-py's "initial values done" marker can come early when it races
+        # its own consumer, and a scheduler acting on a partial copy of the
+        # replicas would place duplicates. So "ready" means: every message the
+        # bucket held when we started watching has been seen.
+        info = await self.kv._js.stream_info(self.kv._stream)
+        self._initial_seq = info.state.last_seq
         self._watcher = await self.kv.watchall()
         self._task = asyncio.create_task(self._run())
-        await asyncio.wait_for(self.ready.wait(), timeout)
+        try:
+            await asyncio.wait_for(self.ready.wait(), timeout)
+        except asyncio.TimeoutError:
+            if not self._marker_seen:
+                raise
+            # The last message may be gone (a limit removed it): go on with what came.
+            log.warning("%s: initial values did not reach sequence %d in %.0fs; continuing", self.kv._stream, self._initial_seq, timeout)
+            self.ready.set()
         return self
+
+    def _note_seen(self, revision: int) -> None:
+        if revision >= self._initial_seq:
+            self.ready.set()
 
     async def _run(self) -> None:
         async for entry in self._watcher:
-            if entry is None:  # the initial values have all arrived
-                self.ready.set()
+            if entry is None:  # nats-py's marker: trusted only for an empty bucket
+                self._marker_seen = True
+                if self._initial_seq == 0:
+                    self.ready.set()
                 continue
+            self._note_seen(entry.revision)
             old = self.items.get(entry.key)
             if entry.operation in ("DEL", "PURGE") or not entry.value:
                 self.items.pop(entry.key, None)

@@ -579,7 +579,15 @@ async def _loaded(pilot) -> None:
     # table to size its columns (it does that when idle)
     loaded = lambda: app.history_loaded and [len(app.state.nodes), len(app.state.leases), len(app.state.replicas)] == [5, 5, 3]
     await until(pilot, lambda: loaded() and len(app.query(NodeRow)) == 5 and len(table_rows(app)) == 3 and app.focused is not None, what="everything on screen")
-    await pilot.pause(0.2)
+    # Then until the screen stops changing: the table sizes its columns when idle, and on a
+    # loaded machine that can take longer than any fixed pause.
+    previous = None
+    for _ in range(50):
+        await pilot.pause(0.1)
+        shot = app.export_screenshot()
+        if shot == previous:
+            break
+        previous = shot
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)], ids=["80x24", "160x48"])

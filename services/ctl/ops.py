@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 import yaml
 from nats.js.api import DeliverPolicy
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 
 from llmgw.shared import bus, subjects as S
 from llmgw.shared.config import default_operator_config, load_service_config, read_yaml
@@ -56,18 +57,30 @@ class Session:
     async def read_bucket(self, bucket: str, schema) -> dict:
         try:
             kv = await self.js.key_value(bucket)
-        except Exception:
+        except BucketNotFoundError:
             return {}  # not created yet: nothing there
+        keys: list[str] = []
+        for attempt in range(4):
+            try:
+                keys = await kv.keys()
+                break
+            except NoKeysError:
+                # nats-py's key listing can end early when it races its own
+                # consumer; an empty answer from a bucket holding values is retried.
+                info = await self.js.stream_info(S.kv_stream(bucket))
+                if not info.state.messages:
+                    return {}
+                await asyncio.sleep(0.1 * (attempt + 1))
+        else:
+            raise BusError(f"could not list the keys of {bucket}; try again")
         out = {}
-        try:
-            keys = await kv.keys()
-        except Exception:
-            return {}
         for k in keys:
             try:
                 out[k] = decode((await kv.get(k)).value, schema)
-            except Exception:
-                continue
+            except KeyNotFoundError:
+                continue  # deleted between the listing and the read
+            except WireError as e:
+                print(f"llmgw: warning: {bucket}/{k} skipped: {e}", file=sys.stderr)
         return out
 
     async def call(self, service: str, verb: str, payload: bytes, timeout: float = 10.0) -> bytes:
