@@ -55,23 +55,31 @@ class ReplicasTable(DataTable):
         keep = None
         if self.row_count and 0 <= self.cursor_row < self.row_count:
             keep = self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
-        # Columns too, so their widths fit what is shown now, not the widest state ever seen.
-        self.clear(columns=True)
-        self.add_columns(*COLUMNS)
+        cells = []
         for r in rows:
             failing = r.tone == "failing"
             plain = "bold red" if failing else ""
-            self.add_row(
-                Text(f" {r.mark} ", style=GPU_CELL_STYLE.get(r.tone, "")),
-                Text(r.id, style="bold red" if failing else ("bold yellow" if r.rebuild else "bold")),
-                Text(r.deployment, style=plain),
-                Text(r.fabric, style=plain),
-                Text(r.members, style=plain),
-                state_text(r),
-                Text(r.age, style=plain, justify="right"),
-                Text(r.reason, style="red" if failing else "dim"),
-                key=r.id,
+            cells.append(
+                (
+                    Text(f" {r.mark} ", style=GPU_CELL_STYLE.get(r.tone, "")),
+                    Text(r.id, style="bold red" if failing else ("bold yellow" if r.rebuild else "bold")),
+                    Text(r.deployment, style=plain),
+                    Text(r.fabric, style=plain),
+                    Text(r.members, style=plain),
+                    state_text(r),
+                    Text(r.age, style=plain, justify="right"),
+                    Text(r.reason, style="red" if failing else "dim"),
+                )
             )
+        # Columns too, so their widths fit what is shown now, not the widest state ever
+        # seen. Widths are given, not left to the table's lazy sizing: the same rows then
+        # always draw the same way, at once.
+        widths = [max([len(label), *(c[i].cell_len for c in cells)]) for i, label in enumerate(COLUMNS)]
+        self.clear(columns=True)
+        for label, width in zip(COLUMNS, widths):
+            self.add_column(label, width=width)
+        for r, row in zip(rows, cells):
+            self.add_row(*row, key=r.id)
         self.border_subtitle = summary(rows) or "no replicas"
         if keep is not None and keep in {r.id for r in rows}:
             self.move_cursor(row=self.get_row_index(keep), animate=False)
