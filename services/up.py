@@ -383,6 +383,7 @@ def _ready_banner(cluster: Cluster, args) -> None:
 
 def up(args) -> int:
     _durations(args)
+    simcluster.layout(args.nodes, args.fabrics, args.gpus_per_node)  # refuse bad sizes before touching DIR
     d = Path(args.dir).resolve()  # children run elsewhere (cwd=DIR): every path they get is absolute
     cluster = Cluster(dir=d)
     try:
