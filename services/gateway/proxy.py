@@ -91,7 +91,7 @@ class Forwarder:
         self.upstream = upstream
         self.metrics = metrics
 
-    async def forward(self, request: web.Request, path: str, body: bytes, model: str) -> web.StreamResponse:
+    async def forward(self, request: web.BaseRequest, path: str, body: bytes, model: str) -> web.StreamResponse:
         """Answer ``request`` from a replica of ``model``; raises UnknownModel / NoReadyReplica before any attempt."""
         started = time.perf_counter()
         backend = self.router.pick(model)
@@ -116,7 +116,7 @@ class Forwarder:
         finally:
             self.metrics.answered(model, status, time.perf_counter() - started)
 
-    async def _attempt(self, request: web.Request, b: Backend, path: str, body: bytes, model: str, started: float) -> tuple[web.StreamResponse, int]:
+    async def _attempt(self, request: web.BaseRequest, b: Backend, path: str, body: bytes, model: str, started: float) -> tuple[web.StreamResponse, int]:
         """One try on ``b``: the response and the status to count. Raises _Retryable while nothing was sent."""
         self.metrics.attempt(b.id)
         upstream: Connection | None = None
@@ -169,7 +169,7 @@ class Forwarder:
                 # the end: that is what tells the engine to stop (client left, broke).
                 upstream.release() if finished else upstream.close()
 
-    async def _relay_stream(self, request: web.Request, b: Backend, upstream: Connection, first: bytes) -> tuple[web.StreamResponse, int, bool]:
+    async def _relay_stream(self, request: web.BaseRequest, b: Backend, upstream: Connection, first: bytes) -> tuple[web.StreamResponse, int, bool]:
         """Pass the stream through; returns the response, the status to count, and whether upstream ended cleanly."""
         resp = web.StreamResponse(
             status=200,

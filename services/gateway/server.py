@@ -1,4 +1,4 @@
-"""The gateway's HTTP application (aiohttp).
+"""The gateway's HTTP application (aiohttp's low-level server).
 
 Checks run cheapest first, and all before any replica is chosen: the API key,
 the declared body size, the body itself, the model. A request refused here
@@ -11,13 +11,20 @@ from __future__ import annotations
 import time
 
 import msgspec
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from . import errors
 from .auth import ApiKeys
 from .metrics import UNKNOWN_MODEL, GatewayMetrics
 from .proxy import Forwarder
 from .router import NoReadyReplica, Router, UnknownModel
+
+
+def _unquote_path_safe(value: str) -> str:
+    """What aiohttp's router does to a path parameter matched in ``rel_url.path_safe``."""
+    if "%" not in value:
+        return value
+    return value.replace("%2F", "/").replace("%25", "%")
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 _KNOWN_PATHS = {"/v1/models": "GET", "/healthz": "GET", "/metrics": "GET", **{p: "POST" for p in GENERATION_PATHS}}
@@ -41,27 +48,53 @@ class GatewayApp:
         self.keys = keys
         self.first_seen: dict[str, int] = {}  # model -> when this gateway first saw it ready ("created")
 
-    def build(self) -> web.Application:
+    def build(self, **kwargs) -> web.Server:
+        """The low-level aiohttp server: one handler that dispatches on the path
+        itself, without an Application's router, match info and middleware chain
+        (measured: fewer microseconds per request on the hot path)."""
+        return web.Server(self.handle, request_factory=self._make_request, **kwargs)
+
+    def _make_request(self, message, payload, protocol, writer, task) -> web.BaseRequest:
         # aiohttp enforces the limit on the body as read as well (chunked uploads
         # carry no Content-Length); we turn its refusal into OpenAI's shape.
-        app = web.Application(client_max_size=self.max_body_bytes)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model:.+}", self.model)
-        app.router.add_get("/healthz", self.healthz)
-        app.router.add_get("/metrics", self.metrics_text)
-        app.router.add_route("*", "/{tail:.*}", self.fallback)
-        return app
+        return web.BaseRequest(message, payload, protocol, writer, task, protocol._loop, client_max_size=self.max_body_bytes)
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """The routes: POST the two generation paths; GET (and HEAD) the rest; anything else -> fallback."""
+        method = request.method
+        path = request.path
+        if expect := request.headers.get("Expect"):  # as an Application does (its default expect handler)
+            if request.version == HttpVersion11:
+                if expect.lower() == "100-continue":
+                    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    request.writer.output_size = 0  # the main body has not started
+                else:
+                    raise web.HTTPExpectationFailed(text="Unknown Expect: %s" % expect)
+        if method == "POST":
+            if path == "/v1/chat/completions":
+                return await self._generate(request, "/v1/chat/completions")
+            if path == "/v1/completions":
+                return await self._generate(request, "/v1/completions")
+        elif method == "GET" or method == "HEAD":
+            if path == "/v1/models":
+                return await self.models(request)
+            if path == "/healthz":
+                return await self.healthz(request)
+            if path == "/metrics":
+                return await self.metrics_text(request)
+            raw = request.rel_url.path_safe
+            if raw.startswith("/v1/models/") and len(raw) > 11:
+                return await self.model(request, _unquote_path_safe(raw[11:]))
+        return await self.fallback(request)
 
     # -- generation --------------------------------------------------------------
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def chat(self, request: web.BaseRequest) -> web.StreamResponse:
         return await self._generate(request, "/v1/chat/completions")
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: web.BaseRequest) -> web.StreamResponse:
         return await self._generate(request, "/v1/completions")
 
-    async def _generate(self, request: web.Request, path: str) -> web.StreamResponse:
+    async def _generate(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
         started = time.perf_counter()
         if self.keys is not None and not self.keys.allows(request.headers.get("Authorization")):
             return self._refused(started, errors.unauthorized("a valid API key is required: send 'Authorization: Bearer KEY'"))
@@ -99,31 +132,30 @@ class GatewayApp:
         created = self.first_seen.setdefault(model, int(time.time()))
         return {"id": model, "object": "model", "created": created, "owned_by": "llmgw"}
 
-    def _authorized(self, request: web.Request) -> bool:
+    def _authorized(self, request: web.BaseRequest) -> bool:
         return self.keys is None or self.keys.allows(request.headers.get("Authorization"))
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: web.BaseRequest) -> web.Response:
         if not self._authorized(request):
             return errors.unauthorized("a valid API key is required: send 'Authorization: Bearer KEY'")
         return web.json_response({"object": "list", "data": [self._card(m) for m in self.router.models()]})
 
-    async def model(self, request: web.Request) -> web.Response:
+    async def model(self, request: web.BaseRequest, name: str) -> web.Response:
         if not self._authorized(request):
             return errors.unauthorized("a valid API key is required: send 'Authorization: Bearer KEY'")
-        name = request.match_info["model"]
         if name not in self.router.models():
             return errors.not_found(f"no ready replica serves the model '{name}'")
         return web.json_response(self._card(name))
 
     # -- operations (no key needed: probes and scrapers carry none) ----------------
-    async def healthz(self, request: web.Request) -> web.Response:
+    async def healthz(self, request: web.BaseRequest) -> web.Response:
         models = self.router.models()
         return web.json_response({"status": "ok", "models": models})
 
-    async def metrics_text(self, request: web.Request) -> web.Response:
+    async def metrics_text(self, request: web.BaseRequest) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
-    async def fallback(self, request: web.Request) -> web.Response:
+    async def fallback(self, request: web.BaseRequest) -> web.Response:
         allowed = _KNOWN_PATHS.get(request.path)
         if allowed is not None:
             return errors.error_response(405, f"{request.method} {request.path}: use {allowed}", code="method_not_allowed", headers={"Allow": allowed})

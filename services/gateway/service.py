@@ -62,7 +62,7 @@ class Gateway(ServiceRuntime):
         self.router = Router(cooldown=g.cooldown, failures_before_cooldown=g.failures_before_cooldown, retry_after=g.retry_after)
         self.metrics = GatewayMetrics(self.router)
         self.upstream = Upstream(g)
-        self.runner: web.AppRunner | None = None
+        self.runner: web.ServerRunner | None = None
         self.app: GatewayApp | None = None
         self.replicas: KvMirror | None = None
         self.deployments: KvMirror | None = None
@@ -101,10 +101,10 @@ class Gateway(ServiceRuntime):
         self.app = GatewayApp(
             self.router, Forwarder(self.router, self.upstream, self.metrics), self.metrics, max_body_bytes=self.cfg.gateway.max_body_bytes, keys=self.keys
         )
-        app = self.app.build()
         # handler_cancellation: a client that disconnects cancels its handler,
         # which closes the upstream connection, which stops the engine's work.
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
+        server = self.app.build(handler_cancellation=True, access_log=None)
+        self.runner = web.ServerRunner(server, shutdown_timeout=SHUTDOWN_GRACE)
         await self.runner.setup()
         host, port = self.listen
         site = web.TCPSite(self.runner, host, port, backlog=1024)
