@@ -143,11 +143,7 @@ class Registry(ServiceRuntime):
                 else:
                     await self.nodes_kv.create(inv.node_id, encode(record))
             except KeyWrongLastSequenceError:
-                continue
-            except Exception as e:
-                if "wrong last sequence" in str(e) or "key exists" in str(e).lower():
-                    continue
-                raise
+                continue  # an admin change or another registry won the race: re-read
             self.boots[inv.node_id] = inv.boot_id
             if old is None:
                 await self.events.emit("node", inv.node_id, "joined", f"{len(inv.gpus)} GPUs, fabrics {', '.join(f.name for f in inv.fabrics) or 'none'}")

@@ -35,6 +35,7 @@ import yaml
 from .bus import TlsFiles
 from .durations import parse_duration
 from .errors import ConfigError
+from .files import write_atomic
 
 # Marks a float field as a duration ("5s", "1m", 500ms, or seconds).
 DURATION = {"duration": True}
@@ -322,9 +323,4 @@ def default_operator_config() -> str:
 
 
 def write_config(path: str | os.PathLike, data: dict) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, p)
+    write_atomic(path, yaml.safe_dump(data, sort_keys=False), mode=0o600)

@@ -47,9 +47,10 @@ class Leadership:
                 self._revision = await self.kv.create(self.service, self._value(now()))
             else:
                 self._revision = await self.kv.update(self.service, self._value(now()), last=seen_rev)
-        except (KeyWrongLastSequenceError, Exception) as e:
-            if not isinstance(e, KeyWrongLastSequenceError) and "wrong last sequence" not in str(e) and "key exists" not in str(e).lower():
-                log.debug("%s: acquire failed: %s", self.service, e)
+        except KeyWrongLastSequenceError:
+            return False  # another contender got there first
+        except Exception as e:  # the bus is away: the next round tries again
+            log.debug("%s: acquire failed: %s", self.service, e)
             return False
         self._last_renewed = time.monotonic()
         return True

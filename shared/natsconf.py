@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import pki, subjects as S
+from . import pki
 from .errors import ConfigError
 from .permissions import Permissions, for_identity
 
@@ -114,4 +114,4 @@ def render(pki_dir: str | os.PathLike, opts: ServerOptions) -> str:
     return header + json.dumps(conf, indent=2) + "\n"
 
 
-__all__ = ["ServerOptions", "render", "S"]
+__all__ = ["ServerOptions", "render"]

@@ -9,7 +9,6 @@ identity into a running server; ``revoke`` + ``reload`` throw one out.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 from . import natsbin, pki
 from .bus import TlsFiles
 from .errors import BusError
+from .files import write_atomic
 from .natsconf import ServerOptions, render
 
 
@@ -90,10 +90,7 @@ class NatsServer:
                 pid_file=str(self.root / "nats-server.pid"),
             ),
         )
-        tmp = self.conf_path.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, self.conf_path)
+        write_atomic(self.conf_path, text, mode=0o600)
 
     def start(self, timeout: float = 15.0) -> None:
         self.prepare()

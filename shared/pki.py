@@ -28,7 +28,6 @@ import hashlib
 import ipaddress
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .errors import PkiError
+from .files import write_atomic
 from .names import SERVICE_ROLES, check_name, check_role
 
 CA_CERT = "ca.pem"
@@ -101,27 +101,11 @@ class Issued:
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    """Write a key so that no other user can ever read it, not even briefly."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, data, mode=0o600)
 
 
 def _write_public(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    write_atomic(path, data, mode=0o644)
 
 
 def _new_key() -> ec.EllipticCurvePrivateKey:

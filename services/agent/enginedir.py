@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from llmgw.shared.errors import WireError
+from llmgw.shared.files import write_atomic
 from llmgw.shared.schemas import Base, LaunchCommand, decode, encode
 
 __all__ = [
@@ -93,12 +94,8 @@ def dir_name(replica_id: str, generation: int, rank: int) -> str:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # Durable before the rename: a restarted agent rebuilds its view from these files.
+    write_atomic(path, data, mode=0o644, fsync=True)
 
 
 def tail_lines(path: Path, lines: int, *, max_bytes: int = MAX_TAIL_BYTES) -> list[str]:

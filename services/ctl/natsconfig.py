@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
-from pathlib import Path
 
+from llmgw.shared.files import write_atomic
 from llmgw.shared.natsconf import ServerOptions, render
 
 
@@ -23,13 +21,7 @@ def run(args) -> int:
     if not args.out:
         sys.stdout.write(text)
         return 0
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     # Atomic: a server reloading mid-write must never read half a config.
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, out)
-    print(f"wrote {out}", file=sys.stderr)
+    write_atomic(args.out, text, mode=0o600)
+    print(f"wrote {args.out}", file=sys.stderr)
     return 0
