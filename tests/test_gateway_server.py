@@ -1,11 +1,10 @@
-"""The gateway's own dispatch on aiohttp's low-level server (server.py):
-the routing an Application used to do, kept as it was (HEAD on GET routes,
-path parameters, the catch-all 404 / 405, Expect: 100-continue, body limit)."""
+"""The gateway's routes (server.py) on its own HTTP server: HEAD on GET
+routes, path parameters, the catch-all 404 / 405, Expect: 100-continue, the
+body limit on a chunked upload — through a real HTTP client."""
 
 from __future__ import annotations
 
 import aiohttp
-from aiohttp import web
 from llmgw.services.gateway.metrics import GatewayMetrics
 from llmgw.services.gateway.proxy import Forwarder, Upstream
 from llmgw.services.gateway.router import Router
@@ -16,11 +15,9 @@ async def _serve():
     router = Router(cooldown=1.0, failures_before_cooldown=3, retry_after=1.0)
     metrics = GatewayMetrics(router)
     app = GatewayApp(router, Forwarder(router, Upstream(None), metrics), metrics, max_body_bytes=1000, keys=None)
-    runner = web.ServerRunner(app.build(handler_cancellation=True, access_log=None))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    server = app.server()
+    port = await server.start("127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{port}"
 
 
 async def test_routes_head_expect_and_limits():
@@ -54,4 +51,4 @@ async def test_routes_head_expect_and_limits():
             async with s.get(base + "/metrics") as r:
                 assert r.status == 200 and b"llmgw_gateway_requests" in await r.read()
     finally:
-        await runner.cleanup()
+        await runner.close(1.0)

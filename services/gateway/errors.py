@@ -6,17 +6,17 @@ from __future__ import annotations
 import json
 import math
 
-from aiohttp import web
+from .httpserver import Response
 
 
 def error_body(message: str, *, code: str, type_: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, *, code: str, param: str | None = None, headers: dict | None = None) -> web.Response:
+def error_response(status: int, message: str, *, code: str, param: str | None = None, headers: dict | None = None) -> Response:
     type_ = "invalid_request_error" if status < 500 else "server_error"
     body = json.dumps(error_body(message, code=code, type_=type_, param=param)).encode()
-    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+    return Response(status, body, headers)
 
 
 def sse_error(message: str, *, code: str) -> bytes:
@@ -25,29 +25,45 @@ def sse_error(message: str, *, code: str) -> bytes:
     return b"data: " + json.dumps(error_body(message, code=code, type_="server_error")).encode() + b"\n\n"
 
 
-def bad_request(message: str, *, code: str = "invalid_value", param: str | None = None) -> web.Response:
+def bad_request(message: str, *, code: str = "invalid_value", param: str | None = None) -> Response:
     return error_response(400, message, code=code, param=param)
 
 
-def unauthorized(message: str) -> web.Response:
+def unauthorized(message: str) -> Response:
     return error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="llmgw"'})
 
 
-def not_found(message: str, code: str = "model_not_found", param: str | None = "model") -> web.Response:
+def not_found(message: str, code: str = "model_not_found", param: str | None = "model") -> Response:
     return error_response(404, message, code=code, param=param)
 
 
-def too_large(limit: int) -> web.Response:
+def too_large(limit: int) -> Response:
     return error_response(413, f"the request body is larger than this gateway accepts ({limit} bytes)", code="request_too_large")
 
 
-def unavailable(message: str, retry_after: float) -> web.Response:
+def unavailable(message: str, retry_after: float) -> Response:
     return error_response(503, message, code="no_ready_replica", headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
 
 
-def bad_gateway(message: str) -> web.Response:
+def bad_gateway(message: str) -> Response:
     return error_response(502, message, code="upstream_error")
 
 
-def gateway_timeout(message: str) -> web.Response:
+def gateway_timeout(message: str) -> Response:
     return error_response(504, message, code="upstream_timeout")
+
+
+_REFUSAL_CODES = {
+    400: "malformed_request",
+    413: "request_too_large",
+    414: "uri_too_long",
+    417: "expectation_failed",
+    431: "headers_too_large",
+    500: "internal_error",
+    501: "not_implemented",
+}
+
+
+def refusal(status: int, message: str) -> Response:
+    """The HTTP server's own refusals (httpserver.py), in the same shape as every other error."""
+    return error_response(status, message, code=_REFUSAL_CODES.get(status, "http_error"), param=None)

@@ -12,8 +12,8 @@ is the replica's word and is passed through as is; 5xx ones count towards the
 replica's cool-down. A timeout (no byte for ``upstream_timeout``) is answered
 with 504 and not retried: the wait has already been spent once.
 
-A client that leaves cancels its handler (aiohttp ``handler_cancellation``);
-the upstream connection is then closed, not returned to the pool, which is how
+A client that leaves cancels its handler (``httpserver.py``); the upstream
+connection is then closed, not returned to the pool, which is how
 an engine learns to stop generating.
 """
 
@@ -22,10 +22,10 @@ from __future__ import annotations
 import logging
 import time
 
-from aiohttp import web
 from llmgw.shared.config import GatewaySection
 
 from . import errors
+from .httpserver import Request, Response, Stream
 from .metrics import GatewayMetrics
 from .router import Backend, NoReadyReplica, Router
 from .upstream import Broken, ConnectFailed, ConnectTimeout, Connection, ReadTimeout, UpstreamClient
@@ -36,6 +36,8 @@ log = logging.getLogger("llmgw.gateway")
 # the body was checked to be JSON) plus the client's X-Request-Id: nothing else
 # of the client's (its API key above all) travels to the engine.
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"
+# No proxy buffering (nginx honours X-Accel-Buffering) or caching on the way to the client.
+_STREAM_HEAD = b"Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
 
 
 class _Retryable(Exception):
@@ -51,12 +53,8 @@ def _describe(e: BaseException) -> str:
     return text if len(text) < 200 else text[:200] + "…"
 
 
-def _request_id_line(rid: str) -> bytes:
-    """The client's X-Request-Id as a header line for the engine; dropped if it cannot be one."""
-    try:
-        value = rid.encode("utf-8", "surrogateescape")  # the bytes the client sent
-    except UnicodeEncodeError:
-        return b""
+def _request_id_line(value: bytes) -> bytes:
+    """The client's X-Request-Id (the bytes it sent) as a header line for the engine; dropped if it cannot be one."""
     return b"" if b"\r" in value or b"\n" in value else b"X-Request-Id: " + value + b"\r\n"
 
 
@@ -91,7 +89,7 @@ class Forwarder:
         self.upstream = upstream
         self.metrics = metrics
 
-    async def forward(self, request: web.BaseRequest, path: str, body: bytes, model: str) -> web.StreamResponse:
+    async def forward(self, request: Request, path: str, body: bytes, model: str) -> Response | Stream:
         """Answer ``request`` from a replica of ``model``; raises UnknownModel / NoReadyReplica before any attempt."""
         started = time.perf_counter()
         backend = self.router.pick(model)
@@ -116,13 +114,13 @@ class Forwarder:
         finally:
             self.metrics.answered(model, status, time.perf_counter() - started)
 
-    async def _attempt(self, request: web.BaseRequest, b: Backend, path: str, body: bytes, model: str, started: float) -> tuple[web.StreamResponse, int]:
+    async def _attempt(self, request: Request, b: Backend, path: str, body: bytes, model: str, started: float) -> tuple[Response | Stream, int]:
         """One try on ``b``: the response and the status to count. Raises _Retryable while nothing was sent."""
         self.metrics.attempt(b.id)
         upstream: Connection | None = None
         finished = False  # the upstream answer was read to its end: its connection may be reused
         extra = b""
-        if rid := request.headers.get("X-Request-Id"):
+        if rid := request.headers.get(b"x-request-id"):
             extra = _request_id_line(rid)
         try:
             try:
@@ -156,11 +154,7 @@ class Forwarder:
                 self._count_failure(b)
             else:
                 self.router.succeeded(b)
-            resp = web.Response(
-                status=upstream.status,
-                body=data,
-                headers={"Content-Type": upstream.content_type or "application/json", "x-llmgw-replica": b.id},
-            )
+            resp = Response(upstream.status, data, b.head, upstream.content_type or "application/json")
             return resp, upstream.status
         finally:
             self.router.release(b)
@@ -169,15 +163,11 @@ class Forwarder:
                 # the end: that is what tells the engine to stop (client left, broke).
                 upstream.release() if finished else upstream.close()
 
-    async def _relay_stream(self, request: web.BaseRequest, b: Backend, upstream: Connection, first: bytes) -> tuple[web.StreamResponse, int, bool]:
+    async def _relay_stream(self, request: Request, b: Backend, upstream: Connection, first: bytes) -> tuple[Stream, int, bool]:
         """Pass the stream through; returns the response, the status to count, and whether upstream ended cleanly."""
-        resp = web.StreamResponse(
-            status=200,
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no", "x-llmgw-replica": b.id},
-        )
         pending = first
         try:
-            await resp.prepare(request)
+            resp = request.start_stream(200, _STREAM_HEAD + b.head, "text/event-stream")
             while True:
                 # Pass each arrival on at once, up to its last whole event.
                 if pending.endswith(b"\n\n"):
@@ -201,18 +191,18 @@ class Forwarder:
                 pending += chunk
             if pending:
                 await resp.write(pending)
-            await resp.write_eof()
+            await resp.end()
         except ConnectionResetError:  # the client left mid-stream; closing upstream tells the engine
             return resp, CLIENT_CLOSED, False
         self.router.succeeded(b)
         return resp, 200, True
 
-    async def _end_broken(self, resp: web.StreamResponse, b: Backend, kind: str, message: str, code: str) -> None:
+    async def _end_broken(self, resp: Stream, b: Backend, kind: str, message: str, code: str) -> None:
         self.metrics.upstream_error(b.id, kind)
         self._count_failure(b)
         # A half-received event is dropped: the error event must start on a boundary.
         await resp.write(errors.sse_error(message, code=code))
-        await resp.write_eof()
+        await resp.end()
 
     def _failed(self, b: Backend, kind: str, detail: str) -> _Retryable:
         self.metrics.upstream_error(b.id, kind)

@@ -49,6 +49,10 @@ class Backend:
     failures: int = 0  # consecutive
     cool_until: float = 0.0
     routable: bool = True
+    head: bytes = b""  # the header line naming this replica in answers, encoded once
+
+    def __post_init__(self):
+        self.head = b"x-llmgw-replica: %s\r\n" % self.id.encode("utf-8", "surrogateescape")
 
 
 def routable(rep: Replica | None) -> bool:

@@ -15,7 +15,6 @@ import gc
 import signal
 from pathlib import Path
 
-from aiohttp import web
 from llmgw.shared import bus
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import ConfigError
@@ -28,6 +27,7 @@ from .auth import ApiKeys
 from .metrics import GatewayMetrics
 from .proxy import Forwarder, Upstream
 from .router import Router
+from .httpserver import HttpServer
 from .server import GatewayApp
 
 # How long a stopping gateway lets requests in flight finish.
@@ -53,6 +53,7 @@ def keys_path(cfg_source: str, path: str) -> Path:
 class Gateway(ServiceRuntime):
     role = "gateway"
     buckets = ()
+    event_loop = "uvloop"
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -62,7 +63,7 @@ class Gateway(ServiceRuntime):
         self.router = Router(cooldown=g.cooldown, failures_before_cooldown=g.failures_before_cooldown, retry_after=g.retry_after)
         self.metrics = GatewayMetrics(self.router)
         self.upstream = Upstream(g)
-        self.runner: web.ServerRunner | None = None
+        self.http: HttpServer | None = None
         self.app: GatewayApp | None = None
         self.replicas: KvMirror | None = None
         self.deployments: KvMirror | None = None
@@ -101,19 +102,15 @@ class Gateway(ServiceRuntime):
         self.app = GatewayApp(
             self.router, Forwarder(self.router, self.upstream, self.metrics), self.metrics, max_body_bytes=self.cfg.gateway.max_body_bytes, keys=self.keys
         )
-        # handler_cancellation: a client that disconnects cancels its handler,
-        # which closes the upstream connection, which stops the engine's work.
-        server = self.app.build(handler_cancellation=True, access_log=None)
-        self.runner = web.ServerRunner(server, shutdown_timeout=SHUTDOWN_GRACE)
-        await self.runner.setup()
+        # A client that disconnects cancels its handler, which closes the
+        # upstream connection, which stops the engine's work (httpserver.py).
+        self.http = self.app.server()
         host, port = self.listen
-        site = web.TCPSite(self.runner, host, port, backlog=1024)
         try:
-            await site.start()
+            self.port = await self.http.start(host, port, backlog=1024)
         except OSError as e:
-            await self.runner.cleanup()
+            self.http = None
             raise ConfigError(f"{self.cfg.source}: gateway.listen {host}:{port}: {e.strerror or e}") from None
-        self.port = self.runner.addresses[0][1]
         self.log.info("gateway serving the OpenAI API on http://%s:%d%s", host, self.port, " (API keys required)" if self.keys else "")
 
     def reload_keys(self) -> None:
@@ -136,8 +133,8 @@ class Gateway(ServiceRuntime):
         await super().serve()
 
     async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
+        if self.http is not None:
+            await self.http.close(SHUTDOWN_GRACE)
         await self.upstream.close()
         for mirror in (self.replicas, self.deployments):
             if mirror is not None:
