@@ -240,6 +240,10 @@ class HttpConnection(asyncio.Protocol):
         self._url = b""
         self._headers: dict = {}
         self._head_bytes = 0
+        self._in_head = False  # between on_message_begin and on_headers_complete
+        self._heads = 0  # heads begun on this connection
+        self._head_raw = 0  # bytes of reads spent wholly inside the current head
+        self._continue_due = False  # a 100 Continue owed once the answers before it are sent
         self._body: list[bytes] = []
         self._body_len = 0
         self._parsing: Request | None = None  # dispatched early (too large) but still being read
@@ -253,6 +257,7 @@ class HttpConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_active = self.loop.time()
+        head = self._heads if self._in_head else -1
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as e:
@@ -269,6 +274,14 @@ class HttpConnection(asyncio.Protocol):
                 self._close()
                 return
             self._answer_and_close(400, f"malformed HTTP request: {e}")
+        else:
+            # httptools holds a header line whole until it ends before on_header sees it, so
+            # on_header alone cannot stop one endless line: a read that began and ended inside
+            # the same head is all head, and counts against MAX_HEAD as it arrives.
+            if self._in_head and head == self._heads:
+                self._head_raw += len(data)
+                if self._head_raw > MAX_HEAD:
+                    self._answer_and_close(431, f"the request head is larger than {MAX_HEAD} bytes")
 
     def eof_received(self):
         # A client that shuts its side has gone (HTTP clients do not half-close):
@@ -309,6 +322,10 @@ class HttpConnection(asyncio.Protocol):
         self._url = b""
         self._headers = {}
         self._head_bytes = 0
+        self._in_head = True
+        self._heads += 1
+        self._head_raw = 0
+        self._continue_due = False
         self._body = []
         self._body_len = 0
         self._parsing = None
@@ -327,7 +344,13 @@ class HttpConnection(asyncio.Protocol):
         self._headers[name] = value if old is None else old + b", " + value
 
     def on_headers_complete(self):
+        self._in_head = False
         p = self.parser
+        if p.should_upgrade():
+            # Refused here, not on HttpParserUpgrade: llhttp raises that only after
+            # on_message_complete, when the request is already with a handler and the 501
+            # could no longer be sent.
+            self._refuse(501, "protocol upgrades are not supported")
         req = Request(self, p.get_method().decode("latin-1"), self._url, self._headers, p.get_http_version().encode(), p.should_keep_alive())
         if self.closing:
             req.keep_alive = False
@@ -340,8 +363,12 @@ class HttpConnection(asyncio.Protocol):
         if expect is not None and req.version == b"1.1":
             if expect.lower() != b"100-continue":
                 self._refuse(417, f"unsupported expectation: {expect.decode('latin-1')!r}")
-            if self.transport is not None:
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if self.task is None:
+                self._send_continue()
+            else:
+                # Answers before it are still due: a 100 now would be read as theirs. It is
+                # sent when its turn comes (_finish).
+                self._continue_due = True
         self._parsing = req
 
     def on_body(self, body: bytes):
@@ -358,6 +385,7 @@ class HttpConnection(asyncio.Protocol):
     def on_message_complete(self):
         req = self._parsing
         self._parsing = None
+        self._continue_due = False  # the body came without it
         if req is None:
             return
         if req.too_large:  # answered already; the body it did send has now been dropped
@@ -434,6 +462,13 @@ class HttpConnection(asyncio.Protocol):
             self._start(self.queue.popleft())
         elif self.closing:
             self._close()
+        elif self._continue_due:
+            self._continue_due = False
+            self._send_continue()
+
+    def _send_continue(self) -> None:
+        if self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def write_head(self, req: Request, status: int, head: bytes, body: bytes | None = None) -> None:
         """Write a status line and headers (``head``: whole lines), then ``body`` if whole."""
