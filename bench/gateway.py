@@ -52,6 +52,7 @@ class Target:
     name: str
     url: str  # base, e.g. http://127.0.0.1:8080
     headers: dict = field(default_factory=dict)
+    pid: int | None = None  # the proxy's process (none for direct)
 
 
 @dataclass
@@ -60,10 +61,25 @@ class Sample:
     first: list[float] = field(default_factory=list)
     errors: int = 0
     seconds: float = 0.0
+    cpu: dict = field(default_factory=dict)  # process name -> CPU seconds spent during the runs
 
     @property
     def count(self) -> int:
         return len(self.latencies)
+
+    def cpu_us(self, name: str) -> float | None:
+        """CPU microseconds ``name`` spent per answered request."""
+        spent = self.cpu.get(name)
+        return None if spent is None or not self.count else spent / self.count * 1e6
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -73,12 +89,86 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-async def drive(session: aiohttp.ClientSession, target: Target, clients: int, stream: bool, seconds: float, into: Sample, rate: float = 0.0) -> None:
+class AiohttpClient:
+    """aiohttp's client, keep-alive: what many Python programs would use."""
+
+    name = "aiohttp"
+
+    async def __aenter__(self):
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False))
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.session.close()
+
+    async def exchange(self, target: Target, body: bytes, stream: bool) -> tuple[bool, float | None]:
+        """One request; (answered well, when its first chunk came)."""
+        first = None
+        try:
+            async with self.session.post(f"{target.url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json", **target.headers}) as r:
+                if stream:
+                    tail = b""
+                    async for chunk in r.content.iter_any():
+                        if first is None:
+                            first = time.perf_counter()
+                        tail = (tail + chunk)[-64:]
+                    return r.status == 200 and b"[DONE]" in tail, first
+                data = await r.read()
+                return r.status == 200 and b'"choices"' in data, None
+        except aiohttp.ClientError:
+            return False, None
+
+
+class LeanClient:
+    """A keep-alive HTTP/1.1 client on a bare asyncio Protocol (the gateway's own
+    upstream client, used here only as a load generator): about a third of
+    aiohttp's CPU per request, so on a shared 2-core machine less of the CPU
+    the targets need goes to generating their load (wrk's reason to exist)."""
+
+    name = "lean"
+
+    async def __aenter__(self):
+        from llmgw.services.gateway.upstream import UpstreamClient
+
+        self.client = UpstreamClient(connect_timeout=10.0, read_timeout=60.0, keepalive=60.0)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.client.close()
+
+    async def exchange(self, target: Target, body: bytes, stream: bool) -> tuple[bool, float | None]:
+        from llmgw.services.gateway.upstream import UpstreamError
+
+        extra = "".join(f"{k}: {v}\r\n" for k, v in target.headers.items()).encode()
+        first = None
+        try:
+            conn = await self.client.post(target.url, "/v1/chat/completions", body, extra)
+        except (UpstreamError, OSError):
+            return False, None
+        try:
+            if stream:
+                tail = b""
+                while chunk := await conn.read_some():
+                    if first is None:
+                        first = time.perf_counter()
+                    tail = (tail + chunk)[-64:]
+                ok = conn.status == 200 and b"[DONE]" in tail
+            else:
+                ok = conn.status == 200 and b'"choices"' in await conn.read()
+        except (UpstreamError, OSError):
+            conn.close()
+            return False, None
+        conn.release()
+        return ok, first
+
+
+CLIENTS = {"lean": LeanClient, "aiohttp": AiohttpClient}
+
+
+async def drive(session: LeanClient | AiohttpClient, target: Target, clients: int, stream: bool, seconds: float, into: Sample, rate: float = 0.0, watch: dict | None = None) -> None:
     """``clients`` closed-loop clients (each sends its next request when the last one ends), or,
     with ``rate``, clients paced to that many requests per second in total (open loop)."""
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "how fast is the gateway"}], "max_tokens": BODY_TOKENS, "stream": stream}).encode()
-    headers = {"Content-Type": "application/json", **target.headers}
-    url = f"{target.url}/v1/chat/completions"
     deadline = time.perf_counter() + seconds
 
     async def client(k: int) -> None:
@@ -88,21 +178,7 @@ async def drive(session: aiohttp.ClientSession, target: Target, clients: int, st
                 await asyncio.sleep(max(0.0, due - time.perf_counter()))
                 due += clients / rate
             t0 = time.perf_counter()
-            first = None
-            try:
-                async with session.post(url, data=body, headers=headers) as r:
-                    if stream:
-                        tail = b""
-                        async for chunk in r.content.iter_any():
-                            if first is None:
-                                first = time.perf_counter()
-                            tail = (tail + chunk)[-64:]
-                        ok = r.status == 200 and b"[DONE]" in tail
-                    else:
-                        data = await r.read()
-                        ok = r.status == 200 and b'"choices"' in data
-            except aiohttp.ClientError:
-                ok = False
+            ok, first = await session.exchange(target, body, stream)
             end = time.perf_counter()
             if not ok:
                 into.errors += 1
@@ -111,9 +187,15 @@ async def drive(session: aiohttp.ClientSession, target: Target, clients: int, st
             if first is not None:
                 into.first.append(first - t0)
 
+    watch = watch or {}
+    before = {name: cpu_seconds(pid) for name, pid in watch.items()}
     start = time.perf_counter()
     await asyncio.gather(*(client(k) for k in range(clients)))
     into.seconds += time.perf_counter() - start
+    for name, pid in watch.items():
+        after = cpu_seconds(pid)
+        if after is not None and before[name] is not None:
+            into.cpu[name] = into.cpu.get(name, 0.0) + after - before[name]
 
 
 async def wait_http(url: str, proc: subprocess.Popen, what: str, log: Path, timeout: float = 120.0, headers: dict | None = None) -> None:
@@ -147,9 +229,12 @@ async def main() -> int:
     ap.add_argument("--clients", default="1,16,64", help="concurrent clients per cell (default 1,16,64)")
     ap.add_argument("--litellm", default=None, help="path of the litellm command ('' to skip; default: PATH, then /tmp/litellm-venv/bin/litellm)")
     ap.add_argument("--paced", type=float, default=0.0, help="also run 16 clients paced to this many req/s in total, below saturation (llmgw and direct)")
+    ap.add_argument("--client", choices=sorted(CLIENTS), default="lean", help="the load generator's HTTP client (default lean; see LeanClient)")
+    ap.add_argument("--modes", default="plain,stream", help="which answers to measure (default plain,stream)")
     ap.add_argument("--json", help="also write the raw figures here")
     args = ap.parse_args()
     clients_list = [int(c) for c in args.clients.split(",")]
+    modes = [{"plain": False, "stream": True}[m] for m in args.modes.split(",")]
     litellm = find_litellm(args.litellm)
 
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
@@ -175,7 +260,7 @@ async def main() -> int:
         procs.append(gw)
         await wait_http(f"http://{HOST}:{gw_port}/v1/models", gw, "llmgw gateway", gw_log)
 
-        targets = [Target("direct", sim.endpoint), Target("llmgw", f"http://{HOST}:{gw_port}")]
+        targets = [Target("direct", sim.endpoint), Target("llmgw", f"http://{HOST}:{gw_port}", pid=gw.pid)]
         litellm_note = "not run (--litellm '')" if args.litellm == "" else "not installed"
         if litellm:
             lport = free_port(HOST)
@@ -190,21 +275,23 @@ async def main() -> int:
             procs.append(lp)
             auth = {"Authorization": f"Bearer {MASTER_KEY}"}
             await wait_http(f"http://{HOST}:{lport}/v1/models", lp, "litellm", l_log, headers=auth)
-            targets.append(Target("litellm", f"http://{HOST}:{lport}", auth))
+            targets.append(Target("litellm", f"http://{HOST}:{lport}", auth, pid=lp.pid))
             litellm_note = subprocess.run([litellm, "--version"], capture_output=True, text=True).stdout.strip() or "litellm"
 
-        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        def watch(t: Target) -> dict:
+            return {"client": os.getpid(), "engine": sim.proc.pid, **({"proxy": t.pid} if t.pid else {})}
+
         results: dict[tuple, Sample] = {}
-        async with aiohttp.ClientSession(connector=connector) as session:
+        async with CLIENTS[args.client]() as session:
             for t in targets:  # warm every path (imports, pools, caches) before measuring
                 await drive(session, t, 4, False, 1.0, Sample())
                 await drive(session, t, 4, True, 1.0, Sample())
-            for stream in (False, True):
+            for stream in modes:
                 for clients in clients_list:
                     for _ in range(args.rounds):
                         for t in targets:
                             sample = results.setdefault((stream, clients, t.name), Sample())
-                            await drive(session, t, clients, stream, args.seconds, sample)
+                            await drive(session, t, clients, stream, args.seconds, sample, watch=watch(t))
             if args.paced:
                 for _ in range(args.rounds):
                     for t in targets[:2]:  # LiteLLM cannot keep up with a rate the others idle at
@@ -212,10 +299,14 @@ async def main() -> int:
 
         rows = []
         print(f"\nmachine: {os.cpu_count()} cores; {args.rounds} rounds x {args.seconds:g}s per target and cell; "
-              f"max_tokens {BODY_TOKENS}; litellm: {litellm_note}\n")  # fmt: skip
-        print("| mode | clients | target | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | first chunk p50 ms | errors |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for stream in (False, True):
+              f"max_tokens {BODY_TOKENS}; load generator: {args.client} client; litellm: {litellm_note}\n")  # fmt: skip
+        print("| mode | clients | target | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | first chunk p50 ms | errors | CPU µs/req: proxy | engine | client |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+        def cpu_cells(s: Sample) -> str:
+            return " | ".join("–" if (us := s.cpu_us(n)) is None else f"{us:.0f}" for n in ("proxy", "engine", "client"))
+
+        for stream in modes:
             for clients in clients_list:
                 direct = results[(stream, clients, "direct")]
                 for t in targets:
@@ -227,10 +318,11 @@ async def main() -> int:
                     first = f"{pct(s.first, 0.5) * 1e3:.2f}" if s.first else "–"
                     rps = s.count / s.seconds if s.seconds else 0.0
                     mode = "stream" if stream else "plain"
-                    print(f"| {mode} | {clients} | {t.name} | {rps:,.0f} | {p50:.2f} | {p99:.2f} | {added} | {first} | {s.errors} |")
+                    print(f"| {mode} | {clients} | {t.name} | {rps:,.0f} | {p50:.2f} | {p99:.2f} | {added} | {first} | {s.errors} | {cpu_cells(s)} |")
                     rows.append({"stream": stream, "clients": clients, "target": t.name, "rps": rps, "p50_ms": p50, "p99_ms": p99,
                                  "added_p50_ms": p50 - d50, "added_p99_ms": p99 - d99, "requests": s.count, "errors": s.errors,
-                                 "mean_ms": statistics.fmean(s.latencies) * 1e3 if s.latencies else None})  # fmt: skip
+                                 "mean_ms": statistics.fmean(s.latencies) * 1e3 if s.latencies else None,
+                                 "cpu_us_per_request": {n: s.cpu_us(n) for n in ("proxy", "engine", "client")}})  # fmt: skip
         if args.paced:
             direct = results[("paced", 16, "direct")]
             for t in targets[:2]:
@@ -266,4 +358,8 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    try:  # the load generator must not be what is measured: the lighter loop leaves more CPU to the targets
+        import uvloop
+    except ImportError:
+        sys.exit(asyncio.run(main()))
+    sys.exit(uvloop.run(main()))

@@ -75,3 +75,25 @@ def test_smoke_mode_runs_every_phase_and_cleans_up(tmp_path):
     assert not any(_alive(p) for p in pids)
     assert not (work / "pids.json").exists()
     assert not (work / "nats-server.pid").exists() or not _alive(int((work / "nats-server.pid").read_text().strip() or 0))
+
+
+@pytest.mark.parametrize("client", ["lean", "aiohttp"])
+def test_gateway_bench_measures_both_targets_without_errors(tmp_path, client):
+    """bench/gateway.py in a tiny run: every cell measured, no failed request, CPU accounted."""
+    figures = tmp_path / "gateway.json"
+    args = ["--seconds", "0.3", "--rounds", "1", "--clients", "1,4", "--paced", "50", "--litellm", "", "--client", client, "--json", str(figures)]
+    r = subprocess.run([sys.executable, "-m", "bench.gateway", *args], cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert f"load generator: {client} client" in r.stdout
+    rows = json.loads(figures.read_text())["rows"]
+    cells = {(row["stream"], row["clients"], row["target"], row.get("paced")) for row in rows}
+    assert cells == {(s, c, t, None) for s in (False, True) for c in (1, 4) for t in ("direct", "llmgw")} | {
+        (False, 16, t, 50.0) for t in ("direct", "llmgw")
+    }
+    for row in rows:
+        assert row["rps"] > 0, row
+        if "errors" in row:
+            assert row["errors"] == 0 and row["requests"] > 0, row
+            cpu = row["cpu_us_per_request"]
+            assert cpu["engine"] > 0 and cpu["client"] > 0, row
+            assert (cpu["proxy"] is None) == (row["target"] == "direct"), row

@@ -46,3 +46,24 @@ def test_good_config_resolves_relative_paths(tmp_path, tls):
     assert cfg.server == ["tls://127.0.0.1:4222"]
     assert cfg.tls.cert == str(tmp_path / "svc.pem")
     assert (cfg.health.heartbeat_interval, cfg.health.node_lost_after) == (0.5, 3.0)
+
+
+def test_event_loop_choice_per_service_and_overridden_by_environment(monkeypatch):
+    import asyncio
+
+    import uvloop
+    from llmgw.services.gateway.service import Gateway
+    from llmgw.services.registry import Registry
+    from llmgw.services.runtime import LOOP_ENV, event_loop_runner
+
+    monkeypatch.delenv(LOOP_ENV, raising=False)
+    assert Gateway.event_loop == "uvloop" and Registry.event_loop == "asyncio"
+    assert event_loop_runner(Gateway.event_loop) is uvloop.run
+    assert event_loop_runner(Registry.event_loop) is asyncio.run
+    monkeypatch.setenv(LOOP_ENV, "asyncio")
+    assert event_loop_runner("uvloop") is asyncio.run
+    monkeypatch.setenv(LOOP_ENV, "uvloop")
+    assert event_loop_runner("asyncio") is uvloop.run
+    monkeypatch.setenv(LOOP_ENV, "trio")
+    with pytest.raises(ConfigError, match="LLMGW_EVENT_LOOP='trio': use asyncio or uvloop"):
+        event_loop_runner("asyncio")
