@@ -511,10 +511,11 @@ MALFORMED = {
     "bad-header-line": (b"GET / HTTP/1.1\r\nHost: t\r\nno colon here\r\n\r\n", 400, "malformed_request"),
     "bare-lf": (b"GET / HTTP/1.1\nHost: t\n\n", 400, "malformed_request"),
     "control-char-in-url": (b"GET /\x7f HTTP/1.1\r\nHost: t\r\n\r\n", 400, "malformed_request"),
-    # llhttp reports any unknown first token as a bad method, so bytes that are not HTTP at
-    # all (here a TLS ClientHello's first bytes) get the unknown method's 501: an answer, not a hang.
-    "not-http": (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 \r\n\r\n", 501, "not_implemented"),
-    "unknown-method": (b"BREW /pot HTTP/1.1\r\nHost: t\r\n\r\n", 501, "not_implemented"),
+    # llhttp reports any unknown first token as a bad method; the server tells a TLS handshake
+    # (https:// to a plain port), other bytes that are not HTTP, and a method it does not serve apart.
+    "tls-on-plain-port": (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 \r\n\r\n", 400, "malformed_request", "use http://, not https://"),
+    "not-http": (b"hello world\r\n\r\n", 400, "malformed_request", "not an HTTP/1.x request line"),
+    "unknown-method": (b"BREW /pot HTTP/1.1\r\nHost: t\r\n\r\n", 501, "not_implemented", "the method BREW is not supported"),
     "head-over-max": (_many_headers(), 431, "headers_too_large"),
     "url-over-max": (b"GET /" + b"u" * MAX_URL + b" HTTP/1.1\r\nHost: t\r\n\r\n", 414, "uri_too_long"),
     "upgrade": (b"GET /ws HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n", 501, "not_implemented"),
@@ -525,12 +526,14 @@ MALFORMED = {
 
 @pytest.mark.parametrize("case", list(MALFORMED))
 async def test_malformed_request_gets_a_clear_error_then_close_and_the_server_goes_on(case):
-    raw, status, code = MALFORMED[case]
+    raw, status, code, *says = MALFORMED[case]
     async with serve() as s:
         r, w = await s.connect()
         w.write(raw)
         a = await read_answer(r)
         assert_refusal(a, status, code)
+        for words in says:
+            assert words in json.loads(a.body)["error"]["message"], a.body
         await expect_closed(r)
         assert s.app.seen == []  # refused by the server itself: no handler ever saw it
         await s.serves_a_new_connection()

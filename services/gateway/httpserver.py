@@ -37,6 +37,7 @@ import asyncio
 import collections
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from email.utils import formatdate
@@ -268,7 +269,7 @@ class HttpConnection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._answer_and_close(501, "protocol upgrades are not supported")
         except httptools.HttpParserInvalidMethodError:
-            self._answer_and_close(501, "this method is not supported")
+            self._answer_and_close(*_bad_method(data))
         except httptools.HttpParserError as e:
             if self.discarding is not None:  # the rest of a refused body: nobody reads it
                 self._close()
@@ -505,6 +506,21 @@ class HttpConnection(asyncio.Protocol):
     @property
     def idle(self) -> bool:
         return self.task is None and not self.queue
+
+
+_METHOD_LINE = re.compile(rb"([A-Z][A-Z_-]{0,31}) \S+ HTTP/\d\.\d\r?\n")
+
+
+def _bad_method(data: bytes) -> tuple[int, str]:
+    """llhttp reports any unknown first word as a bad method; say which it was:
+    a TLS handshake on this plain-HTTP port, a method we do not serve, or not HTTP."""
+    if data[:1] == b"\x16" and data[1:2] == b"\x03":
+        return 400, "a TLS handshake arrived on a plain-HTTP port: use http://, not https://"
+    # The data may start mid-stream (pipelining); look for a request line anywhere in it.
+    m = _METHOD_LINE.search(data)
+    if m:
+        return 501, f"the method {m.group(1).decode()} is not supported"
+    return 400, "malformed HTTP request: not an HTTP/1.x request line"
 
 
 class _Refused(Exception):
