@@ -19,7 +19,7 @@ from llmgw.shared.errors import LlmgwError, WireError
 from llmgw.shared.pki import subject_dn
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.names import is_valid_name
-from llmgw.shared.schemas import Inventory, Lease, NodeRecord, decode, encode, now
+from llmgw.shared.schemas import Inventory, Lease, NodeRecord, NodeRequest, decode, encode, now
 
 from .runtime import ServiceRuntime, run_service
 
@@ -29,10 +29,6 @@ NODES = Gauge("llmgw_registry_nodes", "Node records, by admin state", ["admin"])
 
 class UnknownNode(LlmgwError):
     code = "unknown_node"
-
-
-class NodeRequest(msgspec.Struct, kw_only=True):
-    node_id: str
 
 
 class Registry(ServiceRuntime):

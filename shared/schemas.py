@@ -311,6 +311,18 @@ class ApiError(Base, kw_only=True):
     description: str
 
 
+class NameRequest(Base, kw_only=True):
+    """The scheduler's ``delete`` and ``explain``: which deployment."""
+
+    name: str
+
+
+class NodeRequest(Base, kw_only=True):
+    """The registry's ``cordon``, ``uncordon`` and ``drain``: which node."""
+
+    node_id: str
+
+
 # --------------------------------------------------------------------------
 # Encoding and decoding
 # --------------------------------------------------------------------------

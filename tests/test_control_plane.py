@@ -210,3 +210,26 @@ async def test_services_expose_prometheus_metrics(nats_server):
         assert "llmgw_registry_inventories_total" in body and "llmgw_registry_nodes" in body
     finally:
         await svc.stop()
+
+
+async def test_a_recreated_deployment_continues_its_generations(cluster, connector):
+    """Ids never repeat: after delete and re-apply the new replicas are not -g1, -g2 again
+    (a node away during the delete could still run the old -g1's engine)."""
+    from llmgw.shared import subjects as S
+    from llmgw.shared.schemas import NameRequest, encode
+
+    await cluster.start_control_plane()
+    await cluster.operator(connector)
+    # No nodes: the replicas stay pending, which is enough to issue generations.
+    await cluster.apply(spec(name="again", replicas=2))
+    first = await cluster.wait(lambda: sorted(r.id for r in cluster.live("again")) or None, what="pending replicas")
+    assert first == ["again-g1", "again-g2"]
+    reply = await cluster.ops.request(S.api("scheduler", "delete"), encode(NameRequest(name="again")), timeout=5)
+    assert not (reply.headers or {}).get("Nats-Service-Error-Code"), reply.data
+    await cluster.wait(lambda: not cluster.live("again"), what="replicas of the deleted deployment gone")
+    await cluster.apply(spec(name="again", replicas=2))
+    second = await cluster.wait(lambda: sorted(r.id for r in cluster.live("again")) or None, what="replicas of the re-created deployment")
+    assert second == ["again-g3", "again-g4"]
+    # A name never used before still starts at 1.
+    await cluster.apply(spec(name="fresh", replicas=1))
+    assert await cluster.wait(lambda: [r.id for r in cluster.live("fresh")] or None, what="fresh replica") == ["fresh-g1"]

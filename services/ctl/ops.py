@@ -23,7 +23,7 @@ from llmgw.shared import bus, subjects as S
 from llmgw.shared.config import default_operator_config, load_service_config, read_yaml
 from llmgw.shared.durations import parse_duration
 from llmgw.shared.errors import BusError, ConfigError, LlmgwError, WireError
-from llmgw.shared.schemas import ApiError, DeploymentSpec, Event, Lease, NodeRecord, Replica, decode, encode, to_builtins
+from llmgw.shared.schemas import ApiError, DeploymentSpec, Event, Lease, NameRequest, NodeRecord, NodeRequest, Replica, decode, encode, to_builtins
 
 
 class ApiFailed(LlmgwError):
@@ -294,7 +294,7 @@ def deploy(args) -> int:
 
     async def go_delete():
         async with Session(args) as s:
-            return decode(await s.call("scheduler", "delete", json.dumps({"name": args.name}).encode()), DeploymentSpec)
+            return decode(await s.call("scheduler", "delete", encode(NameRequest(name=args.name))), DeploymentSpec)
 
     d = _run(go_delete())
     print(f"deployment {d.name} deleted; its replicas are being stopped")
@@ -304,7 +304,7 @@ def deploy(args) -> int:
 def explain(args) -> int:
     async def go():
         async with Session(args) as s:
-            return json.loads(await s.call("scheduler", "explain", json.dumps({"name": args.deployment}).encode()))
+            return json.loads(await s.call("scheduler", "explain", encode(NameRequest(name=args.deployment))))
 
     ex = _run(go())
     if args.output == "json":
@@ -324,7 +324,7 @@ def admin(args) -> int:
 
     async def go():
         async with Session(args) as s:
-            return decode(await s.call("registry", verb, json.dumps({"node_id": args.node}).encode()), NodeRecord)
+            return decode(await s.call("registry", verb, encode(NodeRequest(node_id=args.node))), NodeRecord)
 
     rec = _run(go())
     print(f"node {rec.node_id} is now {rec.admin}")

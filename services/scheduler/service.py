@@ -17,10 +17,11 @@ import time
 from collections import defaultdict
 
 import msgspec
+from nats.js.errors import NoKeysError
 from prometheus_client import Counter, Gauge, Histogram
 
 from llmgw.shared import subjects as S
-from llmgw.shared.errors import ConfigError, LlmgwError
+from llmgw.shared.errors import BusError, ConfigError, LlmgwError, WireError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.names import check_name
 from llmgw.shared.schemas import (
@@ -28,6 +29,7 @@ from llmgw.shared.schemas import (
     DeploymentSpec,
     EngineFact,
     Lease,
+    NameRequest,
     NodeRecord,
     Replica,
     StatusReport,
@@ -51,10 +53,6 @@ STATUS = Counter("llmgw_scheduler_status_reports_total", "Agent status reports",
 
 class UnknownDeployment(LlmgwError):
     code = "unknown_deployment"
-
-
-class NameRequest(msgspec.Struct, kw_only=True):
-    name: str
 
 
 def validate_spec(spec: DeploymentSpec) -> DeploymentSpec:
@@ -311,11 +309,36 @@ class Scheduler(ServiceRuntime):
     async def api_apply(self, data: bytes) -> DeploymentSpec:
         spec = validate_spec(decode(data, DeploymentSpec))
         old = self.deployments.items.get(spec.name)
-        stored = msgspec.structs.replace(spec, applied_at=now(), last_generation=max(spec.last_generation, old.last_generation if old else 0))
+        floor = old.last_generation if old else await self._deleted_generation(spec.name)
+        stored = msgspec.structs.replace(spec, applied_at=now(), last_generation=max(spec.last_generation, floor))
         await self.deployments_kv.put(spec.name, encode(stored))
         await self.events.emit("deployment", spec.name, "applied", f"{spec.replicas} × {spec.nodes_per_replica} node(s) × {spec.gpus_per_node} GPU(s) of {spec.model} on {spec.engine}")
         self.wake.set()
         return stored
+
+    async def _deleted_generation(self, name: str) -> int:
+        """The last generation a deleted deployment of this name issued, from the
+        bucket's history (it keeps 5 revisions; the delete is the newest).
+
+        Without it a re-created deployment would issue ``<name>-g1`` again, and a
+        node that was away during the delete could still run the old ``-g1``'s
+        engine: its report would match the new record's id and generation, and
+        fencing would let the stale engine stand in for the new replica.
+        """
+        try:
+            entries = await self.deployments_kv.history(name)
+        except NoKeysError:
+            return 0  # never existed
+        except Exception as e:
+            raise BusError(f"cannot read the history of deployment {name!r} to continue its generations ({e or type(e).__name__}); try again") from None
+        last = 0
+        for entry in entries:
+            if entry.value:
+                try:
+                    last = max(last, decode(entry.value, DeploymentSpec).last_generation)
+                except WireError:
+                    continue  # a malformed old revision says nothing about generations
+        return last
 
     async def api_delete(self, data: bytes) -> DeploymentSpec:
         req = decode(data, NameRequest)
