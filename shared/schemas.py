@@ -291,6 +291,10 @@ class Replica(Base, kw_only=True):
     created_at: float = 0.0
     since: float = 0.0
     reason: str = ""
+    # Digest of the deployment's engine template (model, engine, shape, args,
+    # env) this replica was made from; a different one means it is outdated
+    # and is replaced (rolling update). "" (records from before): never outdated.
+    spec_digest: str = ""
 
 
 class LeaderLease(Base, kw_only=True):

@@ -233,3 +233,39 @@ async def test_a_recreated_deployment_continues_its_generations(cluster, connect
     # A name never used before still starts at 1.
     await cluster.apply(spec(name="fresh", replicas=1))
     assert await cluster.wait(lambda: [r.id for r in cluster.live("fresh")] or None, what="fresh replica") == ["fresh-g1"]
+
+
+async def test_changed_engine_args_roll_the_replica_over_to_the_new_spec(cluster, connector):
+    """A rolling update with real agents and engines: the new replica is up before the old one goes."""
+    await bring_up(cluster, connector, nodes=4)
+    await cluster.apply(spec())
+    (old,) = await cluster.wait(lambda: cluster.ready("demo"), what="replica ready")
+    old_pids = [m.pid for m in old.members]
+    assert all(load_time(p) == b"0.2s" for p in old_pids)
+    await cluster.apply(spec(load="0.3s"))  # engine args changed
+    (new,) = await cluster.wait(lambda: [r for r in cluster.ready("demo") if r.id != old.id], what="replacement ready")
+    # Placed beside the old one (surge), never on its GPUs.
+    held = lambda r: {(m.node_id, g) for m in r.members for g in m.gpus}  # noqa: E731
+    assert new.generation > old.generation and held(new).isdisjoint(held(old))
+    # The old one was retired only once the new one was ready (the event history says so).
+    from llmgw.shared.schemas import Event, decode
+
+    sub = await cluster.ops.jetstream().subscribe("llmgw.event.replica.>", ordered_consumer=True)
+    history = []
+    while not any(e.subject == old.id and e.what == "reaping" for e in history):
+        history.append(decode((await sub.next_msg(timeout=10)).data, Event))
+    await sub.unsubscribe()
+    when = {(e.subject, e.what): e.time for e in history}
+    assert when[(new.id, "ready")] <= when[(old.id, "reaping")]
+    assert "spec changed" in next(e.detail for e in history if e.subject == old.id and e.what == "reaping")
+    await cluster.wait(lambda: old.id not in cluster.replicas.items, what="old replica reaped")
+    await cluster.wait(lambda: not any(alive(p) for p in old_pids), timeout=10, what="old engines stopped")
+    assert [r.id for r in cluster.live("demo")] == [new.id] and all(alive(m.pid) for m in new.members)
+    assert all(load_time(m.pid) == b"0.3s" for m in new.members)
+
+
+def load_time(pid: int) -> bytes:
+    """The --load-time an engine process was started with (its argv, from the kernel)."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    return argv[argv.index(b"--load-time") + 1] if b"--load-time" in argv else b""

@@ -10,7 +10,7 @@ import pytest
 from llmgw.services.scheduler import placement
 from llmgw.services.scheduler import reasons as R
 from llmgw.services.scheduler.fence import fence
-from llmgw.services.scheduler.reconcile import ReconcileConfig, reconcile
+from llmgw.services.scheduler.reconcile import ReconcileConfig, reconcile, template_digest
 from llmgw.services.scheduler.view import PortRange
 from llmgw.shared.schemas import EngineFact, Replica
 
@@ -501,6 +501,142 @@ def test_cordoned_node_keeps_its_replica_and_takes_nothing_new():
     assert [w.where(f"sim-g{i}")[1][0][0] for i in (2, 3)] == ["node02", "node02"]
     assert w.state("sim-g4") == "pending"
     assert "1 cordoned" in w.replicas["sim-g4"].reason and "1 not_enough_free_gpus" in w.replicas["sim-g4"].reason
+
+
+# --------------------------------------------------------------------------
+# Case 7: rolling update when the engine template changes
+# --------------------------------------------------------------------------
+
+TEMPLATE_CHANGES = [
+    ("model", {"model": "other"}, True),
+    ("engine", {"engine": "vllm"}, True),
+    ("args", {"engine_args": ["--max-model-len", "8192"]}, True),
+    ("env", {"env": {"NCCL_DEBUG": "INFO"}}, True),
+    ("gpus", {"gpus_per_node": 8}, True),
+    ("nodes", {"nodes_per_replica": 1}, True),
+    ("replica count", {"replicas": 5}, False),
+    ("startup timeout", {"startup_timeout": 30.0}, False),
+    ("generation counter", {"last_generation": 9}, False),
+]
+
+
+@pytest.mark.parametrize("changes, replaced", [c[1:] for c in TEMPLATE_CHANGES], ids=[c[0] for c in TEMPLATE_CHANGES])
+def test_template_digest_covers_what_a_replica_runs_and_nothing_else(changes, replaced):
+    base = make_deployment()
+    assert (template_digest(base) != template_digest(msgspec.structs.replace(base, **changes))) is replaced
+    assert template_digest(base) == template_digest(make_deployment())  # stable: a pure function of the spec
+
+
+def four_single_node_replicas_world(replicas: int, nodes: int) -> World:
+    w = World(*cluster(*(make_node(f"node0{i}", None) for i in range(1, nodes + 1))),
+              make_deployment(replicas=replicas, gpus_per_node=8, nodes_per_replica=1))
+    w.step()
+    for i in range(1, replicas + 1):
+        w.engines(f"sim-g{i}", all="ready")
+    w.step()
+    assert all(w.state(f"sim-g{i}") == "ready" for i in range(1, replicas + 1))
+    return w
+
+
+def change_template(w: World, **changes) -> None:
+    w.deployments["sim"] = msgspec.structs.replace(w.deployments["sim"], **changes)
+
+
+def test_template_change_with_room_surges_then_retires_old_replicas_as_new_ones_are_ready():
+    w = four_single_node_replicas_world(replicas=2, nodes=4)
+    change_template(w, engine_args=["--new"])
+    plan = w.step()
+    # The new ones start beside the old, which keep serving.
+    assert [w.state(r) for r in ("sim-g1", "sim-g2", "sim-g3", "sim-g4")] == ["ready", "ready", "launching", "launching"]
+    assert plan.stops == [] and {launch.command.engine_args[0] for launch in plan.launches} == {"--new"}
+    w.engines("sim-g3", all="ready")
+    plan = w.step()
+    # One new ready: the oldest old one goes, the other still serves.
+    assert (w.state("sim-g1"), w.state("sim-g2")) == ("reaping", "ready")
+    assert w.replicas["sim-g1"].reason.startswith("deployment spec changed")
+    assert [s.replica_id for s in plan.stops] == ["sim-g1"]
+    w.engines("sim-g1", all="exited")
+    w.engines("sim-g4", all="ready")
+    w.step()
+    assert "sim-g1" not in w.replicas and w.state("sim-g2") == "reaping"
+    w.engines("sim-g2", all="exited")
+    w.step()
+    assert sorted(w.replicas) == ["sim-g3", "sim-g4"] and {w.state(r) for r in w.replicas} == {"ready"}
+
+
+def test_template_change_without_room_replaces_one_at_a_time_and_one_keeps_serving():
+    w = four_single_node_replicas_world(replicas=2, nodes=2)
+    change_template(w, model="sim-model-v2")
+    w.step()
+    # No room to surge: the oldest old replica makes room; the other serves meanwhile.
+    assert [w.state(r) for r in ("sim-g1", "sim-g2", "sim-g3", "sim-g4")] == ["reaping", "ready", "pending", "pending"]
+    assert "makes room" in w.replicas["sim-g1"].reason
+    w.engines("sim-g1", all="exited")
+    w.step()
+    assert "sim-g1" not in w.replicas and w.state("sim-g3") == "launching" and w.state("sim-g4") == "pending"
+    w.step()
+    assert w.state("sim-g2") == "ready"  # never two down at once: sim-g3 is still on its way up
+    w.engines("sim-g3", all="ready")
+    w.step()
+    assert w.state("sim-g2") == "reaping" and w.replicas["sim-g3"].model == "sim-model-v2"
+    w.engines("sim-g2", all="exited")
+    w.step()
+    w.engines("sim-g4", all="ready")
+    w.step()
+    assert sorted(w.replicas) == ["sim-g3", "sim-g4"] and {w.replicas[r].model for r in w.replicas} == {"sim-model-v2"}
+
+
+def test_template_change_without_room_never_takes_two_down_at_once():
+    w = four_single_node_replicas_world(replicas=3, nodes=3)
+    change_template(w, engine_args=["--v2"])
+    w.step()
+    assert [w.state(f"sim-g{i}") for i in (1, 2, 3)] == ["reaping", "ready", "ready"]
+    for _ in range(3):  # sim-g1's engine has not stopped yet: nothing else goes meanwhile
+        w.step()
+        assert [w.state(f"sim-g{i}") for i in (1, 2, 3)] == ["reaping", "ready", "ready"]
+    w.engines("sim-g1", all="exited")
+    w.step()
+    w.step()
+    assert [w.state(f"sim-g{i}") for i in (2, 3, 4)] == ["ready", "ready", "launching"]  # still only one down
+
+
+def test_template_change_of_a_single_replica_without_room_waits_serving():
+    w = four_single_node_replicas_world(replicas=1, nodes=1)
+    change_template(w, env={"X": "1"})
+    for _ in range(3):
+        plan = w.step()
+        assert w.state("sim-g1") == "ready" and plan.stops == []
+    assert w.state("sim-g2") == "pending" and R.NOT_ENOUGH_FREE_GPUS in w.replicas["sim-g2"].reason
+
+
+def test_outdated_replicas_that_serve_nobody_are_retired_at_once():
+    w = World(*cluster(*(make_node(f"node0{i}", None) for i in range(1, 4))),
+              make_deployment(replicas=3, gpus_per_node=8, nodes_per_replica=1))
+    w.deployments["sim"] = msgspec.structs.replace(w.deployments["sim"], replicas=4)
+    w.step()
+    assert [w.state(f"sim-g{i}") for i in range(1, 5)] == ["launching"] * 3 + ["pending"]
+    change_template(w, engine_args=["--v2"])
+    plan = w.step()
+    assert [w.state(f"sim-g{i}") for i in range(1, 4)] == ["reaping"] * 3
+    assert "sim-g4" not in w.replicas and "sim-g4" in plan.deletes  # pending: held nothing
+    assert sorted(s.replica_id for s in plan.stops) == ["sim-g1", "sim-g2", "sim-g3"]
+
+
+def test_records_without_a_digest_are_never_outdated():
+    w = ready_seed()
+    for rid in ("sim-g1", "sim-g2"):
+        w.replicas[rid] = msgspec.structs.replace(w.replicas[rid], spec_digest="")
+    change_template(w, engine_args=["--v2"])
+    plan = w.step()
+    assert plan.stops == [] and plan.launches == [] and sorted(w.replicas) == ["sim-g1", "sim-g2"]
+
+
+def test_count_or_timeout_changes_replace_nothing():
+    w = ready_seed()
+    assert w.replicas["sim-g1"].spec_digest == template_digest(w.deployments["sim"])
+    change_template(w, startup_timeout=30.0)
+    plan = w.step()
+    assert plan.stops == [] and plan.launches == [] and {w.state(r) for r in w.replicas} == {"ready"}
 
 
 # --------------------------------------------------------------------------

@@ -45,6 +45,15 @@ The cases (after LWS' numbered case analysis):
    case 1 places its replacement first; it is reaped once enough ready
    replicas elsewhere make up the count. Cordoned nodes take nothing new
    (placement filters) and keep what they run.
+7. Rolling update: a replica made from another engine template than the
+   deployment's now (``template_digest``: model, engine, shape, args, env —
+   not the replica count or timeouts) is *outdated*. Not ready, it is retired
+   at once (it serves nobody). Ready, it is not counted, so case 1 places its
+   replacement first (surge), and it is retired once ready replicas of the new
+   template make up the count, oldest first. If a replacement cannot be placed
+   and nothing of the deployment is on its way up or down, one outdated
+   replica is retired to make room — but only while another ready replica
+   keeps serving: a deployment of one waits, pending, for room to surge.
 
 Every state transition is a ``replica`` event whose ``what`` is the new state.
 """
@@ -54,6 +63,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import hashlib
 
 import msgspec
 
@@ -78,6 +89,15 @@ ENDED = frozenset({"exited", "absent"})
 
 ACTIVE = frozenset({"launching", "waiting-for-workers", "ready"})
 WANTED = ACTIVE | {"pending"}
+IN_FLIGHT = frozenset({"launching", "waiting-for-workers", "failed", "reaping"})
+SPEC_CHANGED = "deployment spec changed"
+
+
+def template_digest(spec: DeploymentSpec) -> str:
+    """What a replica runs, as a short digest: a change here replaces replicas
+    (case 7); a change of the replica count or a timeout does not."""
+    template = (spec.model, spec.engine, spec.gpus_per_node, spec.nodes_per_replica, spec.engine_args, sorted(spec.env.items()))
+    return hashlib.sha256(msgspec.json.encode(template)).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -228,7 +248,8 @@ class _Cycle:
         exited = [m for m in replica.members if not self.node_down(m.node_id) and m.engine_state == "exited"]
         for m in stopping + exited:
             self.plan.stops.append(Stop(m.node_id, replica.id, replica.generation, reason))
-        detail = "stopping " + ", ".join(m.node_id for m in stopping) if stopping else "nothing left to stop"
+        # The why and the what: an operator following events sees both on one line.
+        detail = f"{reason}; " + ("stopping " + ", ".join(m.node_id for m in stopping) if stopping else "nothing left to stop")
         return self.transition(replica, "reaping", reason, detail=detail)
 
     def finish_reaping(self, replica: Replica) -> None:
@@ -242,8 +263,10 @@ class _Cycle:
     def converge(self, name: str, spec: DeploymentSpec | None, mine: list[Replica]) -> None:
         want = spec.replicas if spec is not None else 0
         wanted = [r for r in mine if r.state in WANTED]
-        draining = [r for r in wanted if self.draining(r)]
-        counted = [r for r in wanted if not self.draining(r)]
+        digest = template_digest(spec) if spec is not None else ""
+        outdated = [r for r in wanted if digest and r.spec_digest and r.spec_digest != digest]
+        draining = [r for r in wanted if self.draining(r) and r not in outdated]
+        counted = [r for r in wanted if not self.draining(r) and r not in outdated]
 
         # case 5: too many — pending first, then not ready, then the newest.
         extra = len(counted) - want
@@ -264,11 +287,32 @@ class _Cycle:
 
         if spec is None:
             return
+        # case 7: outdated replicas serve until the new template covers them.
+        serving_old = self.roll(outdated, max(0, keep - len(draining)))
         # case 1: retry pending replicas, then make the missing ones.
         for replica in sorted((r for r in counted if r.state == "pending"), key=lambda r: r.generation):
             self.retry(spec, replica)
         if want > len(counted):
             self.create(spec, want - len(counted), mine)
+        if serving_old:
+            self.make_room(name, serving_old)
+
+    def roll(self, outdated: list[Replica], keep: int) -> list[Replica]:
+        """Case 7: retire outdated replicas not needed for serving; return those kept."""
+        serving = sorted((r for r in outdated if r.state == "ready"), key=lambda r: r.generation)
+        for replica in [r for r in outdated if r.state != "ready"] + serving[: max(0, len(serving) - keep)]:
+            self.retire(replica, f"{SPEC_CHANGED}; replaced by a replica of the new spec")
+        return serving[max(0, len(serving) - keep):]
+
+    def make_room(self, name: str, serving_old: list[Replica]) -> None:
+        """Case 7, no room to surge: retire the oldest outdated replica so its GPUs
+        take a replacement — one at a time, and never the last one serving."""
+        mine = [r for r in self.replicas.values() if r.deployment == name]
+        if not any(r.state == "pending" for r in mine) or any(r.state in IN_FLIGHT for r in mine):
+            return
+        if sum(1 for r in mine if r.state == "ready") < 2:
+            return
+        self.retire(serving_old[0], f"{SPEC_CHANGED}; no room for its replacement alongside it, so it makes room")
 
     def retire(self, replica: Replica, reason: str) -> None:
         if replica.state == "pending":  # holds nothing, runs nothing
@@ -304,6 +348,7 @@ class _Cycle:
                 state="pending",
                 created_at=self.now,
                 since=self.now,
+                spec_digest=template_digest(spec),
             )
             self.plan.generations[spec.name] = generation
             result = place(request_for(spec), self.view)
@@ -326,6 +371,7 @@ class _Cycle:
             rendezvous_addr=_hostport(leader_addr, leader.rendezvous_port),
             endpoint="",
             created_at=self.now,  # the startup timeout counts from here
+            spec_digest=template_digest(spec),  # what it is launched with, whatever it was made for
             new=new,
         )
         self.view.commit(placed)

@@ -41,7 +41,7 @@ from llmgw.shared.schemas import (
 
 from ..runtime import ServiceRuntime, run_service
 from . import ReconcileConfig, explain, fence, reconcile
-from .reconcile import launches_for
+from .reconcile import launches_for, template_digest
 from .plan import Launch, Plan, Stop
 from .view import ClusterView, PortRange
 
@@ -209,6 +209,8 @@ class Scheduler(ServiceRuntime):
                 continue
             if any(m.node_id not in self.nodes.items for m in rep.members):
                 continue  # reconcile fails it
+            if rep.spec_digest and rep.spec_digest != template_digest(spec):
+                continue  # the spec changed since: reconcile retires it (case 7), and no member may start on the new one
             for launch in launches_for(spec, rep, self.nodes.items):
                 if (rep.id, launch.member.rank) not in self.reported.get(launch.node_id, {}):
                     resend.append(launch)
@@ -312,7 +314,10 @@ class Scheduler(ServiceRuntime):
         floor = old.last_generation if old else await self._deleted_generation(spec.name)
         stored = msgspec.structs.replace(spec, applied_at=now(), last_generation=max(spec.last_generation, floor))
         await self.deployments_kv.put(spec.name, encode(stored))
-        await self.events.emit("deployment", spec.name, "applied", f"{spec.replicas} × {spec.nodes_per_replica} node(s) × {spec.gpus_per_node} GPU(s) of {spec.model} on {spec.engine}")
+        shape = f"{spec.replicas} × {spec.nodes_per_replica} node(s) × {spec.gpus_per_node} GPU(s) of {spec.model} on {spec.engine}"
+        if old is not None and template_digest(old) != template_digest(stored):
+            shape += "; the engine template changed: replicas are replaced as new ones become ready"
+        await self.events.emit("deployment", spec.name, "applied", shape)
         self.wake.set()
         return stored
 
