@@ -260,6 +260,10 @@ class GatewaySection:
     upstream_timeout: float = field(default=600.0, metadata=DURATION)
     connect_timeout: float = field(default=2.0, metadata=DURATION)
     api_keys_file: str = ""
+    # HTTPS for clients: a PEM certificate (chain) and its key; both or neither.
+    # Without them the API is plain HTTP (behind a TLS-terminating proxy, say).
+    tls_cert: str = ""
+    tls_key: str = ""
     cooldown: float = field(default=10.0, metadata=DURATION)
     failures_before_cooldown: int = 3
     # What a 503 (no ready replica) tells clients to wait before trying again.
@@ -274,6 +278,8 @@ class GatewaySection:
             raise ConfigError("gateway: cooldown and retry_after must not be negative")
         if self.failures_before_cooldown < 1:
             raise ConfigError("gateway.failures_before_cooldown: must be at least 1")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("gateway: tls_cert and tls_key go together (HTTPS needs both)")
 
 
 @dataclass(frozen=True)

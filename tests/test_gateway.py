@@ -344,6 +344,54 @@ async def test_keys_limits_and_bad_bodies_reach_no_replica(stack, nats_server, t
     assert "gateway serving the OpenAI API" in (tmp_path / "gateway.log").read_text()
 
 
+async def test_https_for_clients_with_a_certificate_from_the_llmgw_pki(stack, nats_server, tmp_path):
+    """gateway.tls_cert/tls_key: the openai client over HTTPS (trusting the llmgw CA); plain HTTP is not answered."""
+    import ssl
+
+    from llmgw.shared import pki
+
+    try:  # the openai client's HTTP library: httpx2 in openai 3, httpx before
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+
+    issued = pki.issue_server(nats_server.pki_dir, [HOST], tmp_path / "gw-tls")
+    (sim,), _, _ = await stack.start([("a", "alpha", 0.0)], gateway=False)
+    await stack.board.put(replica("alpha-1", "alpha", sim.endpoint))
+    gw, _ = await stack.gateway(tls_cert=str(issued.cert_path), tls_key=str(issued.key_path))
+    async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(issued.ca_path))) as http:
+        client = openai.AsyncOpenAI(base_url=f"https://{HOST}:{gw.port}/v1", api_key="unused", max_retries=0, timeout=15, http_client=http)
+        await wait_for(lambda: model_ids(client), "alpha listed over HTTPS")
+        reply = await client.chat.completions.create(model="alpha", messages=HELLO, max_tokens=3)
+        assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 3
+        chunks = [c async for c in await client.chat.completions.create(model="alpha", messages=HELLO, max_tokens=3, stream=True)]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+    # A client that does not trust the certificate is refused by its own TLS, before any request.
+    async with httpx.AsyncClient() as untrusting:
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            await untrusting.get(f"https://{HOST}:{gw.port}/healthz")
+    # Plain HTTP to the HTTPS port gets no HTTP answer.
+    async with aiohttp.ClientSession() as plain:
+        with pytest.raises(aiohttp.ClientError):
+            async with plain.get(f"{base_url(gw)}/healthz") as r:
+                await r.read()
+
+
+def test_bad_tls_configuration_names_the_file(tmp_path):
+    from llmgw.services.gateway.service import tls_context
+    from llmgw.shared.config import GatewaySection
+    from llmgw.shared.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tls_cert and tls_key go together"):
+        GatewaySection(tls_cert="gw.pem")
+    with pytest.raises(ConfigError, match=r"gateway.tls_cert: .*gw.pem does not exist"):
+        tls_context(str(tmp_path / "gateway.yaml"), "gw.pem", "gw-key.pem")
+    (tmp_path / "gw.pem").write_text("not a certificate\n")
+    (tmp_path / "gw-key.pem").write_text("not a key\n")
+    with pytest.raises(ConfigError, match="are not a PEM certificate and its key"):
+        tls_context(str(tmp_path / "gateway.yaml"), "gw.pem", "gw-key.pem")
+
+
 def test_bad_configuration_is_one_clear_error(tmp_path):
     from llmgw.services.gateway.auth import ApiKeys
     from llmgw.services.gateway.service import parse_listen

@@ -38,6 +38,7 @@ import collections
 import json
 import logging
 import re
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from email.utils import formatdate
@@ -540,9 +541,9 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
-    async def start(self, host: str, port: int, *, backlog: int = 1024) -> int:
-        """Listen; returns the bound port (``port`` may be 0)."""
-        self._server = await self.loop.create_server(lambda: HttpConnection(self), host, port, backlog=backlog)
+    async def start(self, host: str, port: int, *, backlog: int = 1024, tls: ssl.SSLContext | None = None) -> int:
+        """Listen (HTTPS with ``tls``); returns the bound port (``port`` may be 0)."""
+        self._server = await self.loop.create_server(lambda: HttpConnection(self), host, port, backlog=backlog, ssl=tls)
         self._sweeper = self.loop.call_later(min(self.idle_timeout, 5.0), self._sweep)
         return self._server.sockets[0].getsockname()[1]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
+import ssl
 from pathlib import Path
 
 from llmgw.shared import bus
@@ -42,8 +43,23 @@ def parse_listen(listen: str, source: str = "") -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def tls_context(cfg_source: str, cert: str, key: str) -> ssl.SSLContext:
+    """The HTTPS context for clients, or a ConfigError naming the file at fault."""
+    cert_path, key_path = keys_path(cfg_source, cert), keys_path(cfg_source, key)
+    for what, p in (("tls_cert", cert_path), ("tls_key", key_path)):
+        if not p.is_file():
+            raise ConfigError(f"{cfg_source}: gateway.{what}: {p} does not exist")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert_path, key_path)
+    except (ssl.SSLError, OSError) as e:
+        raise ConfigError(f"{cfg_source}: gateway.tls_cert/tls_key: {cert_path} and {key_path} are not a PEM certificate and its key ({e})") from None
+    return ctx
+
+
 def keys_path(cfg_source: str, path: str) -> Path:
-    """A relative api_keys_file is relative to the configuration file, like tls paths."""
+    """A relative api_keys_file (or tls_cert, tls_key) is relative to the configuration file, like tls paths."""
     p = Path(path)
     if p.is_absolute() or not cfg_source or cfg_source.startswith("<"):
         return p
@@ -60,6 +76,7 @@ class Gateway(ServiceRuntime):
         g = cfg.gateway
         self.listen = parse_listen(g.listen, cfg.source)
         self.keys = ApiKeys.load(keys_path(cfg.source, g.api_keys_file)) if g.api_keys_file else None
+        self.tls = tls_context(cfg.source, g.tls_cert, g.tls_key) if g.tls_cert else None
         self.router = Router(cooldown=g.cooldown, failures_before_cooldown=g.failures_before_cooldown, retry_after=g.retry_after)
         self.metrics = GatewayMetrics(self.router)
         self.upstream = Upstream(g)
@@ -107,11 +124,12 @@ class Gateway(ServiceRuntime):
         self.http = self.app.server()
         host, port = self.listen
         try:
-            self.port = await self.http.start(host, port, backlog=1024)
+            self.port = await self.http.start(host, port, backlog=1024, tls=self.tls)
         except OSError as e:
             self.http = None
             raise ConfigError(f"{self.cfg.source}: gateway.listen {host}:{port}: {e.strerror or e}") from None
-        self.log.info("gateway serving the OpenAI API on http://%s:%d%s", host, self.port, " (API keys required)" if self.keys else "")
+        scheme = "https" if self.tls else "http"
+        self.log.info("gateway serving the OpenAI API on %s://%s:%d%s", scheme, host, self.port, " (API keys required)" if self.keys else "")
 
     def reload_keys(self) -> None:
         """SIGHUP: re-read the key file; a bad file keeps the keys in force."""
