@@ -19,6 +19,7 @@ service logs, counts and survives.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Literal, TypeVar
 
@@ -254,6 +255,14 @@ class DeploymentSpec(Base, kw_only=True):
     # Maintained by the scheduler, not the operator: the last replica generation
     # issued for this deployment, so generations only ever grow (fencing).
     last_generation: int = 0
+
+
+def template_digest(spec: DeploymentSpec) -> str:
+    """What a replica of ``spec`` runs, as a short digest (``Replica.spec_digest``):
+    a change here replaces running replicas (the scheduler's rolling update); a
+    change of the replica count or a timeout does not."""
+    template = (spec.model, spec.engine, spec.gpus_per_node, spec.nodes_per_replica, spec.engine_args, sorted(spec.env.items()))
+    return hashlib.sha256(msgspec.json.encode(template)).hexdigest()[:16]
 
 
 ReplicaState = Literal[

@@ -10,9 +10,9 @@ import pytest
 from llmgw.services.scheduler import placement
 from llmgw.services.scheduler import reasons as R
 from llmgw.services.scheduler.fence import fence
-from llmgw.services.scheduler.reconcile import ReconcileConfig, reconcile, template_digest
+from llmgw.services.scheduler.reconcile import ReconcileConfig, reconcile
 from llmgw.services.scheduler.view import PortRange
-from llmgw.shared.schemas import EngineFact, Replica
+from llmgw.shared.schemas import EngineFact, Replica, template_digest
 
 from .builders import (
     apply_plan,
@@ -629,6 +629,19 @@ def test_records_without_a_digest_are_never_outdated():
     change_template(w, engine_args=["--v2"])
     plan = w.step()
     assert plan.stops == [] and plan.launches == [] and sorted(w.replicas) == ["sim-g1", "sim-g2"]
+
+
+def test_ctl_deployments_counts_outdated_replicas_during_a_rollout():
+    from llmgw.services.ctl.ops import deployment_table
+
+    w = four_single_node_replicas_world(replicas=2, nodes=4)
+    assert deployment_table(w.deployments, w.replicas)[1][3:] == ("2/2", "1 node(s) × 8 GPU(s)", "-")
+    change_template(w, engine_args=["--v2"])
+    w.step()
+    assert deployment_table(w.deployments, w.replicas)[1][3:] == ("2/2", "1 node(s) × 8 GPU(s)", "2")
+    w.engines("sim-g3", all="ready")
+    w.step()  # sim-g1 reaping: on its way out, no longer counted as outdated
+    assert deployment_table(w.deployments, w.replicas)[1][3:] == ("2/2", "1 node(s) × 8 GPU(s)", "1")
 
 
 def test_count_or_timeout_changes_replace_nothing():

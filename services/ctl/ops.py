@@ -23,7 +23,20 @@ from llmgw.shared import bus, subjects as S
 from llmgw.shared.config import default_operator_config, load_service_config, read_yaml
 from llmgw.shared.durations import parse_duration
 from llmgw.shared.errors import BusError, ConfigError, LlmgwError, WireError
-from llmgw.shared.schemas import ApiError, DeploymentSpec, Event, Lease, NameRequest, NodeRecord, NodeRequest, Replica, decode, encode, to_builtins
+from llmgw.shared.schemas import (
+    ApiError,
+    DeploymentSpec,
+    Event,
+    Lease,
+    NameRequest,
+    NodeRecord,
+    NodeRequest,
+    Replica,
+    decode,
+    encode,
+    template_digest,
+    to_builtins,
+)
 
 
 class ApiFailed(LlmgwError):
@@ -233,14 +246,25 @@ def deployments(args) -> int:
     if args.output == "json":
         _json([to_builtins(d) for d in sorted(deps.values(), key=lambda d: d.name)])
         return 0
-    table = [("DEPLOYMENT", "MODEL", "ENGINE", "READY/WANTED", "SHAPE")]
-    for d in sorted(deps.values(), key=lambda d: d.name):
-        ready = sum(1 for r in reps.values() if r.deployment == d.name and r.state == "ready")
-        table.append((d.name, d.model, d.engine, f"{ready}/{d.replicas}", f"{d.nodes_per_replica} node(s) × {d.gpus_per_node} GPU(s)"))
+    table = deployment_table(deps, reps)
     _table(table)
     if len(table) == 1:
         print("(no deployments)")
     return 0
+
+
+def deployment_table(deps: dict[str, DeploymentSpec], reps: dict[str, Replica]) -> list[tuple]:
+    """``ctl deployments``: a header, then a row per deployment."""
+    table = [("DEPLOYMENT", "MODEL", "ENGINE", "READY/WANTED", "SHAPE", "OUTDATED")]
+    for d in sorted(deps.values(), key=lambda d: d.name):
+        mine = [r for r in reps.values() if r.deployment == d.name]
+        ready = sum(1 for r in mine if r.state == "ready")
+        # Replicas of an older engine template still to be replaced by the rolling update.
+        digest = template_digest(d)
+        outdated = sum(1 for r in mine if r.spec_digest and r.spec_digest != digest and r.state not in ("reaping", "gone"))
+        shape = f"{d.nodes_per_replica} node(s) × {d.gpus_per_node} GPU(s)"
+        table.append((d.name, d.model, d.engine, f"{ready}/{d.replicas}", shape, str(outdated) if outdated else "-"))
+    return table
 
 
 _SPEC_KEYS = [f for f in DeploymentSpec.__struct_fields__ if f not in ("applied_at", "last_generation")]

@@ -64,8 +64,6 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import hashlib
-
 import msgspec
 
 from llmgw.shared.schemas import (
@@ -75,6 +73,7 @@ from llmgw.shared.schemas import (
     Lease,
     NodeRecord,
     Replica,
+    template_digest,
 )
 
 from .placement import PlacementResult, place, request_for
@@ -91,13 +90,6 @@ ACTIVE = frozenset({"launching", "waiting-for-workers", "ready"})
 WANTED = ACTIVE | {"pending"}
 IN_FLIGHT = frozenset({"launching", "waiting-for-workers", "failed", "reaping"})
 SPEC_CHANGED = "deployment spec changed"
-
-
-def template_digest(spec: DeploymentSpec) -> str:
-    """What a replica runs, as a short digest: a change here replaces replicas
-    (case 7); a change of the replica count or a timeout does not."""
-    template = (spec.model, spec.engine, spec.gpus_per_node, spec.nodes_per_replica, spec.engine_args, sorted(spec.env.items()))
-    return hashlib.sha256(msgspec.json.encode(template)).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

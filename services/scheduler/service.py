@@ -36,12 +36,13 @@ from llmgw.shared.schemas import (
     decode,
     encode,
     now,
+    template_digest,
     to_builtins,
 )
 
 from ..runtime import ServiceRuntime, run_service
 from . import ReconcileConfig, explain, fence, reconcile
-from .reconcile import launches_for, template_digest
+from .reconcile import launches_for
 from .plan import Launch, Plan, Stop
 from .view import ClusterView, PortRange
 
