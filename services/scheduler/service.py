@@ -96,6 +96,7 @@ class Scheduler(ServiceRuntime):
         self.absent: set[tuple[str, int]] = set()
         # replica id -> (when, record or None if deleted) for our own recent writes
         self.recent: dict[str, tuple[float, Replica | None]] = {}
+        self._pruned_at = 0.0
         self.wake = asyncio.Event()
         self.acting = False
         for m in (self.nodes, self.deployments, self.replicas):
@@ -125,23 +126,33 @@ class Scheduler(ServiceRuntime):
             # Fence on every report, not only full ones: a node whose lease went
             # lost while its agent stayed connected keeps reporting its stale
             # engines, and those must stop too.
-            await self._send_stops(fence({node: report.engines}, self.known_replicas()))
+            await self._send_stops(fence({node: report.engines}, self.known_replicas({f.replica_id for f in report.engines})))
         self.wake.set()
 
-    def known_replicas(self) -> dict[str, Replica]:
-        """The mirror plus what this instance wrote and its watch has not echoed yet.
+    def known_replicas(self, ids: set[str]) -> dict[str, Replica]:
+        """The records of ``ids`` (those a report names): the mirror's, or what this
+        instance wrote and its watch has not echoed yet, whichever is newer.
 
         Without the second part an agent's "starting" report can beat our own
         record through the watch, and fencing would stop an engine we just launched.
+        Only the named ids are looked up: a report per node per heartbeat must
+        not copy the whole replica table.
         """
-        cutoff = time.time() - 30
-        for rid in [r for r, (at, _) in self.recent.items() if at < cutoff]:
-            del self.recent[rid]
-        known = dict(self.replicas.items)
-        for rid, (_, rep) in self.recent.items():
-            if rep is None:
-                known.pop(rid, None)
-            elif rid not in known or known[rid].generation <= rep.generation:
+        now_ = time.time()
+        if now_ - self._pruned_at > 1.0:  # once a second, not once a report
+            self._pruned_at = now_
+            for rid in [r for r, (at, _) in self.recent.items() if at < now_ - 30]:
+                del self.recent[rid]
+        known = {}
+        for rid in ids:
+            rep = self.replicas.items.get(rid)
+            if rid in self.recent:
+                mine = self.recent[rid][1]
+                if mine is None:
+                    rep = None
+                elif rep is None or rep.generation <= mine.generation:
+                    rep = mine
+            if rep is not None:
                 known[rid] = rep
         return known
 
