@@ -119,8 +119,10 @@ class LeaseBook:
 
         Writing every heartbeat of every node would cost 400 KV writes/s at
         2,000 nodes; writing when the stored time lags by one interval keeps a
-        restarted monitor's countdowns within one heartbeat of the truth at
-        half that cost or less.
+        restarted monitor's countdowns within one heartbeat of the truth and
+        skips the writes of heartbeats that come early. Measured at 2,000 nodes
+        (bench/control_plane.py): about two writes for three heartbeats, since
+        a heartbeat that comes a little late lags by a full interval at once.
         """
         out = []
         for node, lease in self.leases.items():
