@@ -264,6 +264,8 @@ class GatewaySection:
     # Without them the API is plain HTTP (behind a TLS-terminating proxy, say).
     tls_cert: str = ""
     tls_key: str = ""
+    # One log line per generation request (llmgw.gateway.access); off: a cost per request.
+    access_log: bool = False
     cooldown: float = field(default=10.0, metadata=DURATION)
     failures_before_cooldown: int = 3
     # What a 503 (no ready replica) tells clients to wait before trying again.

@@ -377,6 +377,26 @@ async def test_https_for_clients_with_a_certificate_from_the_llmgw_pki(stack, na
                 await r.read()
 
 
+async def test_access_log_has_a_line_per_answer_when_asked_for(stack, caplog):
+    (sim,), gw, client = await stack.start([("a", "alpha", 0.0)], access_log=True)
+    quiet, quiet_client = await stack.gateway()  # the default: no access log
+    await stack.board.put(replica("alpha-1", "alpha", sim.endpoint))
+    await wait_for(lambda: model_ids(client), "alpha listed")
+    await wait_for(lambda: model_ids(quiet_client), "alpha listed by the quiet gateway")
+    caplog.set_level("INFO", logger="llmgw.gateway.access")
+    await client.chat.completions.create(model="alpha", messages=HELLO, max_tokens=2, extra_headers={"X-Request-Id": "req-42"})
+    async for _ in await client.completions.create(model="alpha", prompt="hi", max_tokens=2, stream=True):
+        pass
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="nope", messages=HELLO)
+    await quiet_client.chat.completions.create(model="alpha", messages=HELLO, max_tokens=2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.gateway.access"]
+    assert len(lines) == 3, lines  # nothing from the quiet gateway
+    assert lines[0].startswith(f'{HOST} "POST /v1/chat/completions" 200 model=alpha replica=alpha-1 ') and lines[0].endswith("request_id=req-42")
+    assert '"POST /v1/completions" 200 model=alpha replica=alpha-1 ' in lines[1]
+    assert '"POST /v1/chat/completions" 404 model=_unknown replica=- ' in lines[2]
+
+
 def test_bad_tls_configuration_names_the_file(tmp_path):
     from llmgw.services.gateway.service import tls_context
     from llmgw.shared.config import GatewaySection

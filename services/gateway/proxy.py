@@ -25,6 +25,7 @@ import time
 from llmgw.shared.config import GatewaySection
 
 from . import errors
+from .access import AccessLog
 from .httpserver import Request, Response, Stream
 from .metrics import GatewayMetrics
 from .router import Backend, NoReadyReplica, Router
@@ -84,10 +85,11 @@ class Upstream:
 
 
 class Forwarder:
-    def __init__(self, router: Router, upstream: Upstream, metrics: GatewayMetrics):
+    def __init__(self, router: Router, upstream: Upstream, metrics: GatewayMetrics, access: AccessLog | None = None):
         self.router = router
         self.upstream = upstream
         self.metrics = metrics
+        self.access = access
 
     async def forward(self, request: Request, path: str, body: bytes, model: str) -> Response | Stream:
         """Answer ``request`` from a replica of ``model``; raises UnknownModel / NoReadyReplica before any attempt."""
@@ -112,7 +114,10 @@ class Forwarder:
                         status = resp.status
             return resp
         finally:
-            self.metrics.answered(model, status, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.metrics.answered(model, status, seconds)
+            if self.access is not None:
+                self.access.answered(request, model, status, seconds, backend.id)
 
     async def _attempt(self, request: Request, b: Backend, path: str, body: bytes, model: str, started: float) -> tuple[Response | Stream, int]:
         """One try on ``b``: the response and the status to count. Raises _Retryable while nothing was sent."""

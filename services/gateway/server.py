@@ -72,30 +72,33 @@ class GatewayApp:
     async def _generate(self, request: Request, path: str) -> Response | Stream:
         started = time.perf_counter()
         if self.keys is not None and not self.keys.allows(request.header("authorization")):
-            return self._refused(started, errors.unauthorized(_NEED_KEY))
+            return self._refused(request, started, errors.unauthorized(_NEED_KEY))
         if request.too_large:
-            return self._refused(started, errors.too_large(self.max_body_bytes))
+            return self._refused(request, started, errors.too_large(self.max_body_bytes))
         body = request.body
         try:
             model = _decode_head(body).model
         except msgspec.ValidationError as e:
             if "Expected `object`" in str(e) and "$." not in str(e):
-                return self._refused(started, errors.bad_request("the request body must be a JSON object", code="invalid_json"))
-            return self._refused(started, errors.bad_request(f"invalid request: {e}", param="model"))
+                return self._refused(request, started, errors.bad_request("the request body must be a JSON object", code="invalid_json"))
+            return self._refused(request, started, errors.bad_request(f"invalid request: {e}", param="model"))
         except msgspec.DecodeError as e:
             what = "is empty" if not body.strip() else f"is not valid JSON ({e})"
-            return self._refused(started, errors.bad_request(f"the request body {what}", code="invalid_json"))
+            return self._refused(request, started, errors.bad_request(f"the request body {what}", code="invalid_json"))
         if not model:
-            return self._refused(started, errors.bad_request("'model' is required: name one of GET /v1/models", code="missing_field", param="model"))
+            return self._refused(request, started, errors.bad_request("'model' is required: name one of GET /v1/models", code="missing_field", param="model"))
         try:
             return await self.forwarder.forward(request, path, body, model)
         except UnknownModel as e:
-            return self._refused(started, errors.not_found(f"{e}; GET /v1/models lists the models served"), UNKNOWN_MODEL)
+            return self._refused(request, started, errors.not_found(f"{e}; GET /v1/models lists the models served"), UNKNOWN_MODEL)
         except NoReadyReplica as e:
-            return self._refused(started, errors.unavailable(str(e), e.retry_after), model)
+            return self._refused(request, started, errors.unavailable(str(e), e.retry_after), model)
 
-    def _refused(self, started: float, resp: Response, model: str = "") -> Response:
-        self.metrics.answered(model, resp.status, time.perf_counter() - started)
+    def _refused(self, request: Request, started: float, resp: Response, model: str = "") -> Response:
+        seconds = time.perf_counter() - started
+        self.metrics.answered(model, resp.status, seconds)
+        if self.forwarder.access is not None:
+            self.forwarder.access.answered(request, model, resp.status, seconds)
         return resp
 
     # -- models ------------------------------------------------------------------

@@ -24,6 +24,7 @@ from llmgw.shared.schemas import DeploymentSpec, Replica
 from prometheus_client import start_http_server
 
 from ..runtime import ServiceRuntime, run_service
+from .access import AccessLog
 from .auth import ApiKeys
 from .metrics import GatewayMetrics
 from .proxy import Forwarder, Upstream
@@ -117,7 +118,11 @@ class Gateway(ServiceRuntime):
     async def setup(self) -> None:
         await self.upstream.start()
         self.app = GatewayApp(
-            self.router, Forwarder(self.router, self.upstream, self.metrics), self.metrics, max_body_bytes=self.cfg.gateway.max_body_bytes, keys=self.keys
+            self.router,
+            Forwarder(self.router, self.upstream, self.metrics, AccessLog() if self.cfg.gateway.access_log else None),
+            self.metrics,
+            max_body_bytes=self.cfg.gateway.max_body_bytes,
+            keys=self.keys,
         )
         # A client that disconnects cancels its handler, which closes the
         # upstream connection, which stops the engine's work (httpserver.py).
