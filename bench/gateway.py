@@ -10,14 +10,17 @@ serves all three. Both gateways run as their own single process (LiteLLM:
 one uvicorn worker, its default; llmgw: one process), fed the same engine.
 llmgw's gateway gets its routing the real way: a nats-server with one ready
 Replica record written under the scheduler's identity. The load generator is
-one asyncio process with an aiohttp client and keep-alive connections; for
-each cell (mode x clients) the targets take turns (a b c a b c ...) so drift
-hits all of them. Everything shares this machine's cores, so the direct
+one asyncio process (uvloop when installed) with keep-alive connections: a
+lean bare-protocol client by default, aiohttp's with ``--client aiohttp``;
+for each cell (mode x clients) the targets take turns (a b c a b c ...) so
+drift hits all of them. Everything shares this machine's cores, so the direct
 figures are the machine's limit, not the engine's.
 
 Latency is per request, end to end (for streams: to the last byte). "Added"
 is the target's percentile minus the direct percentile of the same cell.
-Omit LiteLLM with ``--litellm ''`` (or when it is not installed).
+"CPU µs/req" is each process's user + system time (/proc) over the requests
+answered in its turns. Omit LiteLLM with ``--litellm ''`` (or when it is not
+installed).
 """
 
 from __future__ import annotations
