@@ -233,6 +233,7 @@ async def main() -> int:
     ap.add_argument("--litellm", default=None, help="path of the litellm command ('' to skip; default: PATH, then /tmp/litellm-venv/bin/litellm)")
     ap.add_argument("--paced", type=float, default=0.0, help="also run 16 clients paced to this many req/s in total, below saturation (llmgw and direct)")
     ap.add_argument("--client", choices=sorted(CLIENTS), default="lean", help="the load generator's HTTP client (default lean; see LeanClient)")
+    ap.add_argument("--access-log", action="store_true", help="run llmgw's gateway with gateway.access_log on (to a file)")
     ap.add_argument("--modes", default="plain,stream", help="which answers to measure (default plain,stream)")
     ap.add_argument("--json", help="also write the raw figures here")
     args = ap.parse_args()
@@ -255,7 +256,7 @@ async def main() -> int:
         await board.put(replica("sim-1", MODEL, sim.endpoint))
 
         gw_port = free_port(HOST)
-        conf = {"server": nats.url, "tls": {"ca": gw_tls.ca, "cert": gw_tls.cert, "key": gw_tls.key}, "gateway": {"listen": f"{HOST}:{gw_port}"}}
+        conf = {"server": nats.url, "tls": {"ca": gw_tls.ca, "cert": gw_tls.cert, "key": gw_tls.key}, "gateway": {"listen": f"{HOST}:{gw_port}", "access_log": args.access_log}}
         (work / "gateway.yaml").write_text(yaml.safe_dump(conf))
         gw_log = work / "gateway.log"
         with open(gw_log, "wb") as out:
@@ -302,7 +303,8 @@ async def main() -> int:
 
         rows = []
         print(f"\nmachine: {os.cpu_count()} cores; {args.rounds} rounds x {args.seconds:g}s per target and cell; "
-              f"max_tokens {BODY_TOKENS}; load generator: {args.client} client; litellm: {litellm_note}\n")  # fmt: skip
+              f"max_tokens {BODY_TOKENS}; load generator: {args.client} client; llmgw access log: {'on' if args.access_log else 'off'}; "
+              f"litellm: {litellm_note}\n")  # fmt: skip
         print("| mode | clients | target | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | first chunk p50 ms | errors | CPU µs/req: proxy | engine | client |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 

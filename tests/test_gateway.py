@@ -397,6 +397,17 @@ async def test_access_log_has_a_line_per_answer_when_asked_for(stack, caplog):
     assert '"POST /v1/chat/completions" 404 model=_unknown replica=- ' in lines[2]
 
 
+def test_access_log_is_written_even_when_the_service_logs_only_warnings():
+    import logging
+
+    from llmgw.services.gateway.access import AccessLog
+
+    logger = logging.getLogger("llmgw.test.access")
+    logger.setLevel(logging.WARNING)
+    AccessLog(logger)
+    assert logger.isEnabledFor(logging.INFO)
+
+
 def test_bad_tls_configuration_names_the_file(tmp_path):
     from llmgw.services.gateway.service import tls_context
     from llmgw.shared.config import GatewaySection
