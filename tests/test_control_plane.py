@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from llmgw.services import simcluster
-from llmgw.shared.schemas import DeploymentSpec
+from llmgw.shared.schemas import DeploymentSpec, template_digest
 
 from .cluster_helpers import Cluster
 
@@ -162,6 +162,7 @@ async def test_ctl_reads_and_changes_the_cluster(cluster, connector, tmp_path):
     ]
     reps = json.loads((await asyncio.to_thread(ctl, cfg, "replicas", "-o", "json")).stdout)
     assert [(r["id"], r["deployment"], r["generation"], r["fabric"], r["state"], r["endpoint"]) for r in reps] == [(rep.id, "demo", rep.generation, "ib-a", "ready", rep.endpoint)]
+    assert (reps[0]["model"], reps[0]["spec_digest"]) == ("sim-7b", template_digest(spec()))
     assert [(m["node"], m["rank"], m["role"], len(m["gpus"])) for m in reps[0]["members"]] == [("node01", 0, "leader", 2), ("node02", 1, "worker", 2)]
     table = (await asyncio.to_thread(ctl, cfg, "replicas")).stdout
     assert rep.id in table and "node01:0 node02:1" in table

@@ -176,7 +176,9 @@ def replica_rows(replicas: dict[str, Replica]) -> list[dict]:
             {
                 "id": r.id,
                 "deployment": r.deployment,
+                "model": r.model,
                 "generation": r.generation,
+                "spec_digest": r.spec_digest,  # the engine template it runs (ctl deployments: OUTDATED)
                 "fabric": r.fabric,
                 "state": r.state,
                 "members": [{"node": m.node_id, "rank": m.rank, "role": m.role, "gpus": list(m.gpus), "engine_state": m.engine_state, "pid": m.pid} for m in r.members],
