@@ -134,6 +134,7 @@ class LeanClient:
         from llmgw.services.gateway.upstream import UpstreamClient
 
         self.client = UpstreamClient(connect_timeout=10.0, read_timeout=60.0, keepalive=60.0)
+        self.extra: dict[str, bytes] = {}  # target -> its header lines, encoded once
         return self
 
     async def __aexit__(self, *exc):
@@ -142,7 +143,9 @@ class LeanClient:
     async def exchange(self, target: Target, body: bytes, stream: bool) -> tuple[bool, float | None]:
         from llmgw.services.gateway.upstream import UpstreamError
 
-        extra = "".join(f"{k}: {v}\r\n" for k, v in target.headers.items()).encode()
+        extra = self.extra.get(target.name)
+        if extra is None:
+            extra = self.extra[target.name] = "".join(f"{k}: {v}\r\n" for k, v in target.headers.items()).encode()
         first = None
         try:
             conn = await self.client.post(target.url, "/v1/chat/completions", body, extra)

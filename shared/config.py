@@ -322,7 +322,9 @@ def load_service_config(path: str | os.PathLike) -> ServiceConfig:
             raise ConfigError(f"{path}: server: {problem}")
     if cfg.reconnect_base > cfg.reconnect_max:
         raise ConfigError(f"{path}: reconnect_base ({cfg.reconnect_base:g}s) is longer than reconnect_max ({cfg.reconnect_max:g}s)")
-    return dataclasses.replace(cfg, tls=tls, source=str(path))
+    # The gateway's files, like tls paths, are relative to this file.
+    files = {k: _resolve(base, v) for k in ("api_keys_file", "tls_cert", "tls_key") if (v := getattr(cfg.gateway, k))}
+    return dataclasses.replace(cfg, tls=tls, gateway=dataclasses.replace(cfg.gateway, **files), source=str(path))
 
 
 def default_operator_config() -> str:

@@ -416,11 +416,11 @@ def test_bad_tls_configuration_names_the_file(tmp_path):
     with pytest.raises(ConfigError, match="tls_cert and tls_key go together"):
         GatewaySection(tls_cert="gw.pem")
     with pytest.raises(ConfigError, match=r"gateway.tls_cert: .*gw.pem does not exist"):
-        tls_context(str(tmp_path / "gateway.yaml"), "gw.pem", "gw-key.pem")
+        tls_context(str(tmp_path / "gateway.yaml"), str(tmp_path / "gw.pem"), str(tmp_path / "gw-key.pem"))
     (tmp_path / "gw.pem").write_text("not a certificate\n")
     (tmp_path / "gw-key.pem").write_text("not a key\n")
     with pytest.raises(ConfigError, match="are not a PEM certificate and its key"):
-        tls_context(str(tmp_path / "gateway.yaml"), "gw.pem", "gw-key.pem")
+        tls_context(str(tmp_path / "gateway.yaml"), str(tmp_path / "gw.pem"), str(tmp_path / "gw-key.pem"))
 
 
 def test_bad_configuration_is_one_clear_error(tmp_path):

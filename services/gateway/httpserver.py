@@ -87,27 +87,17 @@ class Response:
     """A whole answer. ``headers``: name -> value, or header lines encoded
     already; Content-Length, Date and Connection are the server's to set."""
 
-    __slots__ = ("status", "body", "headers", "head")
+    __slots__ = ("status", "body", "head")
 
     def __init__(self, status: int = 200, body: bytes = b"", headers: dict | bytes | None = None, content_type: str = "application/json"):
         self.status = status
         self.body = body
-        self.headers = headers
         # Encoded now: the hot path builds a response in one place and the server only frames it.
         self.head = b"Content-Type: %s\r\n%s" % (content_type.encode("latin-1"), _header_lines(headers))
 
     @classmethod
     def json(cls, value, status: int = 200, headers: dict | None = None) -> Response:
         return cls(status, json.dumps(value).encode(), headers)
-
-    def header(self, name: str) -> str | None:
-        """A header of this answer (tests read them; the wire uses ``head``)."""
-        for line in self.head.decode("latin-1").split("\r\n"):
-            k, _, v = line.partition(":")
-            if k.lower() == name.lower():
-                return v.strip()
-        return None
-
 
 class Request:
     """One parsed request. ``headers``: lower-case name -> value, as bytes
@@ -231,7 +221,6 @@ class HttpConnection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.queue: collections.deque[Request] = collections.deque()
         self.task: asyncio.Task | None = None  # the handler running now
-        self.current: Request | None = None
         self.write_paused = False
         self.drain_waiter: asyncio.Future | None = None
         self.read_paused = False
@@ -424,7 +413,6 @@ class HttpConnection(asyncio.Protocol):
                 self.transport.pause_reading()
 
     def _start(self, req: Request) -> None:
-        self.current = req
         self.task = self.loop.create_task(self._run(req))
 
     async def _run(self, req: Request) -> None:
@@ -441,7 +429,6 @@ class HttpConnection(asyncio.Protocol):
                 resp = req.stream
         finally:
             self.task = None
-            self.current = None
         self._finish(req, resp)
 
     def _finish(self, req: Request, resp: Response | Stream) -> None:

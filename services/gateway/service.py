@@ -45,8 +45,9 @@ def parse_listen(listen: str, source: str = "") -> tuple[str, int]:
 
 
 def tls_context(cfg_source: str, cert: str, key: str) -> ssl.SSLContext:
-    """The HTTPS context for clients, or a ConfigError naming the file at fault."""
-    cert_path, key_path = keys_path(cfg_source, cert), keys_path(cfg_source, key)
+    """The HTTPS context for clients, or a ConfigError naming the file at fault.
+    (Relative paths were made relative to the configuration file when it was read.)"""
+    cert_path, key_path = Path(cert), Path(key)
     for what, p in (("tls_cert", cert_path), ("tls_key", key_path)):
         if not p.is_file():
             raise ConfigError(f"{cfg_source}: gateway.{what}: {p} does not exist")
@@ -59,14 +60,6 @@ def tls_context(cfg_source: str, cert: str, key: str) -> ssl.SSLContext:
     return ctx
 
 
-def keys_path(cfg_source: str, path: str) -> Path:
-    """A relative api_keys_file (or tls_cert, tls_key) is relative to the configuration file, like tls paths."""
-    p = Path(path)
-    if p.is_absolute() or not cfg_source or cfg_source.startswith("<"):
-        return p
-    return Path(cfg_source).resolve().parent / p
-
-
 class Gateway(ServiceRuntime):
     role = "gateway"
     buckets = ()
@@ -76,7 +69,7 @@ class Gateway(ServiceRuntime):
         super().__init__(cfg)
         g = cfg.gateway
         self.listen = parse_listen(g.listen, cfg.source)
-        self.keys = ApiKeys.load(keys_path(cfg.source, g.api_keys_file)) if g.api_keys_file else None
+        self.keys = ApiKeys.load(g.api_keys_file) if g.api_keys_file else None
         self.tls = tls_context(cfg.source, g.tls_cert, g.tls_key) if g.tls_cert else None
         self.router = Router(cooldown=g.cooldown, failures_before_cooldown=g.failures_before_cooldown, retry_after=g.retry_after)
         self.metrics = GatewayMetrics(self.router)
@@ -141,7 +134,7 @@ class Gateway(ServiceRuntime):
         if not self.cfg.gateway.api_keys_file:
             return
         try:
-            self.keys = ApiKeys.load(keys_path(self.cfg.source, self.cfg.gateway.api_keys_file))
+            self.keys = ApiKeys.load(self.cfg.gateway.api_keys_file)
         except ConfigError as e:
             self.log.error("API keys not reloaded, the previous ones stay in force: %s", e)
             return

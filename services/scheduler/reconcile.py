@@ -257,8 +257,9 @@ class _Cycle:
         wanted = [r for r in mine if r.state in WANTED]
         digest = template_digest(spec) if spec is not None else ""
         outdated = [r for r in wanted if digest and r.spec_digest and r.spec_digest != digest]
-        draining = [r for r in wanted if self.draining(r) and r not in outdated]
-        counted = [r for r in wanted if not self.draining(r) and r not in outdated]
+        stale = {r.id for r in outdated}
+        draining = [r for r in wanted if r.id not in stale and self.draining(r)]
+        counted = [r for r in wanted if r.id not in stale and not self.draining(r)]
 
         # case 5: too many — pending first, then not ready, then the newest.
         extra = len(counted) - want
@@ -327,6 +328,7 @@ class _Cycle:
         # Never behind a generation already in use, even if the spec's counter
         # lags (a write of it was lost): generations only grow, ids never repeat.
         generation = max([spec.last_generation, *(r.generation for r in mine)])
+        digest = template_digest(spec)
         for _ in range(count):
             generation += 1
             while f"{spec.name}-g{generation}" in self.replicas:
@@ -340,7 +342,7 @@ class _Cycle:
                 state="pending",
                 created_at=self.now,
                 since=self.now,
-                spec_digest=template_digest(spec),
+                spec_digest=digest,
             )
             self.plan.generations[spec.name] = generation
             result = place(request_for(spec), self.view)
