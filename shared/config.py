@@ -247,10 +247,32 @@ class SchedulerSection:
     port_count: int = 2000
     leader_ttl: float = field(default=5.0, metadata=DURATION)
     command_timeout: float = field(default=5.0, metadata=DURATION)
+    # A degraded replica (its leader makes no progress) is failed and rebuilt
+    # after this long; it returns to ready if tokens flow again before.
+    hang_timeout: float = field(default=30.0, metadata=DURATION)
+    # Crash loops: after a replica of a deployment fails before serving, the
+    # next attempt waits backoff_base, doubling per consecutive failure up to
+    # backoff_max; a replica that becomes ready resets it.
+    backoff_base: float = field(default=5.0, metadata=DURATION)
+    backoff_max: float = field(default=300.0, metadata=DURATION)
+    # A node implicated in this many replica failures within auto_cordon_window
+    # is cordoned, but never more than auto_cordon_max_share of a fabric's
+    # nodes (0 turns auto-cordon off).
+    auto_cordon_after: int = 3
+    auto_cordon_window: float = field(default=600.0, metadata=DURATION)
+    auto_cordon_max_share: float = 0.25
 
     def __post_init__(self):
         if not (1024 <= self.port_base and self.port_base + self.port_count <= 65536 and self.port_count >= 2):
             raise ConfigError("scheduler: port_base..port_base+port_count must lie within 1024..65535")
+        if self.hang_timeout <= 0:
+            raise ConfigError("scheduler.hang_timeout: must be positive")
+        if self.backoff_base < 0 or self.backoff_max < self.backoff_base:
+            raise ConfigError("scheduler: backoff_base must not be negative, and backoff_max not below it")
+        if self.auto_cordon_after < 1 or self.auto_cordon_window <= 0:
+            raise ConfigError("scheduler: auto_cordon_after must be at least 1 and auto_cordon_window positive")
+        if not 0 <= self.auto_cordon_max_share <= 1:
+            raise ConfigError(f"scheduler.auto_cordon_max_share: a share between 0 and 1, got {self.auto_cordon_max_share}")
 
 
 @dataclass(frozen=True)
@@ -270,6 +292,11 @@ class GatewaySection:
     failures_before_cooldown: int = 3
     # What a 503 (no ready replica) tells clients to wait before trying again.
     retry_after: float = field(default=5.0, metadata=DURATION)
+    # Requests in flight on a replica that sends no byte for this long count
+    # against it at once (passive detection), and the agents hear of it.
+    stall_after: float = field(default=5.0, metadata=DURATION)
+    # How often traffic evidence goes to the agents of busy replicas' leaders.
+    traffic_interval: float = field(default=1.0, metadata=DURATION)
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
@@ -280,6 +307,8 @@ class GatewaySection:
             raise ConfigError("gateway: cooldown and retry_after must not be negative")
         if self.failures_before_cooldown < 1:
             raise ConfigError("gateway.failures_before_cooldown: must be at least 1")
+        if self.stall_after <= 0 or self.traffic_interval <= 0:
+            raise ConfigError("gateway: stall_after and traffic_interval must be positive")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("gateway: tls_cert and tls_key go together (HTTPS needs both)")
 

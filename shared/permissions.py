@@ -133,7 +133,8 @@ def for_identity(role: str, name: str) -> Permissions:
             writes=[],
             reads=[_KV(S.BUCKET_REPLICAS), _KV(S.BUCKET_DEPLOYMENTS)],
             subscribe=[],
-            publish=[],
+            # traffic evidence to the agents of ready leaders (progress probes)
+            publish=[S.ALL_TRAFFIC],
             events=False,
         )
     if role == "operator":

@@ -26,6 +26,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from .errors import WireError
+from .states import EngineState, ReplicaState
 
 # NATS' default max_payload; nothing llmgw sends legitimately comes close.
 MAX_PAYLOAD = 1024 * 1024
@@ -107,7 +108,10 @@ class Heartbeat(Base, kw_only=True):
 # Engine status: agent -> scheduler on llmgw.node.<node>.status
 # --------------------------------------------------------------------------
 
-EngineState = Literal["starting", "joined", "ready", "exited"]
+# What an agent may report (``states.REPORTED_ENGINE``; a test keeps the two equal).
+# A Literal rather than the enum: "absent" and "" are the scheduler's own words
+# and must not be accepted from a node.
+ReportedEngineState = Literal["starting", "joined", "ready", "stalled", "peer-lost", "exited"]
 
 
 class EngineFact(Base, kw_only=True):
@@ -119,7 +123,10 @@ class EngineFact(Base, kw_only=True):
     rank: int = 0
     serves_http: bool = False
     pid: int = 0
-    state: EngineState = "starting"
+    state: ReportedEngineState = "starting"
+    # What the agent saw that put the engine in this state, in words for an
+    # operator ("canary sent 12:00:01 got no token in 3s", "log: rank 1 lost").
+    detail: str = ""
     exit_code: int | None = None
     gpus: list[int] = []
     http_port: int = 0
@@ -182,6 +189,32 @@ class CommandAck(Base, kw_only=True):
     code: str = ""
     reason: str = ""
     pid: int = 0
+
+
+# --------------------------------------------------------------------------
+# Traffic evidence: gateway -> the agent of a replica's leader node, on
+# llmgw.cmd.<node>.traffic. The agent judges its leaders' progress by it: a
+# replica that completed real requests needs no canary, and one with requests
+# in flight that sends no byte for ``stall_after`` is stalled.
+# --------------------------------------------------------------------------
+
+
+class ReplicaTraffic(Base, kw_only=True):
+    replica_id: str
+    # Requests this gateway saw complete on the replica since the gateway
+    # started: only ever grows, so a receiver compares it with the last value.
+    completed: int = 0
+    in_flight: int = 0
+    # Seconds since the replica last sent a byte for any request in flight
+    # (0 with nothing in flight). An age, not a time: clocks differ by machine.
+    silent_for: float = 0.0
+
+
+class TrafficReport(Base, kw_only=True):
+    gateway: str
+    node_id: str
+    replicas: list[ReplicaTraffic] = []
+    sent_at: float = 0.0
 
 
 # --------------------------------------------------------------------------
@@ -265,9 +298,6 @@ def template_digest(spec: DeploymentSpec) -> str:
     return hashlib.sha256(msgspec.json.encode(template)).hexdigest()[:16]
 
 
-ReplicaState = Literal[
-    "pending", "launching", "waiting-for-workers", "ready", "failed", "reaping", "gone"
-]
 MemberRole = Literal["leader", "worker"]
 
 
@@ -279,8 +309,10 @@ class ReplicaMember(Base, kw_only=True):
     rendezvous_port: int = 0
     http_port: int = 0
     serves_http: bool = False
-    # Last engine state the agent reported for this member ("" until launched).
-    engine_state: str = ""
+    # Last engine state the agent reported for this member ("" until launched;
+    # "absent" when a full report lacks it), and what the agent saw.
+    engine_state: EngineState = EngineState.UNREPORTED
+    engine_detail: str = ""
     pid: int = 0
 
 
@@ -393,6 +425,8 @@ WIRE_SCHEMAS: tuple[type[Base], ...] = (
     LaunchCommand,
     StopCommand,
     CommandAck,
+    ReplicaTraffic,
+    TrafficReport,
     Event,
     NodeRecord,
     Lease,

@@ -71,6 +71,16 @@ def cmd_inventory(node: str) -> str:
 ALL_CMD_INVENTORY = f"{CMD_SPACE}.*.inventory"
 
 
+def traffic(node: str) -> str:
+    """A gateway's traffic evidence for the replicas whose leader runs on ``node``
+    (TrafficReport, no reply). In the node's command space so a node hears only
+    about its own leaders, with no new subscribe right."""
+    return f"{CMD_SPACE}.{node}.traffic"
+
+
+ALL_TRAFFIC = f"{CMD_SPACE}.*.traffic"
+
+
 # -- events (captured by the LLMGW_EVENTS stream) -----------------------------
 EVENT_SPACE = f"{PREFIX}.event"
 ALL_EVENTS = f"{EVENT_SPACE}.>"

@@ -39,6 +39,8 @@ def _value(tp, name):
         return f"{name}-x"
     if origin is typing.Literal:
         return args[-1]
+    if isinstance(tp, type) and issubclass(tp, __import__("enum").Enum):
+        return list(tp)[-2]  # a real state (the last EngineState is "")
     if origin in (typing.Union, __import__("types").UnionType):
         non_none = [a for a in args if a is not type(None)]
         return _value(non_none[0], name)
@@ -105,3 +107,19 @@ def test_unknown_fields_are_ignored_for_rolling_upgrades():
 def test_literal_fields_are_enforced():
     with pytest.raises(WireError):
         W.decode(b'{"node_id": "n1", "state": "confused", "boot_id": "b", "last_renew": 1, "since": 1}', W.Lease)
+
+
+def test_the_reported_engine_states_on_the_wire_are_the_states_module_s():
+    """The wire Literal and states.REPORTED_ENGINE say the same thing, so an agent
+    can report every state the scheduler acts on, and nothing it must not."""
+    import typing
+
+    from llmgw.shared.states import REPORTED_ENGINE
+
+    assert set(typing.get_args(W.ReportedEngineState)) == {str(s) for s in REPORTED_ENGINE}
+
+
+def test_a_node_cannot_report_a_state_only_the_scheduler_writes():
+    for state in ("absent", ""):
+        with pytest.raises(WireError):
+            W.decode(b'{"replica_id": "r-g1", "generation": 1, "state": "%s"}' % state.encode(), W.EngineFact)

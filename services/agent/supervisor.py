@@ -40,7 +40,8 @@ import aiohttp
 
 from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import LlmgwError, WireError
-from llmgw.shared.schemas import CommandAck, EngineFact, EngineState, LaunchCommand
+from llmgw.shared.schemas import CommandAck, EngineFact, LaunchCommand
+from llmgw.shared.schemas import ReportedEngineState as EngineState
 
 from . import adapters, procfs
 from .config import SupervisorConfig
