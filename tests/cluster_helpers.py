@@ -11,7 +11,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from llmgw.services import simcluster
@@ -24,6 +23,7 @@ from llmgw.shared.natsserver import NatsServer
 from llmgw.shared.schemas import DeploymentSpec, Lease, Replica, encode
 
 from .conftest import service_config
+from .waiting import _UNSET, eventually
 
 HB = 0.3
 HEALTH = dict(heartbeat_interval=HB, suspect_after_missed=3, node_lost_after=1.5, leader_ttl=0.6)
@@ -85,14 +85,16 @@ class Cluster:
         assert not (reply.headers or {}).get("Nats-Service-Error-Code"), reply.data
         return reply
 
-    async def wait(self, pred, timeout=20.0, what="condition"):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            v = pred()
-            if v:
-                return v
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"{what} not reached in {timeout}s; replicas: {[(r.id, r.state, r.reason) for r in self.replicas.items.values()]}")
+    async def wait(self, observe, expected=_UNSET, *, timeout=20.0, what="condition"):
+        """Wait until ``observe()`` is truthy (or equals ``expected``); fail with the last
+        value seen and the replicas as this mirror has them."""
+        try:
+            return await eventually(observe, expected, timeout=timeout, what=what, interval=0.05)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; replicas: {[(r.id, r.state, r.reason) for r in self.replicas.items.values()]}") from None
+
+    def ids(self, deployment: str) -> list[str]:
+        return sorted(r.id for r in self.live(deployment))
 
     def live(self, deployment: str) -> list[Replica]:
         return [r for r in self.replicas.items.values() if r.deployment == deployment and r.state != "gone"]
