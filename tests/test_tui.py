@@ -53,6 +53,7 @@ from llmgw.tui.replicas import ReplicasTable
 from llmgw.tui.story import StoryBook, placed_where
 
 from .conftest import service_config
+from .waiting import _UNSET, eventually, passes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -382,14 +383,15 @@ def console(nats_server, **kw) -> LlmgwApp:
     return LlmgwApp(cfg, **kw)
 
 
-async def until(pilot, pred, timeout: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        await pilot.pause(0.02)
-    raise AssertionError(f"{what} not reached within {timeout}s")
+async def until(pilot, observe, expected=_UNSET, timeout: float = 5.0, what: str = "condition"):
+    """Let the app run until ``observe()`` is truthy (or equals ``expected``); fail with the last value seen."""
+    return await eventually(observe, expected, timeout=timeout, what=what, pause=pilot.pause)
+
+
+async def settled(pilot, check, timeout: float = 5.0, what: str = "the screen"):
+    """Let the app run until ``check()``'s assertions all hold: the console applies each
+    write a moment after it arrives, so assertions on it are waited for, whole."""
+    return await passes(check, timeout=timeout, what=what, pause=pilot.pause)
 
 
 def row(app, node: str, fabric: str = "") -> NodeRow | None:
@@ -412,13 +414,16 @@ async def test_the_seed_nodes_appear_under_their_fabrics(nats_server, writers):
     await writers.seed(seed_state(nodes_x={"node05": make_node("node05", fabric=None, gpus=2, n=5)}, leases_x={"node05": make_lease("node05", "suspect")}))
     app = console(nats_server)
     async with app.run_test(size=(160, 48)) as pilot:
-        await until(pilot, lambda: len(app.query(NodeRow)) == 5, what="five node rows")
-        placed = {(r.view.fabric, r.node_id) for r in app.query(NodeRow)}
-        assert placed == {("ib-a", "node01"), ("ib-a", "node02"), ("ib-b", "node03"), ("ib-b", "node04"), (NO_FABRIC, "node05")}
-        text = row(app, "node01").render().plain
-        assert text.startswith("node01   ready") and "AAAA ····" in text, text
-        assert row(app, "node05").view.state == "suspect" and "suspect" in row(app, "node05").render().plain
-        assert set(table_rows(app)) == {"demo-g1", "demo-g2"}
+
+        def seeded():  # nodes, leases and replicas come from three buckets, each in its own time
+            placed = {(r.view.fabric, r.node_id) for r in app.query(NodeRow)}
+            assert placed == {("ib-a", "node01"), ("ib-a", "node02"), ("ib-b", "node03"), ("ib-b", "node04"), (NO_FABRIC, "node05")}
+            text = row(app, "node01").render().plain
+            assert text.startswith("node01   ready") and "AAAA ····" in text, text
+            assert row(app, "node05").view.state == "suspect" and "suspect" in row(app, "node05").render().plain
+            assert set(table_rows(app)) == {"demo-g1", "demo-g2"}
+
+        await settled(pilot, seeded, what="the seed on screen")
         await until(pilot, lambda: app.focused is row(app, "node01") and app.selected_node == "node01", what="node01 selected")
         # the detail of a node, on Enter
         await pilot.press("down", "enter")
@@ -428,10 +433,9 @@ async def test_the_seed_nodes_appear_under_their_fabrics(nats_server, writers):
         await until(pilot, lambda: not isinstance(app.screen, NodeDetail), what="the detail closed")
         # the filter narrows the panels while typing; Esc brings everything back
         await pilot.press("slash", *"node04")
-        await until(pilot, lambda: [r.node_id for r in app.query(NodeRow)] == ["node04"], what="only node04")
-        assert set(table_rows(app)) == {"demo-g2"}
+        await until(pilot, lambda: ([r.node_id for r in app.query(NodeRow)], set(table_rows(app))), (["node04"], {"demo-g2"}), what="only node04 and its replica")
         await pilot.press("escape")
-        await until(pilot, lambda: len(app.query(NodeRow)) == 5, what="every node again")
+        await until(pilot, lambda: (len(app.query(NodeRow)), set(table_rows(app))), (5, {"demo-g1", "demo-g2"}), what="every node and replica again")
         await pilot.press("question_mark")
         await until(pilot, lambda: isinstance(app.screen, Help), what="the help")
         await pilot.press("escape")
@@ -445,9 +449,8 @@ async def test_a_lease_going_lost_turns_node02_lost_within_a_second(nats_server,
         await until(pilot, lambda: row(app, "node02") is not None and row(app, "node02").view.state == "ready", what="node02 ready")
         t = time.monotonic()
         await writers.leases.put("node02", encode(make_lease("node02", "lost", renewed=time.time() - 60, since=time.time())))
-        await until(pilot, lambda: row(app, "node02").view.state == "lost", timeout=1.0, what="node02 lost")
+        await until(pilot, lambda: (row(app, "node02").view.state, " lost " in row(app, "node02").render().plain), ("lost", True), timeout=1.0, what="node02 lost")
         assert time.monotonic() - t < 1.0
-        assert " lost " in row(app, "node02").render().plain
 
 
 async def test_a_rebuild_shows_in_the_replicas_table_and_tells_its_story(nats_server, writers):
@@ -455,27 +458,36 @@ async def test_a_rebuild_shows_in_the_replicas_table_and_tells_its_story(nats_se
     app = console(nats_server)
     async with app.run_test(size=(160, 48)) as pilot:
         # history from before the console started is replayed
-        await until(pilot, lambda: app.history_loaded and "demo-g2" in table_rows(app), what="history and replicas")
-        assert "node04           joined" in log_text(app)
+        await until(pilot, lambda: app.history_loaded and {"demo-g1", "demo-g2"} <= set(table_rows(app)) and "node04           joined" in log_text(app), what="history and replicas")
         # node02 dies: its replica fails and is reaped while a replacement is placed on ib-b
         await writers.leases.put("node02", encode(make_lease("node02", "lost")))
         await writers.replicas.put("demo-g1", encode(make_replica(*G1[:2], "reaping", G1[2], reason="node node02 lost")))
         await writers.replicas.put("demo-g3", encode(make_replica(*G3[:2], "launching", G3[2])))
         await writers.emit(*FAILOVER)
-        await until(pilot, lambda: "demo-g3" in table_rows(app) and "rebuilding" in app.query_one(EventLog).border_subtitle, what="the rebuild under way")
-        rows = table_rows(app)
-        assert rows["demo-g1"][5] == "✖ reaping" and rows["demo-g3"][5] == "↻ launching" and rows["demo-g3"][4] == "node03:0 node04:1"
-        assert "demo-g1 failed → reaping → demo-g3 placed on ib-b …" in app.query_one(EventLog).border_subtitle
-        assert [c.mark for c in row(app, "node03").view.cells] == ["B"] * 4 + ["C"] * 4
+
+        def rebuilding():  # three writes and the events: wait until every one has reached the screen
+            rows = table_rows(app)
+            assert "demo-g3" in rows, rows
+            assert rows["demo-g1"][5] == "✖ reaping" and rows["demo-g3"][5] == "↻ launching" and rows["demo-g3"][4] == "node03:0 node04:1"
+            assert "demo-g1 failed → reaping → demo-g3 placed on ib-b …" in app.query_one(EventLog).border_subtitle
+            assert [c.mark for c in row(app, "node03").view.cells] == ["B"] * 4 + ["C"] * 4
+
+        await settled(pilot, rebuilding, what="the rebuild under way")
         # reaped, then ready
         await writers.replicas.delete("demo-g1")
         await writers.replicas.put("demo-g3", encode(make_replica(*G3[:2], "ready", G3[2])))
         await writers.emit(*RECOVERY)
-        await until(pilot, lambda: "▶ rebuild" in log_text(app), what="the story told")
-        assert "node02 lost → demo-g1 failed → reaped → demo-g3 placed on ib-b → ready (20.1 s)" in log_text(app)
-        await until(pilot, lambda: set(table_rows(app)) == {"demo-g2", "demo-g3"}, what="demo-g1 gone from the table")
-        assert table_rows(app)["demo-g3"][5] == "ready" and app.query_one(EventLog).border_subtitle == ""
-        assert log_text(app).index("demo-g1          failed") < log_text(app).index("demo-g3          ready")
+
+        def recovered():
+            log = log_text(app)
+            assert "▶ rebuild" in log and "node02 lost → demo-g1 failed → reaped → demo-g3 placed on ib-b → ready (20.1 s)" in log
+            assert "demo-g1          failed" in log and "demo-g3          ready" in log
+            assert log.index("demo-g1          failed") < log.index("demo-g3          ready")
+            rows = table_rows(app)
+            assert set(rows) == {"demo-g2", "demo-g3"} and rows["demo-g3"][5] == "ready", rows
+            assert app.query_one(EventLog).border_subtitle == ""
+
+        await settled(pilot, recovered, what="the story told and demo-g1 gone from the table")
 
 
 async def test_cordon_through_the_key_binding_reaches_the_registry(nats_server, writers):
@@ -488,7 +500,7 @@ async def test_cordon_through_the_key_binding_reaches_the_registry(nats_server, 
         async with app.run_test(size=(160, 48)) as pilot:
             await until(pilot, lambda: row(app, "node02") is not None and app.focused is row(app, "node01"), what="node rows")
             await pilot.press("down")
-            assert app.selected_node == "node02"
+            await until(pilot, lambda: app.selected_node, "node02", what="node02 selected")
             # drain, but think better of it: nothing is sent
             await pilot.press("d")
             await until(pilot, lambda: isinstance(app.screen, Confirm), what="the question")
@@ -496,8 +508,7 @@ async def test_cordon_through_the_key_binding_reaches_the_registry(nats_server, 
             await until(pilot, lambda: not isinstance(app.screen, Confirm), what="the question gone")
             # cordon, confirmed
             await pilot.press("c")
-            await until(pilot, lambda: isinstance(app.screen, Confirm), what="the question")
-            assert "Cordon node02?" in str(app.screen.question)
+            await until(pilot, lambda: isinstance(app.screen, Confirm) and "Cordon node02?" in str(app.screen.question), what="the question about node02")
             await pilot.press("y")
             await until(pilot, lambda: row(app, "node02").view.state == "cordoned", what="node02 cordoned on screen")
             record = decode((await writers.nodes.get("node02")).value, NodeRecord)
@@ -517,21 +528,27 @@ async def test_a_lost_connection_is_shown_and_so_is_its_return(nats_server, writ
         banner = app.query_one("#banner")
         assert not banner.display, banner.render()
         nats_server.stop()
-        await until(pilot, lambda: banner.has_class("-down"), what="the lost banner")
-        assert "NATS connection lost" in str(banner.render()) and app.sub_title == "NATS connection lost"
-        assert banner.display and row(app, "node02").view.state == "ready"  # the last state seen stays
+
+        def down():
+            assert banner.has_class("-down") and banner.display
+            assert "NATS connection lost" in str(banner.render()) and app.sub_title == "NATS connection lost"
+
+        await settled(pilot, down, what="the lost banner")
+        assert row(app, "node02").view.state == "ready"  # the last state seen stays
         await pilot.press("down")  # the screen still answers
-        assert app.selected_node == "node02"
+        await until(pilot, lambda: app.selected_node, "node02", what="node02 selected while disconnected")
         nats_server.start()
-        await until(pilot, lambda: banner.has_class("-back"), timeout=10, what="the back banner")
-        assert "connection back" in str(banner.render()) and app.sub_title == "live"
-        # and it is live again: a change after the restart reaches the screen
-        for _ in range(50):
-            try:
-                await writers.leases.put("node03", encode(make_lease("node03", "lost")))
-                break
-            except Exception:
-                await asyncio.sleep(0.1)
+        await until(
+            pilot, lambda: banner.has_class("-back") and "connection back" in str(banner.render()) and app.sub_title == "live", timeout=10, what="the back banner"
+        )
+
+        # and it is live again: a change after the restart reaches the screen. The scripted
+        # writer reconnects on its own schedule: wait until the server takes its write.
+        async def put_lost():
+            await writers.leases.put("node03", encode(make_lease("node03", "lost")))
+            return True
+
+        await eventually(put_lost, timeout=10, what="the writer's put after the restart", ignore=(Exception,))
         await until(pilot, lambda: row(app, "node03").view.state == "lost", timeout=10, what="node03 lost after the reconnect")
 
 

@@ -97,3 +97,28 @@ def eventually_sync(
         if time.monotonic() > deadline:
             raise AssertionError(_describe(what, timeout, None if last is _UNSET else last, expected, error))
         time.sleep(interval)
+
+
+async def passes(
+    check: Callable[[], Any],
+    *,
+    what: str = "assertions",
+    timeout: float = 10.0,
+    interval: float = 0.02,
+    pause: Callable[[float], Awaitable[Any]] | None = None,
+) -> Any:
+    """Run ``check()`` (assertions on a live view; sync or async) until it stops raising
+    AssertionError; return its result. The wait is then exactly as strong as the
+    assertions, by construction. On timeout, fail with the last assertion's message."""
+    pause = pause or asyncio.sleep
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = check()
+            if inspect.isawaitable(value):
+                value = await value
+            return value
+        except AssertionError as e:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: still failing after {timeout:g}s: {e}") from e
+        await pause(interval)
