@@ -6,12 +6,14 @@ import asyncio
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from llmgw.services import health as health_mod, registry as registry_mod
 from llmgw.shared import subjects as S
 from llmgw.shared.schemas import ApiError, FabricMembership, Gpu, Heartbeat, Inventory, Lease, NodeRecord, decode, encode
 
 from .conftest import service_config
+from .waiting import _UNSET, eventually
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -27,14 +29,18 @@ def inventory(node: str, gpus: int = 8, **kw) -> Inventory:
     )
 
 
-async def wait_for(pred, timeout=5.0, step=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = await pred()
-        if v:
-            return v
-        await asyncio.sleep(step)
-    raise AssertionError("condition not reached in time")
+async def wait_for(observe, expected=_UNSET, timeout=5.0, what="condition"):
+    """Until ``observe()`` is truthy (or equals ``expected``); fails with the last value seen."""
+    return await eventually(observe, expected, timeout=timeout, what=what, interval=0.05)
+
+
+def sample(name: str, result: str) -> float:
+    """A counter's value from the prometheus registry (0 before its first increment)."""
+    return REGISTRY.get_sample_value(name, {"result": result}) or 0.0
+
+
+INVENTORIES = "llmgw_registry_inventories_total"
+HEARTBEATS = "llmgw_health_heartbeats_total"
 
 
 @pytest.fixture
@@ -70,19 +76,19 @@ async def test_bad_inventories_are_rejected_and_counted_and_the_record_kept(regi
     nodes = await ops.jetstream().key_value(S.BUCKET_NODES)
     await node.publish(S.inventory("node01"), encode(inventory("node01", gpus=8)))
     await wait_for(lambda: read(nodes, "node01", NodeRecord))
-    malformed = registry_mod.INVENTORIES.labels("malformed")._value.get()
-    inconsistent = registry_mod.INVENTORIES.labels("inconsistent")._value.get()
+    counts = lambda: (sample(INVENTORIES, "malformed"), sample(INVENTORIES, "inconsistent"))  # noqa: E731
+    malformed, inconsistent = counts()
     await node.publish(S.inventory("node01"), b'{"node_id": "node01", "gpus": "many"}')
     await node.publish(S.inventory("node01"), encode(inventory("node02", gpus=2)))  # claims another node
     await node.publish(S.inventory("node01"), b"\xff\xfe not json")
-    await wait_for(lambda: asyncio.sleep(0, registry_mod.INVENTORIES.labels("malformed")._value.get() >= malformed + 2))
-    await wait_for(lambda: asyncio.sleep(0, registry_mod.INVENTORIES.labels("inconsistent")._value.get() >= inconsistent + 1))
+    # exactly these three, each counted once under its reason
+    await wait_for(counts, (malformed + 2, inconsistent + 1), what="two malformed and one inconsistent inventory counted")
     rec = await read(nodes, "node01", NodeRecord)
     assert len(rec.gpus) == 8
     assert await read(nodes, "node02", NodeRecord) is None
     # and it is still serving
     await node.publish(S.inventory("node01"), encode(inventory("node01", gpus=4)))
-    await wait_for(lambda: _gpus(nodes, 4))
+    await wait_for(lambda: _gpus(nodes, 4), what="the 4-GPU inventory applied")
 
 
 async def _gpus(kv, n):
@@ -103,7 +109,7 @@ async def test_cordon_uncordon_drain_through_the_api(registry, connector):
     # a re-sent inventory keeps the admin state
     await ops.request(S.api("registry", "cordon"), b'{"node_id": "node01"}', timeout=3)
     await node.publish(S.inventory("node01"), encode(inventory("node01", gpus=6)))
-    await wait_for(lambda: _gpus(nodes, 6))
+    await wait_for(lambda: _gpus(nodes, 6), what="the 6-GPU inventory applied")
     assert (await read(nodes, "node01", NodeRecord)).admin == "cordoned"
     bad = await ops.request(S.api("registry", "cordon"), b'{"node_id": "node77"}', timeout=3)
     assert decode(bad.data, ApiError).code == "unknown_node"
@@ -147,18 +153,19 @@ async def start_health(nats_server, name="health"):
 
 
 async def events_of(ops, node):
+    """Every node event of ``node`` stored so far, in order: read up to the last one the
+    consumer reports pending (not "until nothing came for a while")."""
     js = ops.jetstream()
     out = []
-    sub = await js.subscribe(S.event_kind_space("node"), ordered_consumer=True)
+    sub = await js.subscribe(S.event("node", node, "*"), ordered_consumer=True)
     try:
         while True:
-            msg = await sub.next_msg(timeout=0.3)
-            if msg.subject.split(".")[3] == node:
-                out.append(msg.subject.split(".")[-1])
-    except Exception:
-        pass
-    await sub.unsubscribe()
-    return out
+            msg = await sub.next_msg(timeout=5)
+            out.append(msg.subject.split(".")[-1])
+            if msg.metadata.num_pending == 0:
+                return out
+    finally:
+        await sub.unsubscribe()
 
 
 async def test_heartbeats_drive_ready_suspect_lost_and_rejoin(nats_server, connector):
@@ -174,15 +181,18 @@ async def test_heartbeats_drive_ready_suspect_lost_and_rejoin(nats_server, conne
         lease = await wait_for(lambda: _state(leases, "node02", "lost"), timeout=4)
         # lost within one heartbeat of node_lost_after, measured from the last heartbeat sent
         assert FAST["node_lost_after"] - 0.05 <= lease.since - beat.last <= FAST["node_lost_after"] + FAST["heartbeat_interval"] + 0.3
-        # same boot id: stays lost; new boot id: ready again
+        # same boot id: stays lost. Wait until the monitor has judged three of these
+        # heartbeats (the counter goes up before each is applied, one at a time), not for a while.
+        accepted = sample(HEARTBEATS, "accepted")
         same = Beater(node, "node02").start()
-        await asyncio.sleep(0.6)
-        assert (await read(leases, "node02", Lease)).state == "lost"
+        await wait_for(lambda: sample(HEARTBEATS, "accepted") >= accepted + 3, what="three same-boot heartbeats judged")
         await same.stop()
+        assert (await read(leases, "node02", Lease)) == lease, "a heartbeat of the lost boot changed the lease"
         again = Beater(node, "node02", boot="boot-2").start()
-        await wait_for(lambda: _state(leases, "node02", "ready"))
+        await wait_for(lambda: _state(leases, "node02", "ready"), what="node02 ready on its new boot")
         await again.stop()
-        assert await events_of(ops, "node02") == ["ready", "suspect", "lost", "ready"]
+        # the monitor publishes each event just after it stores the lease: wait for the last one
+        await wait_for(lambda: events_of(ops, "node02"), ["ready", "suspect", "lost", "ready"], what="node02's events")
     finally:
         await svc.stop()
 
@@ -199,21 +209,32 @@ async def test_restart_keeps_countdowns_and_spares_healthy_nodes(nats_server, co
     ops = await connector.as_new("ops", "operator")
     leases = await ops.jetstream().key_value(S.BUCKET_LEASES)
     b1, b2 = Beater(node1, "node01").start(), Beater(node2, "node02").start()
-    await wait_for(lambda: _state(leases, "node01", "ready"))
-    await wait_for(lambda: _state(leases, "node02", "ready"))
-    await asyncio.sleep(0.5)
+    first = {n: await wait_for(lambda n=n: _state(leases, n, "ready"), what=f"{n} ready") for n in ("node01", "node02")}
+
+    async def renewed_since_ready(n):  # a renewal stored after the first write: a countdown to continue from
+        lease = await read(leases, n, Lease)
+        return lease is not None and lease.last_renew > first[n].last_renew
+
+    for n in first:
+        await wait_for(lambda n=n: renewed_since_ready(n), what=f"a renewal of {n} stored")
     await svc.stop()  # the monitor goes away…
     await b2.stop()  # …and node02 dies while it is away
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(1.0)  # not a wait for anything: part of node02's countdown passes with no monitor
+    restarted_at = time.time()
     svc2 = await start_health(nats_server, "health-b")
     try:
-        lease = await wait_for(lambda: _state(leases, "node02", "lost"), timeout=6)
-        # the countdown ran from node02's last heartbeat, not from the restart
-        restarted_at = time.time()
+        lease = await wait_for(lambda: _state(leases, "node02", "lost"), timeout=6, what="node02 lost")
+        # the countdown ran from node02's last heartbeat, not from the restart: restarted, it
+        # would end node_lost_after after the restart at the earliest
+        assert lease.since - restarted_at < FAST["node_lost_after"], (lease.since - restarted_at, lease)
         assert lease.since - b2.last <= FAST["node_lost_after"] + 2 * FAST["heartbeat_interval"] + 1.0 + 0.5
-        await asyncio.sleep(1.0)
-        assert (await read(leases, "node01", Lease)).state == "ready"
-        assert restarted_at > 0
+        # node01 kept beating: the new monitor renews it without a transition (its since is unchanged)
+        async def renewed_by_the_new_monitor():
+            l1 = await read(leases, "node01", Lease)
+            return l1 is not None and l1.last_renew > restarted_at and l1
+
+        node01 = await wait_for(renewed_by_the_new_monitor, what="node01 renewed by the restarted monitor")
+        assert (node01.state, node01.since) == ("ready", first["node01"].since)
     finally:
         await b1.stop()
         await svc2.stop()
@@ -225,15 +246,16 @@ async def test_malformed_and_forged_heartbeats_are_counted_not_fatal(nats_server
         node = await connector.as_new("node03", "node")
         ops = await connector.as_new("ops", "operator")
         leases = await ops.jetstream().key_value(S.BUCKET_LEASES)
-        before = health_mod.HEARTBEATS.labels("malformed")._value.get()
+        # leading and acting on heartbeats (not a second's sleep "until leadership settles")
+        await wait_for(lambda: svc.acting, what="the monitor acting as leader")
+        counts = lambda: (sample(HEARTBEATS, "malformed"), sample(HEARTBEATS, "inconsistent"))  # noqa: E731
+        malformed, inconsistent = counts()
         await node.publish(S.heartbeat("node03"), b"garbage")
-        await node.publish(S.heartbeat("node03"), encode(Heartbeat(node_id="node04", boot_id="x", seq=1)))
-        await asyncio.sleep(1.0)  # leadership settles, then the messages are judged
-        await node.publish(S.heartbeat("node03"), b"garbage")
-        await wait_for(lambda: asyncio.sleep(0, health_mod.HEARTBEATS.labels("malformed")._value.get() > before))
+        await node.publish(S.heartbeat("node03"), encode(Heartbeat(node_id="node04", boot_id="x", seq=1)))  # forged
+        await wait_for(counts, (malformed + 1, inconsistent + 1), what="the garbage and the forged heartbeat counted")
         assert await read(leases, "node04", Lease) is None
         beat = Beater(node, "node03").start()
-        await wait_for(lambda: _state(leases, "node03", "ready"))
+        await wait_for(lambda: _state(leases, "node03", "ready"), what="node03 ready")
         await beat.stop()
     finally:
         await svc.stop()
