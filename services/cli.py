@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="running batch size; more requests wait (default 256)")
     p.add_argument("--on-peer-loss", choices=("stall", "exit"), default="stall", help="stall like NCCL (default) or exit non-zero")
     p.add_argument("--ignore-sigterm", action="store_true", help="ignore SIGTERM, to test SIGKILL escalation")
+    p.add_argument("--peer-timeout", help="a rank silent this long is lost (default 1.6s); a SIGSTOPped rank within it only stalls steps")
     p.set_defaults(func=_lazy("llmgw.services.engines.sim:main"))
 
     p = sub.add_parser("up", help="the whole system on one machine: NATS, services, simulated nodes, demo deployment")

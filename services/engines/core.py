@@ -1,10 +1,25 @@
 """The simulated engine's batch: admission, token pacing, and the NCCL-like stall.
 
-Every decode step is a "collective" across the group. While all ranks are
-present it costs ``1/token_rate`` seconds; once a rank is lost the collective
-never completes, so requests in flight and new ones hang rather than fail -
-which is how a real multi-node engine behaves when a peer dies, and what the
-control plane has to detect by other means than /health.
+Every decode step is a collective across the group, as a tensor- or
+pipeline-parallel step is: on a multi-node leader one stepper runs the steps
+for the whole running batch (one collective per step, not per request), and a
+step completes only when every worker has acknowledged it over its rendezvous
+link. A worker that does not answer (SIGSTOPped, or stalled by SIGUSR1) holds
+every step - and so every request - for as long as it does not answer, and
+nothing is logged about a lost peer: a slow collective is not a lost one, as
+with NCCL. Only a link that drops, or stays silent past the peer timeout, is a
+lost peer (see rendezvous.py); then the group is broken for good.
+
+A single-node engine has no collective to wait on: each request paces its own
+steps, which costs nothing the gateway benchmark would notice.
+
+Stalls, all of which leave ``/health`` answering 200:
+
+* a lost rank (``break_group``): every step hangs from then on;
+* a silent stall (``stall``, SIGUSR1 to the leader): every step hangs, with no
+  log line about peers, until ``resume`` (SIGUSR2) - what a hung collective
+  looks like from outside;
+* a worker that stops acknowledging steps.
 """
 
 from __future__ import annotations
@@ -12,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from .metrics import EngineMetrics
 from .tokens import Answer
@@ -20,24 +35,87 @@ from .tokens import Answer
 # Below this a step's delay is not worth a timer; the step still yields.
 MIN_DELAY = 1e-4
 
+Collective = Callable[[], Awaitable[None]]
+
 
 class EngineCore:
-    def __init__(self, metrics: EngineMetrics, token_rate: float, max_num_seqs: int):
+    def __init__(self, metrics: EngineMetrics, token_rate: float, max_num_seqs: int, collective: Collective | None = None):
         self.metrics = metrics
         delay = 1.0 / token_rate if token_rate > 0 else 0.0
         self.step_delay = delay if delay >= MIN_DELAY else 0.0
         self._slots = asyncio.Semaphore(max_num_seqs)
         self._intact = asyncio.Event()
         self._intact.set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
         self.broken_because: str | None = None
+        self.stalled_because: str | None = None
+        # The group's collective (the leader of a multi-node group): run once
+        # per decode step for the whole batch by the stepper.
+        self._collective = collective
+        self._next: asyncio.Future | None = None
+        self._arrived = asyncio.Event()
+        self._stepper: asyncio.Task | None = None
+        self.steps = 0
 
+    # -- faults ----------------------------------------------------------------
     def break_group(self, why: str) -> None:
         """A rank is gone: from now on every collective hangs."""
         self.broken_because = why
         self._intact.clear()
 
-    async def collective(self) -> None:
+    def stall(self, why: str) -> None:
+        """Stop producing tokens, silently, until ``resume``."""
+        self.stalled_because = why
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self.stalled_because = None
+        self._flowing.set()
+
+    async def _gate(self) -> None:
         await self._intact.wait()
+        await self._flowing.wait()
+
+    # -- steps -------------------------------------------------------------------
+    async def step(self) -> None:
+        """Wait for the next decode step of the batch to complete."""
+        if self._collective is None:
+            if self.step_delay:
+                await asyncio.sleep(self.step_delay)
+            else:
+                await asyncio.sleep(0)
+            await self._gate()
+            return
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+            self._arrived.set()
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.create_task(self._run_steps(), name="sim-stepper")
+        # Shielded: a request that goes away must not cancel everyone's step.
+        await asyncio.shield(self._next)
+
+    async def _run_steps(self) -> None:
+        while True:
+            await self._arrived.wait()
+            if self.step_delay:
+                await asyncio.sleep(self.step_delay)
+            else:
+                await asyncio.sleep(0)
+            # Requests arriving from here on wait for the step after this one.
+            done, self._next = self._next, None
+            self._arrived.clear()
+            await self._gate()
+            await self._collective()
+            self.steps += 1
+            if done is not None and not done.done():
+                done.set_result(None)
+
+    async def close(self) -> None:
+        if self._stepper is not None:
+            self._stepper.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._stepper
 
     @contextlib.asynccontextmanager
     async def admit(self, prompt_tokens: int) -> AsyncIterator[Sequence]:
@@ -71,11 +149,7 @@ class Sequence:
 
     async def step(self, tokens: int) -> None:
         """One decode step producing ``tokens`` tokens (one per unfinished choice)."""
-        if self.core.step_delay:
-            await asyncio.sleep(self.core.step_delay)
-        else:
-            await asyncio.sleep(0)
-        await self.core.collective()
+        await self.core.step()
         m = self.core.metrics
         if self.steps == 0:
             m.prompt_tokens.inc(self.prompt_tokens)

@@ -12,6 +12,8 @@ Wire format: one JSON object per line.
     leader -> worker  {"op": "welcome"} | {"op": "reject", "reason": "..."}
     leader -> worker  {"op": "formed"}          once every rank has joined
     both ways         {"op": "ping"}
+    leader -> worker  {"op": "step", "n": N}  a decode step of the whole batch
+    worker -> leader  {"op": "ack", "n": N}   this rank has done step N
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from .binding import explain_bind_error, reserve
 PROTO = 1
 PING_INTERVAL = 0.4
 PEER_TIMEOUT = 1.6
+# A step held this long by a worker that has not acked is worth a log line.
+STEP_NOTICE = 1.0
 HELLO_TIMEOUT = 5.0
 MAX_LINE = 4096
 
@@ -72,10 +76,12 @@ async def _read_msg(reader: asyncio.StreamReader) -> dict | None:
 class Link:
     """One open rank-to-rank connection, kept alive by pings."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str, peer_timeout: float = PEER_TIMEOUT):
         self.reader = reader
         self.writer = writer
         self.peer = peer
+        self.peer_timeout = peer_timeout
+        self.ping_interval = min(PING_INTERVAL, peer_timeout / 4)
 
     def send(self, msg: dict) -> None:
         if not self.writer.is_closing():
@@ -87,9 +93,9 @@ class Link:
         try:
             while True:
                 try:
-                    msg = await asyncio.wait_for(_read_msg(self.reader), PEER_TIMEOUT)
+                    msg = await asyncio.wait_for(_read_msg(self.reader), self.peer_timeout)
                 except TimeoutError:
-                    return f"no word from {self.peer} for {PEER_TIMEOUT:g}s"
+                    return f"no word from {self.peer} for {self.peer_timeout:g}s"
                 except ProtocolError as e:
                     return f"{self.peer} broke protocol: {e}"
                 except OSError as e:
@@ -107,7 +113,7 @@ class Link:
             while not self.writer.is_closing():
                 self.send({"op": "ping"})
                 await self.writer.drain()
-                await asyncio.sleep(PING_INTERVAL)
+                await asyncio.sleep(self.ping_interval)
 
     def close(self) -> None:
         with contextlib.suppress(OSError, RuntimeError):
@@ -123,10 +129,23 @@ class Leader:
     good, like a NCCL communicator.
     """
 
-    def __init__(self, addr: str, port: int, nnodes: int, model: str, on_peer_lost: Callable[[int, str], None], log: logging.Logger):
+    def __init__(
+        self,
+        addr: str,
+        port: int,
+        nnodes: int,
+        model: str,
+        on_peer_lost: Callable[[int, str], None],
+        log: logging.Logger,
+        peer_timeout: float = PEER_TIMEOUT,
+    ):
         self.addr, self.port, self.nnodes, self.model = addr, port, nnodes, model
         self.on_peer_lost = on_peer_lost
         self.log = log
+        self.peer_timeout = peer_timeout
+        # The step in progress: its number and, per worker rank, its ack.
+        self._step = 0
+        self._acks: dict[int, asyncio.Future] = {}
         self.members: dict[int, Link] = {}
         self.formed = asyncio.Event()
         self._server: asyncio.Server | None = None
@@ -162,7 +181,8 @@ class Leader:
 
     async def _serve_member(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername") or ("?", 0)
-        link = Link(reader, writer, f"{peername[0]}:{peername[1]}")
+        _nodelay(writer)  # a step message must not sit in Nagle's buffer
+        link = Link(reader, writer, f"{peername[0]}:{peername[1]}", self.peer_timeout)
         try:
             hello = await asyncio.wait_for(_read_msg(reader), HELLO_TIMEOUT)
             rank = self._admit(hello)
@@ -188,7 +208,13 @@ class Leader:
             for member in self.members.values():
                 member.send({"op": "formed"})
 
-        why = await link.watch()
+        def on_message(msg: dict) -> None:
+            if msg["op"] == "ack" and msg.get("n") == self._step:
+                ack = self._acks.get(rank)
+                if ack is not None and not ack.done():
+                    ack.set_result(None)
+
+        why = await link.watch(on_message)
         if self.members.get(rank) is link:
             del self.members[rank]
         if self._closing:
@@ -216,6 +242,38 @@ class Leader:
             raise _Rejected(f"rank {rank} has already joined")
         return rank
 
+    async def collective(self) -> None:
+        """One decode step across the group: done when every worker has acked it.
+
+        Never times out and never declares anyone lost: a rank that does not
+        answer holds the step (and every request) until it answers, or until
+        its link is lost - which ``watch`` notices on its own.
+        """
+        if self.workers == 0:
+            return
+        self._step += 1
+        n = self._step
+        loop = asyncio.get_running_loop()
+        self._acks = {}
+        for rank, link in list(self.members.items()):
+            self._acks[rank] = loop.create_future()
+            link.send({"op": "step", "n": n})
+        # A rank already gone has no ack to give: the step waits for ever, as
+        # a collective with a dead rank does (the core gates on a broken group
+        # before it gets here, so this is only the step the loss interrupted).
+        waits = set(self._acks.values()) or {loop.create_future()}
+        if len(self._acks) < self.workers:
+            waits.add(loop.create_future())
+        _, pending = await asyncio.wait(waits, timeout=STEP_NOTICE)
+        if pending:
+            slow = sorted(r for r, f in self._acks.items() if not f.done())
+            self.log.info(
+                "step %d has waited %gs for rank(s) %s to ack; a collective does not time out, still waiting",
+                n, STEP_NOTICE, ",".join(map(str, slow)) or "(gone)",
+            )  # fmt: skip
+            await asyncio.wait(pending)
+            self.log.info("step %d completed; generation goes on", n)
+
     async def close(self) -> None:
         self._closing = True  # links dropped from here on are ours to drop, not lost peers
         if self._server is not None:
@@ -233,6 +291,13 @@ class _Rejected(Exception):
     pass
 
 
+def _nodelay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 async def join(
     leader_addr: str,
     port: int,
@@ -243,6 +308,7 @@ async def join(
     source_addr: str | None,
     give_up_after: float,
     log: logging.Logger,
+    peer_timeout: float = PEER_TIMEOUT,
 ) -> Link:
     """Connect to the leader (retrying while it is not up yet) and join as ``rank``.
 
@@ -270,11 +336,8 @@ async def join(
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    link = Link(reader, writer, f"leader {leader_addr}:{port}")
+    _nodelay(writer)
+    link = Link(reader, writer, f"leader {leader_addr}:{port}", peer_timeout)
     link.send({"op": "hello", "proto": PROTO, "rank": rank, "nnodes": nnodes, "model": model})
     try:
         reply = await asyncio.wait_for(_read_msg(reader), HELLO_TIMEOUT)

@@ -6,8 +6,17 @@ It behaves, as seen from outside, like vLLM/SGLang across nodes, without GPUs:
   ``nnodes-1`` workers have joined, then "loads" for ``--load-time``, then
   serves the OpenAI API on ``--host:--port``;
 * ranks >= 1 (workers) join the leader's rendezvous and open no port at all;
-* a lost peer stalls generation, as a broken NCCL communicator does, or with
-  ``--on-peer-loss exit`` ends the process with ``EXIT_PEER_LOST``;
+* every decode step is a collective across all ranks (see core.py): a worker
+  that is SIGSTOPped, or told to stall, holds the leader's generation for as
+  long as it does not answer, without anyone being called lost;
+* a lost peer (its link drops, or is silent for ``--peer-timeout``) stalls
+  generation for good, as a broken NCCL communicator does, or with
+  ``--on-peer-loss exit`` ends the process with ``EXIT_PEER_LOST``; either way
+  the survivors log ``rank N lost (...)`` (leader) or ``lost the leader (...)``
+  (workers), the lines the agent reports as ``peer-lost``;
+* SIGUSR1 makes a rank stall silently (the leader stops producing tokens, a
+  worker stops acking steps) while ``/health`` still answers 200 - a hung
+  collective as seen from outside; SIGUSR2 ends the stall;
 * SIGTERM/SIGINT stop it cleanly with 0; ``--ignore-sigterm`` makes it ignore
   SIGTERM so the agent's SIGKILL escalation can be tested.
 """
@@ -26,7 +35,7 @@ from llmgw.shared.durations import format_duration, parse_duration
 from llmgw.shared.errors import ConfigError
 
 from .binding import explain_bind_error, reserve
-from .rendezvous import Leader, join
+from .rendezvous import PEER_TIMEOUT, Leader, join
 
 # 1 is an unexpected crash and 2 a configuration error (see services/cli.py).
 EXIT_PEER_LOST = 3
@@ -51,6 +60,7 @@ class SimConfig:
     on_peer_loss: str
     ignore_sigterm: bool
     max_num_seqs: int
+    peer_timeout: float = PEER_TIMEOUT
 
     @property
     def is_leader(self) -> bool:
@@ -82,6 +92,9 @@ class SimConfig:
             raise ConfigError(f"--token-rate must be a number of tokens per second >= 0, got {a.token_rate}")
         if a.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {a.max_num_seqs}")
+        peer_timeout = parse_duration(a.peer_timeout, "--peer-timeout") if getattr(a, "peer_timeout", None) else PEER_TIMEOUT
+        if peer_timeout < 0.2:
+            raise ConfigError(f"--peer-timeout must be at least 200ms, got {a.peer_timeout}")
         return cls(
             model=a.model,
             served_model=served,
@@ -96,6 +109,7 @@ class SimConfig:
             on_peer_loss=a.on_peer_loss,
             ignore_sigterm=a.ignore_sigterm,
             max_num_seqs=a.max_num_seqs,
+            peer_timeout=peer_timeout,
         )
 
 
@@ -129,6 +143,9 @@ async def _run(cfg: SimConfig) -> int:
 
     fatal: asyncio.Future[int] = loop.create_future()
     role = LeaderRole(cfg, log, fatal) if cfg.is_leader else WorkerRole(cfg, log)
+    # Simulated faults: a silent stall (no word about peers; /health stays 200).
+    loop.add_signal_handler(signal.SIGUSR1, role.stall)
+    loop.add_signal_handler(signal.SIGUSR2, role.resume)
     work = asyncio.create_task(role.run())
     stopped = asyncio.create_task(stop.wait())
     try:
@@ -159,6 +176,21 @@ class LeaderRole:
         self.rendezvous: Leader | None = None
         self.runner = None
         self.core = None
+        self._stall_pending = ""
+
+    def stall(self) -> None:
+        why = "SIGUSR1 (a simulated hung collective)"
+        self.log.info("SIGUSR1: generation stalls silently from now on; /health still answers (SIGUSR2 resumes)")
+        if self.core is None:
+            self._stall_pending = why
+        else:
+            self.core.stall(why)
+
+    def resume(self) -> None:
+        self.log.info("SIGUSR2: generation resumes")
+        self._stall_pending = ""
+        if self.core is not None:
+            self.core.resume()
 
     async def run(self) -> int:
         # Imported here so workers never load the HTTP and metrics stacks.
@@ -171,8 +203,13 @@ class LeaderRole:
         cfg = self.cfg
         self.http_sock = reserve("HTTP", cfg.host, cfg.port)  # held, not listening
         metrics = EngineMetrics(cfg.served_model)
-        self.core = EngineCore(metrics, cfg.token_rate, cfg.max_num_seqs)
-        self.rendezvous = Leader(cfg.leader_addr, cfg.rendezvous_port, cfg.nnodes, cfg.model, self._peer_lost, self.log)
+        self.rendezvous = Leader(
+            cfg.leader_addr, cfg.rendezvous_port, cfg.nnodes, cfg.model, self._peer_lost, self.log, peer_timeout=cfg.peer_timeout
+        )
+        collective = self.rendezvous.collective if cfg.nnodes > 1 else None
+        self.core = EngineCore(metrics, cfg.token_rate, cfg.max_num_seqs, collective=collective)
+        if self._stall_pending:
+            self.core.stall(self._stall_pending)
         await self.rendezvous.start()
         await self.rendezvous.formed.wait()
 
@@ -206,6 +243,8 @@ class LeaderRole:
         self.core.break_group(f"rank {rank} lost: {why}")
 
     async def close(self) -> None:
+        if self.core is not None:
+            await self.core.close()
         if self.runner is not None:
             await self.runner.cleanup()
         if self.rendezvous is not None:
@@ -220,6 +259,19 @@ class WorkerRole:
     def __init__(self, cfg: SimConfig, log: logging.Logger):
         self.cfg, self.log = cfg, log
         self.link = None
+        self.stalled = False
+        self._held: int | None = None  # the step not acked while stalled
+
+    def stall(self) -> None:
+        self.log.info("SIGUSR1: this rank stops acking steps from now on (SIGUSR2 resumes)")
+        self.stalled = True
+
+    def resume(self) -> None:
+        self.log.info("SIGUSR2: this rank acks steps again")
+        self.stalled = False
+        if self._held is not None and self.link is not None:
+            self.link.send({"op": "ack", "n": self._held})
+            self._held = None
 
     async def run(self) -> int:
         cfg = self.cfg
@@ -232,11 +284,18 @@ class WorkerRole:
             source_addr=cfg.host,
             give_up_after=JOIN_GIVE_UP_AFTER,
             log=self.log,
+            peer_timeout=cfg.peer_timeout,
         )
         self.log.info("joined the leader at %s:%d as rank %d of %d", cfg.leader_addr, cfg.rendezvous_port, cfg.rank, cfg.nnodes)
 
         def on_message(msg: dict) -> None:
-            if msg.get("op") == "formed":
+            op = msg.get("op")
+            if op == "step":
+                if self.stalled:
+                    self._held = msg.get("n")
+                else:
+                    self.link.send({"op": "ack", "n": msg.get("n")})
+            elif op == "formed":
                 self.log.info("all %d ranks joined; the leader is loading", cfg.nnodes)
 
         why = await self.link.watch(on_message)
