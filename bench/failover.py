@@ -1,0 +1,821 @@
+"""Chaos benchmark: what clients see when a node, an engine, an agent or the bus fails.
+
+Not a test: it prints figures (and ``--json FILE`` writes them). Run from the
+repository root with the project's virtual environment::
+
+    python -m bench.failover                          # every fault, on a fresh cluster
+    python -m bench.failover --faults leader-kill     # one fault
+    python -m bench.failover --attach .llmgw          # a cluster 'llmgw up --detach' started
+
+What runs:
+
+* a cluster started by ``llmgw up --detach`` in a temporary ``--dir``, with
+  compressed timings (``--heartbeat-interval 1s --node-lost-after 5s
+  --engine-load-time 3s``, plus any progress-detection options ``llmgw up``
+  offers) and its demo deployment: 2 replicas x 2 nodes x 4 GPUs on 4 nodes
+  of 8 GPUs, two fabrics, so a failed replica's replacement always fits;
+  ``llmgw down`` at the end, always (also on Ctrl-C or failure). With
+  ``--attach DIR`` the cluster is used as it is and left running;
+* a steady load through the gateway: ``--clients`` closed-loop clients in this
+  process (aiohttp, keep-alive), one in ``--stream-every`` streaming, each
+  request recording its start and end, status, the ``x-llmgw-replica`` header
+  (which replica answered), time to first byte, and whether a stream ended
+  with an error event (``data: {"error": …}``) or was cut;
+* the event stream ``LLMGW_EVENTS`` and the ``llmgw_replicas`` / ``llmgw_leases``
+  buckets, read under the cluster's operator certificate as ``llmgw ctl`` does.
+
+After ``--warmup`` seconds of load (its p99 is the "steady p99"), the faults
+run one at a time; after each the cluster must heal (the deployment has its
+full count of ready replicas, every node's lease is ready, and ``--settle``
+seconds passed without a client error) before the next one:
+
+====================  =========================================================
+node-kill             ``llmgw sim kill-node`` of a leader's node; ``start-node``
+                      once the replacement is ready
+leader-kill           SIGKILL of a replica's leader engine
+worker-kill           SIGKILL of a replica's worker engine
+leader-hang           SIGSTOP of a leader (``llmgw sim hang-engine`` when the
+                      build has it); SIGCONT (``resume-engine``) once the
+                      replica is failed, or after ``--fault-timeout``
+worker-hang           the same for a worker: every generation step is a
+                      collective, so the leader stalls with it
+stall                 ``llmgw sim stall-replica`` (SIGUSR1 to the leader's sim
+                      engine: no more tokens, /health still 200); killed after
+                      ``--fault-timeout`` if never detected, so the run heals
+agent-kill            SIGKILL of the agent of a leader's node, restarted after
+                      ``--outage``: must disturb nothing
+nats-restart          SIGKILL of the nats-server, restarted on the same store and
+                      configuration after ``--outage``: must disturb nothing
+====================  =========================================================
+
+Figures per fault, all from the fault's injection (t=0, this machine's clock;
+events carry the scheduler's or health monitor's clock, the same machine):
+
+* detected: the first event about the sick replica or its node;
+* last to sick: the start of the last request that began after the fault and
+  was answered by the sick replica (``x-llmgw-replica``); "-" when none did;
+* replacement: the ``ready`` event of a new replica of the deployment;
+* errors, counted apart: non-2xx answers, connection errors and cut streams,
+  requests with no answer in ``--request-timeout`` (a client-visible hang),
+  and streams ended by an error event; and "slow": requests longer than twice
+  the steady p99;
+* replica events: every transition of the deployment's replicas in the window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+FAULTS = ("node-kill", "leader-kill", "worker-kill", "leader-hang", "worker-hang", "stall", "agent-kill", "nats-restart")
+LLMGW = [sys.executable, "-m", "llmgw.services"]
+STOPPED_REPLICA = ("failed", "reaping", "gone")
+
+
+# --------------------------------------------------------------------------
+# the load
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    start: float  # time.time()
+    end: float = 0.0
+    status: int = 0  # HTTP status; 0: no answer (see error)
+    replica: str = ""  # x-llmgw-replica
+    stream: bool = False
+    first: float | None = None  # seconds to the first byte of the body
+    error: str = ""  # "" | "http" | "conn" | "timeout" | "stream-error"
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+class Load:
+    """``clients`` closed-loop clients until ``stop()``; every request lands in ``done``."""
+
+    def __init__(self, url: str, model: str, clients: int, stream_every: int, max_tokens: int, timeout: float):
+        self.url = url.rstrip("/") + "/v1/chat/completions"
+        self.model = model
+        self.clients = clients
+        self.stream_every = stream_every
+        self.max_tokens = max_tokens
+        self.timeout = timeout
+        self.done: list[Req] = []
+        self.running: set[int] = set()
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.session: aiohttp.ClientSession | None = None
+
+    def body(self, stream: bool) -> bytes:
+        msg = {"model": self.model, "messages": [{"role": "user", "content": "are you still there"}], "max_tokens": self.max_tokens, "stream": stream}
+        return json.dumps(msg).encode()
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        for k in range(self.clients):
+            stream = self.stream_every > 0 and k % self.stream_every == self.stream_every - 1
+            self._tasks.append(asyncio.create_task(self._client(stream)))
+
+    async def stop(self) -> None:
+        self._stop.set()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    async def _client(self, stream: bool) -> None:
+        body = self.body(stream)
+        while not self._stop.is_set():
+            r = Req(start=time.time(), stream=stream)
+            t0 = time.perf_counter()
+            try:
+                await asyncio.wait_for(self._one(r, body, t0), self.timeout)
+            except asyncio.TimeoutError:
+                r.error = "timeout"
+            except (aiohttp.ClientError, OSError):
+                r.error = r.error or "conn"
+            r.end = time.time()
+            self.done.append(r)
+            if r.error and r.error != "http":
+                await asyncio.sleep(0.05)  # no busy loop against a gateway that refuses connections
+
+    async def _one(self, r: Req, body: bytes, t0: float) -> None:
+        async with self.session.post(self.url, data=body, headers={"Content-Type": "application/json"}) as resp:
+            r.status = resp.status
+            r.replica = resp.headers.get("x-llmgw-replica", "")
+            if resp.status >= 300:
+                await resp.read()
+                r.error = "http"
+                return
+            if not r.stream:
+                data = await resp.read()
+                r.first = time.perf_counter() - t0
+                if b'"choices"' not in data:
+                    r.error = "conn"
+                return
+            tail = b""
+            async for chunk in resp.content.iter_any():
+                if r.first is None:
+                    r.first = time.perf_counter() - t0
+                tail = (tail + chunk)[-4096:]
+            if b'data: {"error"' in tail:
+                r.error = "stream-error"
+            elif b"[DONE]" not in tail:
+                r.error = "conn"  # cut without an error event
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# --------------------------------------------------------------------------
+# the cluster, as the operator sees it
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Ev:
+    seq: int
+    time: float
+    kind: str
+    subject: str
+    what: str
+    detail: str
+
+
+class Watch:
+    """Replicas, leases, deployments (KV mirrors) and every event, under the operator certificate."""
+
+    def __init__(self, operator_config: Path):
+        self.operator_config = operator_config
+        self.events: list[Ev] = []
+        self.last_seq = 0
+        self.nc = None
+        self.mirrors: dict = {}
+        self._events_task: asyncio.Task | None = None
+
+    async def open(self) -> None:
+        import logging
+
+        from llmgw.shared import bus
+        from llmgw.shared.config import load_service_config
+
+        for name in ("llmgw.bench.bus", "llmgw.kv", "asyncio"):  # asyncio: its TLS eof notice after a server restart
+            logging.getLogger(name).setLevel(logging.ERROR)
+        cfg = load_service_config(self.operator_config)
+        self.nc = await bus.connect(cfg.server, cfg.tls_files(), name="bench-failover", initial_attempts=10, reconnect_base=0.2, reconnect_max=1.0, logger=logging.getLogger("llmgw.bench.bus"))
+        self.js = self.nc.jetstream(timeout=5)
+        await self.open_mirrors()
+        self._events_task = asyncio.create_task(self._follow_events())
+
+    async def open_mirrors(self) -> None:
+        from llmgw.shared import subjects as S
+        from llmgw.shared.kvmirror import KvMirror, open_bucket
+        from llmgw.shared.schemas import DeploymentSpec, Lease, Replica
+
+        for m in self.mirrors.values():
+            await m.stop()
+        self.mirrors = {}
+        for name, bucket, schema in (("replicas", S.BUCKET_REPLICAS, Replica), ("leases", S.BUCKET_LEASES, Lease), ("deployments", S.BUCKET_DEPLOYMENTS, DeploymentSpec)):
+            self.mirrors[name] = await KvMirror(await open_bucket(self.js, bucket, wait=30), schema).start(timeout=20)
+
+    async def reopen(self) -> None:
+        """After the server restarted: fresh watches, events followed on from the last one seen."""
+        for attempt in range(60):
+            try:
+                await self.open_mirrors()
+                break
+            except Exception:
+                await asyncio.sleep(0.5)
+        if self._events_task:
+            self._events_task.cancel()
+            await asyncio.gather(self._events_task, return_exceptions=True)
+        self._events_task = asyncio.create_task(self._follow_events())
+
+    async def _follow_events(self) -> None:
+        from nats.js.api import DeliverPolicy
+
+        from llmgw.shared import subjects as S
+        from llmgw.shared.errors import WireError
+        from llmgw.shared.schemas import Event, decode
+
+        while True:
+            try:
+                if self.last_seq:
+                    sub = await self.js.subscribe(S.ALL_EVENTS, ordered_consumer=True, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.last_seq + 1)
+                else:
+                    sub = await self.js.subscribe(S.ALL_EVENTS, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
+                while True:
+                    try:
+                        msg = await sub.next_msg(timeout=1.0)
+                    except Exception as e:  # nats' TimeoutError: nothing new
+                        if "Timeout" in type(e).__name__:
+                            continue
+                        raise
+                    seq = msg.metadata.sequence.stream
+                    if seq <= self.last_seq:
+                        continue
+                    self.last_seq = seq
+                    try:
+                        ev = decode(msg.data, Event)
+                    except WireError:
+                        continue
+                    self.events.append(Ev(seq, ev.time, ev.kind, ev.subject, ev.what, ev.detail))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                await asyncio.sleep(0.5)  # the server is away: follow on from the last event once it is back
+
+    @property
+    def replicas(self) -> dict:
+        return self.mirrors["replicas"].items
+
+    def of(self, deployment: str) -> list:
+        return sorted((r for r in self.replicas.values() if r.deployment == deployment), key=lambda r: r.generation)
+
+    def ready(self, deployment: str) -> list:
+        return [r for r in self.of(deployment) if r.state == "ready"]
+
+    def wanted(self, deployment: str) -> int:
+        d = self.mirrors["deployments"].items.get(deployment)
+        return d.replicas if d else 0
+
+    def leases_ready(self) -> bool:
+        leases = self.mirrors["leases"].items
+        return bool(leases) and all(l.state == "ready" for l in leases.values())
+
+    async def close(self) -> None:
+        if self._events_task:
+            self._events_task.cancel()
+            await asyncio.gather(self._events_task, return_exceptions=True)
+        for m in self.mirrors.values():
+            await m.stop()
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), 3)
+
+
+# --------------------------------------------------------------------------
+# processes
+# --------------------------------------------------------------------------
+
+
+def start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" else int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether the process installed a handler for ``sig`` (/proc/<pid>/status SigCgt)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def signal_pid(pid: int, sig: int, group: bool = False) -> bool:
+    try:
+        os.killpg(pid, sig) if group else os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+async def run_cmd(*argv: str, check: bool = True, timeout: float = 60.0) -> str:
+    """A command, not blocking the load's event loop; its output (stdout + stderr)."""
+    p = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = await asyncio.wait_for(p.communicate(), timeout)
+    except asyncio.TimeoutError:
+        p.kill()
+        await p.wait()
+        raise RuntimeError(f"{' '.join(argv[2:])} did not finish in {timeout:g}s") from None
+    text = out.decode(errors="replace")
+    if check and p.returncode:
+        raise RuntimeError(f"{' '.join(argv[2:])} exited {p.returncode}: {text.strip()[-2000:]}")
+    return text
+
+
+class Cluster:
+    """The cluster's directory: what ``llmgw up`` recorded, and the verbs it offers."""
+
+    def __init__(self, d: Path):
+        self.dir = d
+        info = json.loads((d / "cluster.json").read_text())
+        self.gateway_url = info["gateway_url"]
+        self.operator_config = Path(info["operator_config"])
+        self.nodes = [n["node_id"] for n in info["nodes"]]
+        self.agent_configs = {n["node_id"]: n["agent_config"] for n in info["nodes"]}
+        self.verbs: set[str] = set()
+        self.stopped: set[int] = set()  # engines this run SIGSTOPped, SIGCONTed on the way out
+
+    async def learn_verbs(self) -> None:
+        text = await run_cmd(*LLMGW, "sim", "--help", check=False)
+        self.verbs = {v for v in ("hang-engine", "resume-engine", "stall-replica", "kill-node", "start-node") if v in text}
+
+    def pids(self) -> dict:
+        try:
+            return json.loads((self.dir / "pids.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def record(self, name: str, p: subprocess.Popen, cmd: list[str]) -> None:
+        """Add a process to ``pids.json``, so ``llmgw down`` stops it too."""
+        procs = self.pids()
+        procs[name] = {"pid": p.pid, "start": start_time(p.pid), "cmd": cmd}
+        tmp = self.dir / "pids.json.tmp"
+        tmp.write_text(json.dumps(procs, indent=2) + "\n")
+        os.replace(tmp, self.dir / "pids.json")
+
+    def live_pid(self, name: str) -> int | None:
+        p = self.pids().get(name)
+        if p and start_time(p["pid"]) is not None and (p.get("start") is None or start_time(p["pid"]) == p["start"]):
+            return p["pid"]
+        return None
+
+    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        """Start a process the way ``llmgw up`` does: own session, its log appended, cwd DIR."""
+        with open(self.dir / "logs" / f"{name}.log", "ab") as log:
+            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}, cwd=self.dir)
+        self.record(name, p, argv[3:5])
+        return p
+
+    async def sim(self, *args: str) -> str:
+        return await run_cmd(*LLMGW, "sim", *args, "--dir", str(self.dir))
+
+    async def hang(self, replica, member) -> str:
+        if "hang-engine" in self.verbs:
+            await self.sim("hang-engine", member.node_id, "--replica", replica.id)
+            how = "llmgw sim hang-engine"
+        else:
+            if not member.pid or not signal_pid(member.pid, signal.SIGSTOP):
+                raise RuntimeError(f"no engine pid to stop for {replica.id} rank {member.rank}")
+            how = f"SIGSTOP to pid {member.pid}"
+        if member.pid:
+            self.stopped.add(member.pid)
+        return how
+
+    async def resume(self, replica, member) -> str:
+        if "resume-engine" in self.verbs:
+            with contextlib.suppress(RuntimeError):  # the engine may be gone (reaped): nothing to resume
+                await self.sim("resume-engine", member.node_id, "--replica", replica.id)
+        if member.pid:
+            signal_pid(member.pid, signal.SIGCONT)
+            self.stopped.discard(member.pid)
+        return "resumed"
+
+    def release_stopped(self) -> None:
+        for pid in list(self.stopped):
+            signal_pid(pid, signal.SIGCONT)
+        self.stopped.clear()
+
+
+# --------------------------------------------------------------------------
+# faults
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    fault: str
+    victim: str = ""
+    how: str = ""
+    t0: float = 0.0
+    end: float = 0.0
+    detected: float | None = None
+    detected_by: str = ""
+    last_to_sick: float | None = None
+    replacement: float | None = None
+    healed: bool = False
+    requests: int = 0
+    errors: dict = field(default_factory=lambda: {"http": 0, "conn": 0, "timeout": 0, "stream-error": 0})
+    slow: int = 0
+    replica_events: list = field(default_factory=list)
+    note: str = ""
+
+
+class Bench:
+    def __init__(self, args, cluster: Cluster, watch: Watch, load: Load, deployment: str):
+        self.args = args
+        self.c = cluster
+        self.w = watch
+        self.load = load
+        self.deployment = deployment
+        self.steady_p99 = float("nan")
+
+    def say(self, msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    async def until(self, pred, timeout: float, interval: float = 0.1) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():
+                return True
+            await asyncio.sleep(interval)
+        return pred()
+
+    def target(self):
+        """The replica to hurt: the oldest ready one of the deployment."""
+        ready = self.w.ready(self.deployment)
+        if not ready:
+            raise RuntimeError(f"no ready replica of {self.deployment}")
+        return ready[0]
+
+    def new_ready(self, before: set[str]):
+        return [r for r in self.w.ready(self.deployment) if r.id not in before]
+
+    def gone(self, rid: str) -> bool:
+        r = self.w.replicas.get(rid)
+        return r is None or r.state in STOPPED_REPLICA
+
+    async def heal(self, res: Result) -> None:
+        """Full count ready, every lease ready, then ``--settle`` seconds without a client error."""
+        deadline = time.monotonic() + self.args.heal_timeout
+        want = self.w.wanted(self.deployment)
+        while time.monotonic() < deadline:
+            if len(self.w.ready(self.deployment)) >= want and len(self.w.of(self.deployment)) == want and self.w.leases_ready():
+                since = time.time()
+                calm = await self.until(lambda: any(r.error for r in self.load.done if r.end >= since) or time.time() - since >= self.args.settle, self.args.settle + 1)
+                if calm and not any(r.error for r in self.load.done if r.end >= since):
+                    res.healed = True
+                    return
+            await asyncio.sleep(0.2)
+        states = ", ".join(f"{r.id} {r.state}" for r in self.w.of(self.deployment))
+        res.note = (res.note + "; " if res.note else "") + f"not healed in {self.args.heal_timeout:g}s ({states})"
+
+    async def run(self, name: str) -> Result:
+        res = Result(fault=name)
+        before = {r.id for r in self.w.of(self.deployment)}
+        sick_replica = None
+        sick_node = None
+        fault = getattr(self, "fault_" + name.replace("-", "_"))
+        try:
+            sick_replica, sick_node = await fault(res, before)
+        except Unsupported as e:
+            res.note = f"not run: {e}"
+            self.say(f"{name}: {res.note}")
+            return res
+        except Exception as e:
+            res.note = f"failed: {e}"
+            self.say(f"{name}: {res.note}")
+        await self.heal(res)
+        res.end = time.time()
+        self.measure(res, before, sick_replica, sick_node)
+        return res
+
+    def measure(self, res: Result, before: set[str], sick_replica: str | None, sick_node: str | None) -> None:
+        t0 = res.t0
+        about = {s for s in (sick_replica, sick_node) if s}
+        for ev in self.w.events:
+            if ev.time >= t0 and ev.subject in about:
+                res.detected = ev.time - t0
+                res.detected_by = f"{ev.kind} {ev.subject} {ev.what}" + (f": {ev.detail}" if ev.detail else "")
+                break
+        for ev in self.w.events:
+            if ev.time >= t0 and ev.kind == "replica" and ev.what == "ready" and ev.subject.startswith(self.deployment + "-") and ev.subject not in before:
+                res.replacement = ev.time - t0
+                break
+        res.replica_events = [f"+{ev.time - t0:.1f}s {ev.subject} {ev.what}" for ev in self.w.events if t0 <= ev.time <= res.end and ev.kind == "replica" and ev.subject.startswith(self.deployment + "-")]
+        window = [r for r in self.load.done if r.end >= t0 and r.start <= res.end]
+        res.requests = len(window)
+        for r in window:
+            if r.error:
+                res.errors[r.error] += 1
+        res.slow = sum(1 for r in window if not r.error and r.seconds > 2 * self.steady_p99)
+        if sick_replica:
+            to_sick = [r.start - t0 for r in window if r.start >= t0 and r.replica == sick_replica]
+            res.last_to_sick = max(to_sick) if to_sick else None
+
+    # -- the faults: each injects, waits for its own end, undoes what it must;
+    #    returns (sick replica, sick node) --------------------------------------
+
+    def begin(self, res: Result, victim: str, how: str) -> None:
+        res.victim, res.how, res.t0 = victim, how, time.time()
+        self.say(f"{res.fault}: {how} ({victim})")
+
+    async def wait_replacement(self, res: Result, before: set[str], sick: str) -> None:
+        if not await self.until(lambda: self.gone(sick) and self.new_ready(before), self.args.fault_timeout):
+            res.note = f"{sick} still {getattr(self.w.replicas.get(sick), 'state', 'gone')} or no replacement ready after {self.args.fault_timeout:g}s"
+
+    async def fault_node_kill(self, res, before):
+        r = self.target()
+        node = r.members[0].node_id
+        self.begin(res, f"{node}, leader of {r.id}", f"llmgw sim kill-node {node}")
+        await self.c.sim("kill-node", node)
+        await self.wait_replacement(res, before, r.id)
+        await self.c.sim("start-node", node)
+        return r.id, node
+
+    async def _kill_engine(self, res, before, rank: int):
+        r = self.target()
+        m = next((m for m in r.members if m.rank == rank), None)
+        if m is None:
+            raise Unsupported(f"{r.id} has no rank {rank}")
+        if not m.pid:
+            raise RuntimeError(f"{r.id} rank {rank} has no pid recorded")
+        self.begin(res, f"{r.id} rank {rank} on {m.node_id}", f"SIGKILL to engine pid {m.pid}")
+        signal_pid(m.pid, signal.SIGKILL)
+        await self.wait_replacement(res, before, r.id)
+        return r.id, None
+
+    async def fault_leader_kill(self, res, before):
+        return await self._kill_engine(res, before, 0)
+
+    async def fault_worker_kill(self, res, before):
+        return await self._kill_engine(res, before, 1)
+
+    async def _hang(self, res, before, rank: int):
+        r = self.target()
+        m = next((m for m in r.members if m.rank == rank), None)
+        if m is None:
+            raise Unsupported(f"{r.id} has no rank {rank}")
+        self.begin(res, f"{r.id} rank {rank} on {m.node_id}", "")
+        res.how = await self.c.hang(r, m)
+        self.say(f"{res.fault}: {res.how}")
+        failed = await self.until(lambda: self.gone(r.id), self.args.fault_timeout)
+        await self.c.resume(r, m)
+        if not failed:
+            res.note = f"{r.id} not failed in {self.args.fault_timeout:g}s; resumed"
+        else:
+            await self.until(lambda: self.new_ready(before), self.args.fault_timeout)
+        return r.id, None
+
+    async def fault_leader_hang(self, res, before):
+        return await self._hang(res, before, 0)
+
+    async def fault_worker_hang(self, res, before):
+        return await self._hang(res, before, 1)
+
+    async def fault_stall(self, res, before):
+        r = self.target()
+        leader = next(m for m in r.members if m.rank == 0)
+        if "stall-replica" in self.c.verbs:
+            self.begin(res, r.id, f"llmgw sim stall-replica {r.id}")
+            await self.c.sim("stall-replica", r.id)
+        else:
+            # Without a handler SIGUSR1 would kill the engine: that is leader-kill, not a stall.
+            if not leader.pid or not catches(leader.pid, signal.SIGUSR1):
+                raise Unsupported("this build's sim engine has no stall (no 'llmgw sim stall-replica', no SIGUSR1 handler)")
+            self.begin(res, r.id, f"SIGUSR1 to leader pid {leader.pid}")
+            signal_pid(leader.pid, signal.SIGUSR1)
+        if not await self.until(lambda: self.gone(r.id), self.args.fault_timeout):
+            res.note = f"{r.id} not failed in {self.args.fault_timeout:g}s; its leader was killed so the run could go on"
+            signal_pid(leader.pid, signal.SIGKILL)
+        await self.until(lambda: self.new_ready(before), self.args.fault_timeout)
+        return r.id, None
+
+    async def fault_agent_kill(self, res, before):
+        r = self.target()
+        node = r.members[0].node_id
+        pid = self.c.live_pid(f"agent-{node}")
+        if pid is None:
+            raise RuntimeError(f"no live agent of {node} in pids.json")
+        self.begin(res, f"agent of {node} (leader of {r.id})", f"SIGKILL to agent pid {pid}, restarted after {self.args.outage:g}s")
+        signal_pid(pid, signal.SIGKILL)
+        await asyncio.sleep(self.args.outage)
+        from llmgw.services.simcluster import SIM_ENV
+
+        self.c.spawn(f"agent-{node}", [*LLMGW, "agent", "--config", self.c.agent_configs[node]], env={SIM_ENV: node})
+        return r.id, node
+
+    async def fault_nats_restart(self, res, before):
+        pid = self.c.live_pid("nats-server")
+        if pid is None:
+            raise RuntimeError("no live nats-server in pids.json")
+        conf = self.c.dir / "nats.conf"
+        self.begin(res, "nats-server", f"SIGKILL to nats-server pid {pid}, restarted on {conf.name} after {self.args.outage:g}s")
+        signal_pid(pid, signal.SIGKILL, group=True)
+        await self.until(lambda: start_time(pid) is None, 5)
+        await asyncio.sleep(self.args.outage)
+        self.c.spawn("nats-server", [*LLMGW, "nats", "--config", str(conf)])
+        await self.w.reopen()
+        return None, None
+
+
+class Unsupported(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------
+# reporting
+# --------------------------------------------------------------------------
+
+
+def fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def table(results: list[Result], steady_p99: float) -> None:
+    print(f"\nsteady p99 {steady_p99 * 1e3:.0f} ms; slow = longer than {2 * steady_p99 * 1e3:.0f} ms; times in seconds from the fault\n")
+    print("| fault | victim | detected | last to sick | replacement ready | requests | non-2xx | conn | timeout | stream error | slow | healed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        e = r.errors
+        print(f"| {r.fault} | {r.victim or '-'} | {fmt(r.detected)} | {fmt(r.last_to_sick)} | {fmt(r.replacement)} | {r.requests} | {e['http']} | {e['conn']} | {e['timeout']} | {e['stream-error']} | {r.slow} | {'yes' if r.healed else 'no'} |")
+    print()
+    for r in results:
+        print(f"{r.fault}: {r.how or '-'}")
+        if r.detected_by:
+            print(f"  first event: {r.detected_by}")
+        if r.replica_events:
+            print("  replica events: " + ", ".join(r.replica_events))
+        if r.note:
+            print(f"  note: {r.note}")
+
+
+# --------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset, in order (default all: {','.join(FAULTS)})")
+    ap.add_argument("--attach", metavar="DIR", help="use the cluster 'llmgw up --detach --dir DIR' started (left running)")
+    ap.add_argument("--dir", help="state directory of the cluster started here (default: a new temporary one, removed unless --keep)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs) after the run")
+    ap.add_argument("--deployment", default="demo", help="the deployment to hurt (default demo, the one 'llmgw up' applies)")
+    ap.add_argument("--clients", type=int, default=6, help="concurrent clients (default 6)")
+    ap.add_argument("--stream-every", type=int, default=4, help="one client in N streams (default 4; 0: none)")
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
+    ap.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the first fault; its p99 is the steady p99 (default 5)")
+    ap.add_argument("--settle", type=float, default=3.0, help="seconds without a client error that count as healed (default 3)")
+    ap.add_argument("--fault-timeout", type=float, default=45.0, help="longest wait for a fault's verdict: failure, replacement (default 45)")
+    ap.add_argument("--heal-timeout", type=float, default=60.0, help="longest wait for the cluster to heal after a fault (default 60)")
+    ap.add_argument("--request-timeout", type=float, default=20.0, help="a request with no full answer by then counts as a timeout (default 20)")
+    ap.add_argument("--outage", type=float, default=2.0, help="seconds the killed agent or nats-server stays down (default 2)")
+    ap.add_argument("--heartbeat-interval", default="1s")
+    ap.add_argument("--node-lost-after", default="5s")
+    ap.add_argument("--engine-load-time", default="3s")
+    ap.add_argument("--hang-timeout", default="10s", help="passed to 'llmgw up' when it offers --hang-timeout (default 10s)")
+    ap.add_argument("--up-args", default="", help="further 'llmgw up' arguments, space-separated")
+    ap.add_argument("--json", help="write the raw figures (and every request) here")
+    args = ap.parse_args(argv)
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown or not faults:
+        ap.error(f"--faults: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(FAULTS)}")
+    args.fault_list = faults
+    if args.clients < 1:
+        ap.error("--clients: at least 1")
+    return args
+
+
+async def up_cluster(args, d: Path) -> None:
+    helptext = await run_cmd(*LLMGW, "up", "--help", check=False)
+    argv = [*LLMGW, "--log-level", "warning", "up", "--dir", str(d), "--detach", "--gateway-port", "0",
+            "--heartbeat-interval", args.heartbeat_interval, "--node-lost-after", args.node_lost_after,
+            "--engine-load-time", args.engine_load_time]  # fmt: skip
+    offered = []
+    for opt, value in (("--hang-timeout", args.hang_timeout),):
+        if opt in helptext:
+            argv += [opt, value]
+            offered.append(f"{opt} {value}")
+    argv += args.up_args.split()
+    print(f"starting: llmgw up --dir {d} --detach --heartbeat-interval {args.heartbeat_interval} --node-lost-after {args.node_lost_after} --engine-load-time {args.engine_load_time} {' '.join(offered)} {args.up_args}".rstrip(), flush=True)
+    await run_cmd(*argv, timeout=240)
+
+
+async def main(args) -> int:
+    # SIGTERM ends the run as Ctrl-C does: through the finally below, which stops the cluster.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    own = args.attach is None
+    d = Path(args.attach or args.dir or tempfile.mkdtemp(prefix="llmgw-failover-")).resolve()
+    cluster = watch = load = None
+    results: list[Result] = []
+    try:
+        if own:
+            await up_cluster(args, d)
+        cluster = Cluster(d)
+        await cluster.learn_verbs()
+        watch = Watch(cluster.operator_config)
+        await watch.open()
+        ready = watch.ready(args.deployment)
+        if not ready:
+            raise SystemExit(f"no ready replica of deployment {args.deployment!r} in {d}")
+        model = ready[0].model
+        load = Load(cluster.gateway_url, model, args.clients, args.stream_every, args.max_tokens, args.request_timeout)
+        bench = Bench(args, cluster, watch, load, args.deployment)
+        bench.say(f"cluster {d}: {len(cluster.nodes)} nodes, {args.deployment} {len(ready)}/{watch.wanted(args.deployment)} ready; "
+                  f"sim verbs: {', '.join(sorted(cluster.verbs)) or 'none'}")  # fmt: skip
+        await load.start()
+        await asyncio.sleep(args.warmup)
+        warm = [r for r in load.done if not r.error]
+        if not warm:
+            raise SystemExit("no request succeeded during the warm-up; is the gateway serving? see the logs in " + str(d / "logs"))
+        bench.steady_p99 = pct([r.seconds for r in warm], 0.99)
+        warm_errors = sum(1 for r in load.done if r.error)
+        bench.say(f"warm-up: {len(warm)} requests, p50 {pct([r.seconds for r in warm], 0.5) * 1e3:.0f} ms, p99 {bench.steady_p99 * 1e3:.0f} ms, {warm_errors} errors")
+        for name in args.fault_list:
+            res = await bench.run(name)
+            results.append(res)
+            bench.say(f"{name}: detected {fmt(res.detected)} s, last to sick {fmt(res.last_to_sick)} s, replacement {fmt(res.replacement)} s, errors {res.errors}, slow {res.slow}, healed {res.healed}")
+        await load.stop()
+        table(results, bench.steady_p99)
+        if args.json:
+            data = {
+                "cluster": str(d),
+                "cores": os.cpu_count(),
+                "args": {k: v for k, v in vars(args).items() if k != "fault_list"},
+                "steady_p99_s": bench.steady_p99,
+                "sim_verbs": sorted(cluster.verbs),
+                "results": [asdict(r) for r in results],
+                "events": [asdict(e) for e in watch.events],
+                "requests": [asdict(r) for r in load.done],
+            }
+            Path(args.json).write_text(json.dumps(data, indent=1))
+        return 0 if all(r.healed for r in results if not r.note.startswith("not run")) else 1
+    finally:
+        if load is not None:
+            await load.stop()
+        if cluster is not None:
+            cluster.release_stopped()
+        if watch is not None:
+            await watch.close()
+        if own:
+            await asyncio.to_thread(subprocess.run, [*LLMGW, "down", "--dir", str(d)], capture_output=True)
+            if not args.keep and not args.dir:
+                import shutil
+
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                print(f"cluster directory kept: {d}")
+
+
+def run(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return asyncio.run(main(args))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("interrupted; the cluster was stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(run())
