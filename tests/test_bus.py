@@ -11,6 +11,8 @@ import pytest
 from llmgw.shared import bus, subjects as S
 from llmgw.shared.errors import BusError, ConfigError
 
+from .waiting import eventually
+
 
 async def test_provisioning_is_idempotent(connector):
     sched = await connector.as_new("scheduler", "scheduler")
@@ -49,17 +51,14 @@ async def test_reconnects_after_server_restart_and_keeps_subscriptions(connector
     await ops.subscribe(S.heartbeat("node01"), cb=cb)
     await ops.flush()
     srv.stop()
-    await asyncio.sleep(0.5)
-    assert not node.is_connected
+    # both clients notice the server is gone (a condition, not half a second)
+    await eventually(lambda: (node.is_connected, ops.is_connected), (False, False), what="both clients disconnected", timeout=10)
     srv.start()
-    for _ in range(100):
-        if node.is_connected and ops.is_connected:
-            break
-        await asyncio.sleep(0.1)
-    assert node.is_connected and ops.is_connected
+    await eventually(lambda: (node.is_connected, ops.is_connected), (True, True), what="both clients reconnected", timeout=15)
+    await ops.flush()  # its re-sent subscription has reached the server before anything is published
     await node.publish(S.heartbeat("node01"), b"after-restart")
     assert await asyncio.wait_for(got.get(), 5) == b"after-restart"
-    assert "disconnected from NATS" in caplog.text and "reconnected to NATS" in caplog.text
+    await eventually(lambda: "disconnected from NATS" in caplog.text and "reconnected to NATS" in caplog.text, what="both logged", timeout=5)
 
 
 async def test_initial_connect_gives_up_with_a_clear_error(tmp_path, nats_server):
