@@ -189,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", default="5s")
     p.add_argument("--node-lost-after", default="60s")
     p.add_argument("--engine-load-time", default="15s", help="how long the sim engine 'loads' before serving")
+    p.add_argument("--probe-interval", help="agents' progress probes: a canary to each idle ready leader this often (agent default 5s)")
+    p.add_argument("--stall-after", help="requests in flight with no byte this long make a leader stalled (agents and gateway; default 5s)")
+    p.add_argument("--hang-timeout", help="the scheduler fails a replica degraded this long (default 30s)")
+    p.add_argument("--engine-peer-timeout", help="the demo's sim ranks call a silent peer lost after this (sim default 1.6s)")
     p.add_argument("--gateway-port", type=int, default=8080, help="preferred gateway port (a free one is used if taken)")
     p.add_argument("--no-demo", action="store_true", help="do not apply the seed's demo deployment")
     p.add_argument("--detach", action="store_true", help="return once ready; stop later with 'llmgw down'")
@@ -199,11 +203,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=".llmgw")
     p.set_defaults(func=_lazy("llmgw.services.up:down"))
 
-    p = sub.add_parser("sim", help="simulated cluster tools: kill-node, start-node")
+    p = sub.add_parser("sim", help="simulated cluster tools: kill-node, start-node, hang-engine, resume-engine, stall-replica")
     ss = p.add_subparsers(dest="sim_cmd", required=True, metavar="COMMAND")
     for verb, what in (("kill-node", "SIGKILL a node's agent and engines at once, as a machine dies"), ("start-node", "start a killed node's agent again")):
         q = ss.add_parser(verb, help=what)
         q.add_argument("node")
+        q.add_argument("--dir", default=".llmgw")
+    for verb, what in (
+        ("hang-engine", "SIGSTOP a node's engine processes (all, or --replica's member): a hung engine"),
+        ("resume-engine", "SIGCONT them again"),
+    ):
+        q = ss.add_parser(verb, help=what)
+        q.add_argument("node")
+        q.add_argument("--replica", help="only this replica's member on the node")
+        q.add_argument("--dir", default=".llmgw")
+    for verb, what in (
+        ("stall-replica", "SIGUSR1 to a replica's leader sim engine: no more tokens, silently, /health still 200"),
+        ("unstall-replica", "SIGUSR2 to it: tokens flow again"),
+    ):
+        q = ss.add_parser(verb, help=what)
+        q.add_argument("replica")
         q.add_argument("--dir", default=".llmgw")
     p.set_defaults(func=_lazy("llmgw.services.up:sim"))
 

@@ -9,6 +9,12 @@ per node and "node02 has no port open" can be read off the kernel's socket
 table. Every process of a simulated node carries ``LLMGW_SIM_NODE=<node>`` in
 its environment, which is how ``kill-node`` finds the agent and all its
 engines to kill them at once, as a dying machine would.
+
+The fault verbs that target engines (``hang-engine``, ``resume-engine``,
+``stall-replica``) find them the way the agent does: from the engine
+directories under each node's work dir (``spec.json`` says which replica and
+rank, ``pid`` which process, with its start time so a reused pid is never
+signalled). Only this cluster's directory is looked at.
 """
 
 from __future__ import annotations
@@ -113,6 +119,10 @@ class Timings:
     health_interval: float = 1.0
     reconnect_base: float = 0.5
     reconnect_max: float = 5.0
+    # The agent's progress probes; None leaves the agent's default.
+    probe_interval: float | None = None
+    probe_timeout: float | None = None
+    stall_after: float | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +179,11 @@ def write_node(root: Path, pki_dir: Path, server_url: str, spec: SimNodeSpec, ti
             "log_lines": 200,
             "stop_timeout": format_duration(timings.stop_timeout),
             "health_interval": format_duration(timings.health_interval),
+            **{
+                k: format_duration(v)
+                for k, v in (("probe_interval", timings.probe_interval), ("probe_timeout", timings.probe_timeout), ("stall_after", timings.stall_after))
+                if v is not None
+            },
         },
     }
     header = f"# {spec.node_id} (simulated, fabric {spec.fabric or 'none'})\n# Written by 'llmgw up' in the seed's agent.yaml format.\n"
@@ -202,3 +217,84 @@ def kill_node(node_id: str) -> list[int]:
         except ProcessLookupError:
             pass
     return pids
+
+
+# --------------------------------------------------------------------------
+# engines of a simulated node, for the fault verbs
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SimEngine:
+    """One running engine process of a simulated node, as its directory records it."""
+
+    node_id: str
+    replica_id: str
+    generation: int
+    rank: int
+    engine: str
+    pid: int
+    start_time: int
+
+    @property
+    def label(self) -> str:
+        role = "leader" if self.rank == 0 else "worker"
+        return f"{self.replica_id} rank {self.rank}, {role}, generation {self.generation}"
+
+    def state(self) -> str:
+        """The kernel's process state letter: ``T`` for stopped, ``S``/``R`` running."""
+        from .agent import procfs
+
+        st = procfs.stat(self.pid)
+        return st.state if st is not None and st.start_time == self.start_time else "gone"
+
+
+def node_work_dir(agent_config: Path) -> Path:
+    """The agent's ``supervisor.work_dir``, read from its agent.yaml."""
+    try:
+        cfg = yaml.safe_load(Path(agent_config).read_text()) or {}
+        return Path(cfg["supervisor"]["work_dir"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
+        raise ConfigError(f"{agent_config}: cannot read supervisor.work_dir: {e}") from None
+
+
+def running_engines(node_id: str, work_dir: Path) -> list[SimEngine]:
+    """Every live engine recorded under ``work_dir``, newest generation first, then by rank."""
+    from llmgw.shared.errors import WireError
+
+    from .agent import procfs
+    from .agent.enginedir import EngineDir
+
+    root = Path(work_dir) / "engines"
+    out = []
+    if not root.is_dir():
+        return out
+    for path in sorted(root.iterdir()):
+        if not path.is_dir() or path.name.startswith("."):
+            continue
+        d = EngineDir(path)
+        try:
+            spec, pids = d.read_spec(), d.read_pid()
+        except (WireError, OSError):
+            continue
+        if pids is None or not procfs.is_alive(pids.pid, pids.start_time):
+            continue
+        c = spec.command
+        out.append(SimEngine(node_id, c.replica_id, c.generation, c.rank, c.engine, pids.pid, pids.start_time))
+    out.sort(key=lambda e: (e.replica_id, -e.generation, e.rank))
+    return out
+
+
+def signal_engine(e: SimEngine, sig: signal.Signals, *, group: bool = True) -> bool:
+    """Send ``sig`` to the engine (its whole process group by default) if it is still that process."""
+    from .agent import procfs
+
+    if group:
+        return procfs.signal_group(e.pid, e.start_time, sig)
+    if not procfs.is_alive(e.pid, e.start_time):
+        return False
+    try:
+        os.kill(e.pid, sig)
+    except ProcessLookupError:
+        return False
+    return True

@@ -127,12 +127,19 @@ class Cluster:
         self.nats.prepare()
         self.say(("created an authority in " if fresh else "reusing the authority in ") + str(self.dir / "pki"))
         hb = args.heartbeat_interval
+        probe = getattr(args, "probe_interval", None)
+        stall_after = getattr(args, "stall_after", None)
+        hang_timeout = getattr(args, "hang_timeout", None)
         self.timings = Timings(
             heartbeat_interval=hb,
             stop_timeout=min(10.0, max(1.0, hb * 2)),
             health_interval=min(1.0, max(0.1, hb / 2)),
             reconnect_base=min(0.5, hb),
             reconnect_max=max(1.0, min(5.0, hb * 2)),
+            probe_interval=probe,
+            # A canary is judged before the next is due (the agent insists).
+            probe_timeout=min(3.0, probe * 0.6) if probe else None,
+            stall_after=stall_after,
         )
         gw_port = _preferred_port("127.0.0.1", args.gateway_port)
         self.gateway_url = f"http://127.0.0.1:{gw_port}"
@@ -145,9 +152,9 @@ class Cluster:
             ),
             "scheduler": self._service_config(
                 "scheduler",
-                {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "scheduler": {"reconcile_interval": format_duration(min(1.0, hb)), "leader_ttl": format_duration(max(1.0, hb * 2))}},
+                {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "scheduler": {"reconcile_interval": format_duration(min(1.0, hb)), "leader_ttl": format_duration(max(1.0, hb * 2)), **({"hang_timeout": format_duration(hang_timeout)} if hang_timeout else {})}},
             ),
-            "gateway": self._service_config("gateway", {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "gateway": {"listen": f"127.0.0.1:{gw_port}"}}),
+            "gateway": self._service_config("gateway", {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "gateway": {"listen": f"127.0.0.1:{gw_port}", **({"stall_after": format_duration(stall_after)} if stall_after else {})}}),
         }
         self.operator_config = self._service_config("operator", {})
         os.replace(self.operator_config, self.dir / "operator.yaml")
@@ -246,7 +253,7 @@ class Cluster:
         finally:
             await replicas.stop()
 
-    async def apply_demo(self, nc, load_time: float) -> DeploymentSpec:
+    async def apply_demo(self, nc, load_time: float, peer_timeout: float | None = None) -> DeploymentSpec:
         spec = DeploymentSpec(
             name="demo",
             model=DEMO_MODEL,
@@ -254,7 +261,7 @@ class Cluster:
             replicas=2,
             nodes_per_replica=2,
             gpus_per_node=4,
-            engine_args=["--load-time", format_duration(load_time)],
+            engine_args=["--load-time", format_duration(load_time), *(["--peer-timeout", format_duration(peer_timeout)] if peer_timeout else [])],
             startup_timeout=max(60.0, load_time * 4),
         )
         for _ in range(100):
@@ -340,6 +347,15 @@ def _wait_gone(procs: list[dict], timeout: float) -> None:
 def _durations(args) -> None:
     for name in ("heartbeat_interval", "node_lost_after", "engine_load_time"):
         setattr(args, name, parse_duration(getattr(args, name), "--" + name.replace("_", "-")))
+    for name in ("probe_interval", "stall_after", "hang_timeout", "engine_peer_timeout"):
+        value = getattr(args, name, None)
+        if value is not None:
+            seconds = parse_duration(value, "--" + name.replace("_", "-"))
+            if seconds <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be greater than 0, got {value!r}")
+            setattr(args, name, seconds)
+    if getattr(args, "engine_peer_timeout", None) is not None and args.engine_peer_timeout < 0.2:
+        raise ConfigError(f"--engine-peer-timeout must be at least 200ms (the sim's floor), got {format_duration(args.engine_peer_timeout)}")
     if args.node_lost_after <= 3 * args.heartbeat_interval:
         raise ConfigError(f"--node-lost-after ({format_duration(args.node_lost_after)}) must exceed 3 heartbeat intervals ({format_duration(3 * args.heartbeat_interval)})")
 
@@ -355,7 +371,7 @@ async def _bring_up(cluster: Cluster, args) -> None:
     try:
         await cluster.wait_nodes(js, timeout=max(60.0, args.heartbeat_interval * 6))
         if not args.no_demo:
-            await cluster.apply_demo(nc, args.engine_load_time)
+            await cluster.apply_demo(nc, args.engine_load_time, getattr(args, "engine_peer_timeout", None))
             await cluster.wait_replicas(js, "demo", 2, timeout=max(120.0, args.engine_load_time * 4 + 30))
     finally:
         await nc.close()
@@ -447,8 +463,12 @@ def _cluster_nodes(d: Path) -> dict[str, dict]:
 def sim(args) -> int:
     d = Path(args.dir).resolve()  # children run elsewhere (cwd=DIR): every path they get is absolute
     nodes = _cluster_nodes(d)
+    if args.sim_cmd in ("stall-replica", "unstall-replica"):
+        return _stall_replica(d, nodes, args.replica, stall=args.sim_cmd == "stall-replica")
     if args.node not in nodes:
         raise UpError(f"no simulated node {args.node!r} in {d} (nodes: {', '.join(sorted(nodes))})")
+    if args.sim_cmd in ("hang-engine", "resume-engine"):
+        return _hang_engine(d, nodes[args.node], args.node, args.replica, hang=args.sim_cmd == "hang-engine")
     if args.sim_cmd == "kill-node":
         pids = simcluster.kill_node(args.node)
         print(f"killed {args.node}: {len(pids)} processes (agent and engines) with SIGKILL" if pids else f"{args.node} had no running processes")
@@ -466,4 +486,60 @@ def sim(args) -> int:
         procs[f"agent-{args.node}"] = {"pid": p.pid, "start": _start_time(p.pid), "cmd": ["agent", cfg]}
         pids_file.write_text(json.dumps(procs, indent=2) + "\n")
     print(f"started the agent of {args.node} (pid {p.pid}); it adopts nothing, its engines died with it")
+    return 0
+
+
+def _node_engines(node: dict, node_id: str) -> list[simcluster.SimEngine]:
+    return simcluster.running_engines(node_id, simcluster.node_work_dir(Path(node["agent_config"])))
+
+
+def _hang_engine(d: Path, node: dict, node_id: str, replica: str | None, *, hang: bool) -> int:
+    """SIGSTOP (hang) or SIGCONT (resume) the engine processes of one node, or of one replica's member there."""
+    engines = _node_engines(node, node_id)
+    targets = [e for e in engines if replica is None or e.replica_id == replica]
+    if not targets:
+        if replica is None:
+            raise UpError(f"no engine runs on {node_id} (in {d}); nothing to {'hang' if hang else 'resume'}")
+        here = sorted({e.replica_id for e in engines})
+        raise UpError(f"no engine of replica {replica!r} runs on {node_id}" + (f" (it runs: {', '.join(here)})" if here else " (it runs no engine)"))
+    sig = signal.SIGSTOP if hang else signal.SIGCONT
+    sent = 0
+    for e in targets:
+        was = e.state()
+        if not simcluster.signal_engine(e, sig):
+            print(f"engine pid {e.pid} ({e.label}) on {node_id} is gone; nothing sent")
+            continue
+        sent += 1
+        note = ""
+        if not hang:
+            note = " (it was stopped)" if was == "T" else " (it was not stopped)"
+        elif was == "T":
+            note = " (it was already stopped)"
+        print(f"{sig.name} sent to engine pid {e.pid} ({e.label}) on {node_id}{note}")
+    if hang and sent:
+        print(f"undo with: llmgw sim resume-engine {node_id}" + (f" --replica {replica}" if replica else "") + f" --dir {d}")
+    return 0 if sent else 1
+
+
+def _stall_replica(d: Path, nodes: dict[str, dict], replica: str, *, stall: bool) -> int:
+    """SIGUSR1 (stall) or SIGUSR2 (unstall) to the leader engine of ``replica``: a silent stall of the sim engine."""
+    leaders, seen = [], set()
+    for node_id in sorted(nodes):
+        for e in _node_engines(nodes[node_id], node_id):
+            seen.add(e.replica_id)
+            if e.replica_id == replica and e.rank == 0:
+                leaders.append(e)
+    if not leaders:
+        raise UpError(f"no running leader engine of replica {replica!r} in {d}" + (f" (running replicas: {', '.join(sorted(seen))})" if seen else " (no engine runs)"))
+    e = max(leaders, key=lambda x: x.generation)
+    if e.engine != "sim":
+        raise UpError(f"replica {replica} runs engine {e.engine!r}: only the sim engine stalls on SIGUSR1 (it would end a real one)")
+    sig = signal.SIGUSR1 if stall else signal.SIGUSR2
+    if not simcluster.signal_engine(e, sig, group=False):
+        raise UpError(f"the leader engine pid {e.pid} ({e.label}) on {e.node_id} is gone; nothing sent")
+    if stall:
+        print(f"SIGUSR1 sent to the leader engine pid {e.pid} ({e.label}) on {e.node_id}: it stops producing tokens, silently; /health still answers 200")
+        print(f"undo with: llmgw sim unstall-replica {replica} --dir {d}")
+    else:
+        print(f"SIGUSR2 sent to the leader engine pid {e.pid} ({e.label}) on {e.node_id}: it produces tokens again")
     return 0

@@ -31,7 +31,7 @@ from typing import Any
 
 from llmgw.shared.bus import TlsFiles
 from llmgw.shared.config import nats_url_problem, read_yaml_any
-from llmgw.shared.durations import parse_duration
+from llmgw.shared.durations import format_duration, parse_duration
 from llmgw.shared.errors import ConfigError, LlmgwError
 from llmgw.shared.names import check_name
 
@@ -68,6 +68,13 @@ class SupervisorConfig:
     log_lines: int = 512
     stop_timeout: float = 60.0
     health_interval: float = 2.0
+    # Progress probes of the ready leaders (see supervisor.py): a one-token
+    # canary every probe_interval when no real request completed in it, which
+    # must answer within probe_timeout; requests in flight that a gateway saw
+    # get no byte for stall_after also make the leader stalled.
+    probe_interval: float = 5.0
+    probe_timeout: float = 3.0
+    stall_after: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -188,7 +195,7 @@ _TOP_REQUIRED = ("node_id", "server", "tls", "mgmt_addr")
 _TLS_KEYS = ("ca", "cert", "key")
 _FABRIC_KEYS = ("name", "hcas")
 _DISCOVERY_KEYS = ("nvidia_smi", "ib_root", "prefer_nvml", "skip_gpus")
-_SUPERVISOR_KEYS = ("work_dir", "log_lines", "stop_timeout", "health_interval")
+_SUPERVISOR_KEYS = ("work_dir", "log_lines", "stop_timeout", "health_interval", "probe_interval", "probe_timeout", "stall_after")
 
 # An HCA name becomes a sysfs path component and part of NCCL_IB_HCA.
 _HCA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -319,7 +326,19 @@ def _supervisor(ctx: _Ctx, value: Any) -> SupervisorConfig:
         return SupervisorConfig()
     m = ctx.mapping(value, "supervisor", _SUPERVISOR_KEYS)
     d = SupervisorConfig()
+    probe_interval = ctx.interval(m["probe_interval"], "supervisor.probe_interval") if "probe_interval" in m else d.probe_interval
+    probe_timeout = ctx.interval(m["probe_timeout"], "supervisor.probe_timeout") if "probe_timeout" in m else d.probe_timeout
+    if probe_timeout > probe_interval:
+        key = "supervisor.probe_timeout" if "probe_timeout" in m else "supervisor.probe_interval"
+        raise ctx.fail(
+            key,
+            f"probe_timeout ({format_duration(probe_timeout)}) must not exceed probe_interval ({format_duration(probe_interval)}): "
+            "a canary is judged before the next one is due",
+        )
     return SupervisorConfig(
+        probe_interval=probe_interval,
+        probe_timeout=probe_timeout,
+        stall_after=ctx.interval(m["stall_after"], "supervisor.stall_after") if "stall_after" in m else d.stall_after,
         work_dir=ctx.path_value(m["work_dir"], "supervisor.work_dir") if "work_dir" in m else d.work_dir,
         log_lines=ctx.positive_int(m["log_lines"], "supervisor.log_lines") if "log_lines" in m else d.log_lines,
         stop_timeout=ctx.interval(m["stop_timeout"], "supervisor.stop_timeout") if "stop_timeout" in m else d.stop_timeout,
