@@ -236,6 +236,9 @@ class Event(Base, kw_only=True):
 # --------------------------------------------------------------------------
 
 AdminState = Literal["active", "cordoned", "draining"]
+# Who set the admin state: an operator (``llmgw ctl``, the console) or the
+# scheduler's auto-cordon ("auto"); "" on records from before.
+AdminBy = Literal["", "operator", "auto"]
 
 
 class NodeRecord(Base, kw_only=True):
@@ -251,6 +254,10 @@ class NodeRecord(Base, kw_only=True):
     fabrics: list[FabricMembership] = []
     hcas: list[Hca] = []
     admin: AdminState = "active"
+    # Why the node is cordoned or draining, and who said so ("3 replica
+    # failures in 10m: …" from the scheduler). Cleared by uncordon.
+    admin_reason: str = ""
+    admin_by: AdminBy = ""
     registered_at: float = 0.0
     updated_at: float = 0.0
 
@@ -288,6 +295,13 @@ class DeploymentSpec(Base, kw_only=True):
     # Maintained by the scheduler, not the operator: the last replica generation
     # issued for this deployment, so generations only ever grow (fencing).
     last_generation: int = 0
+    # Also the scheduler's: crash-loop backoff. Consecutive replica failures
+    # before serving, the last one's reason, and the earliest time (scheduler
+    # clock) a replica may be launched again; a replica that becomes ready
+    # clears them, and so does the operator applying the deployment again.
+    failures: int = 0
+    last_failure: str = ""
+    retry_at: float = 0.0
 
 
 def template_digest(spec: DeploymentSpec) -> str:
@@ -363,9 +377,15 @@ class NameRequest(Base, kw_only=True):
 
 
 class NodeRequest(Base, kw_only=True):
-    """The registry's ``cordon``, ``uncordon`` and ``drain``: which node."""
+    """The registry's ``cordon``, ``uncordon`` and ``drain``: which node.
+
+    ``reason`` says why, in words (kept on the record as ``admin_reason``);
+    ``auto`` marks the scheduler's auto-cordon, counted by its circuit breaker.
+    """
 
     node_id: str
+    reason: str = ""
+    auto: bool = False
 
 
 # --------------------------------------------------------------------------

@@ -370,8 +370,9 @@ def test_reaping_gives_up_after_reap_timeout():
 def test_failed_replica_gpus_stay_held_until_it_is_gone():
     # One fabric of two nodes; a worker exits: the replacement cannot use the
     # failed replica's GPUs while its leader may still run.
+    # (No crash-loop backoff: this is about GPUs, the replacement is made at once.)
     w = World(*cluster(make_node("node01", "ib-a"), make_node("node02", "ib-a")),
-              make_deployment(replicas=1, gpus_per_node=8))
+              make_deployment(replicas=1, gpus_per_node=8), config=ReconcileConfig(backoff_base=0))
     w.step()
     w.engines("sim-g1", node02="exited", node01="joined")
     w.step()
@@ -385,7 +386,8 @@ def test_failed_replica_gpus_stay_held_until_it_is_gone():
 
 
 def test_all_members_on_lost_nodes_go_straight_to_gone():
-    w = seed_world(replicas=1)
+    # (No crash-loop backoff: the replacement is made in the same cycle.)
+    w = World(*seed_cluster(), seed_deployment(replicas=1), config=ReconcileConfig(backoff_base=0))
     w.step()
     w.lease("node01", "lost")
     w.lease("node02", "lost")

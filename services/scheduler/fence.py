@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from llmgw.shared.schemas import EngineFact, Replica
+from llmgw.shared.states import ENDING_REPLICA, EngineState, ReplicaState
 
 from .plan import Stop
 
 # Records whose engines are meant to be stopping already; a stop for them is a
 # retry of one the node may have missed while it was unreachable.
-_STOPPING = frozenset({"failed", "reaping", "gone"})
+_STOPPING = ENDING_REPLICA | {ReplicaState.GONE}
 
 
 def fence(reported_engines: Mapping[str, list[EngineFact]], replicas: Mapping[str, Replica]) -> list[Stop]:
@@ -24,7 +25,7 @@ def fence(reported_engines: Mapping[str, list[EngineFact]], replicas: Mapping[st
     for node_id in sorted(reported_engines):
         seen: set[str] = set()
         for fact in reported_engines[node_id]:
-            if fact.state == "exited" or fact.replica_id in seen:
+            if fact.state == EngineState.EXITED or fact.replica_id in seen:
                 continue
             reason = _why_stop(node_id, fact, replicas.get(fact.replica_id))
             if reason:

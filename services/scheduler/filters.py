@@ -87,9 +87,14 @@ class Schedulable:
 
     def check(self, node: NodeView, request: Request, view: ClusterView) -> Verdict:
         if node.admin == "cordoned":
-            return Verdict(False, R.CORDONED, "cordoned by an operator")
+            rec = node.record
+            if rec is not None and rec.admin_by == "auto":
+                return Verdict(False, R.CORDONED, f"cordoned automatically: {rec.admin_reason or 'repeated replica failures'}")
+            why = f": {rec.admin_reason}" if rec is not None and rec.admin_reason else ""
+            return Verdict(False, R.CORDONED, f"cordoned by an operator{why}")
         if node.admin == "draining":
-            return Verdict(False, R.DRAINING, "draining")
+            rec = node.record
+            return Verdict(False, R.DRAINING, f"draining: {rec.admin_reason}" if rec is not None and rec.admin_reason else "draining")
         return OK
 
 

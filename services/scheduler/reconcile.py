@@ -1,20 +1,24 @@
 """The reconciler: desired deployments against actual replicas, as a pure function.
 
-``reconcile(deployments, replicas, nodes, leases, now, config=…) -> Plan``
+``reconcile(deployments, replicas, nodes, leases, now, config=…, failures=…) -> Plan``
 reads nothing but its arguments (the clock is ``now``) and changes none of
-them; the shell applies the plan. It runs in three phases:
+them; the shell applies the plan. It runs in four phases:
 
 * **status** — each replica's own facts (its members' nodes and engine states)
-  move it along its state machine: cases 2, 3 and 4 below;
+  move it along its state machine: cases 2, 3, 4 and 8 below;
+* **nodes** — case 10: auto-cordon of nodes implicated in repeated failures,
+  before placing, so a node cordoned now takes no replacement;
 * **view** — the cluster is computed once (``ClusterView``) from what is left,
-  so a failed or reaping replica still holds its GPUs;
+  so a failed or reaping replica still holds its GPUs (a degraded one too);
 * **deployments** — each deployment, by name, is brought to its replica count:
-  cases 5, 6 and then 1, so what is removed is removed before what is added.
+  cases 5, 6 and then 1, so what is removed is removed before what is added;
+  case 9 (backoff) gates case 1.
 
 The cases (after LWS' numbered case analysis):
 
 1. A deployment has fewer wanted replicas (pending, launching,
-   waiting-for-workers, ready — not on a draining node) than it asks for:
+   waiting-for-workers, ready, degraded — not on a draining node) than it
+   asks for, and is not backing off (case 9):
    first its pending replicas are retried (oldest generation first; they keep
    their id and generation), then new ones are made. A new replica gets the
    next generation (``last_generation + 1``, one per replica, recorded in
@@ -23,14 +27,18 @@ The cases (after LWS' numbered case analysis):
    placeable: state ``pending`` holding nothing, its reason the placement
    summary, and the deployment's entry in ``Plan.pending``.
 2. Launching / waiting-for-workers: the shell records each member's
-   ``engine_state`` from agent status reports. Every member's engine running
-   (starting, joined or ready) -> ``waiting-for-workers``; the leader's engine
-   ``ready`` -> ``ready`` with ``endpoint = http://<leader mgmt_addr>:<http_port>``.
-3. Failure of a launching, waiting or ready replica -> ``failed``, the reason
-   naming the node or member: a member's node lease is ``lost`` or its node
-   record is gone; a member's engine ``exited`` (or is ``absent`` from a full
-   report); or, before ready, ``startup_timeout`` passed since its launch
-   (``created_at``). A ``suspect`` lease is not failure.
+   ``engine_state`` (and ``engine_detail``) from agent status reports. Every
+   member's engine running -> ``waiting-for-workers``; the leader's engine
+   ``ready`` -> ``ready`` with ``endpoint = http://<leader mgmt_addr>:<http_port>``
+   (``stalled`` -> ``degraded``, same endpoint: it came up and stopped).
+3. Failure of an active replica (launching, waiting, ready or degraded) ->
+   ``failed``, the reason naming the node or member: a member's node lease is
+   ``lost`` or its node record is gone; a member's engine ``exited`` (or is
+   ``absent`` from a full report); a member's engine ``peer-lost`` (its group
+   is broken for good: failed at once, whatever the state, the agent's detail
+   in the reason); before ready, ``startup_timeout`` passed since its launch
+   (``created_at``); degraded for ``hang_timeout``. A ``suspect`` lease is not
+   failure. A peer-lost engine still runs, so reaping stops it.
 4. ``failed`` -> ``reaping`` at once: a stop for every member whose node is not
    lost and whose engine has not ended. ``reaping`` -> ``gone`` once every
    member's engine is ``exited``/``absent`` or its node is lost or gone (or
@@ -55,17 +63,46 @@ The cases (after LWS' numbered case analysis):
    replica is retired to make room — but only while another ready replica
    keeps serving: a deployment of one waits, pending, for room to surge.
 
+8. Progress (gray failures): a ``ready`` replica whose leader's engine is
+   ``stalled`` (the agent's canary or the gateways' traffic shows no token) ->
+   ``degraded``, the event's detail the agent's words; the gateway routes only
+   ``ready``. Leader ``ready`` again -> ``ready``. Degraded for
+   ``hang_timeout`` -> ``failed`` (case 3). A degraded replica stays active
+   and wanted: it holds its GPUs and no replacement is made while it may recover.
+9. Crash-loop backoff: each replica that fails before it served (from
+   launching or waiting-for-workers) adds one to its deployment's
+   ``failures`` and puts the next attempt ``backoff_base · 2^(failures-1)``
+   (at most ``backoff_max``) ahead in ``retry_at``; until then case 1 neither
+   retries nor creates, and ``Plan.pending`` says "backing off after N
+   failures: <last reason>; next attempt at HH:MM:SS". A replica of the
+   deployment becoming ready clears it. Recorded on the deployment
+   (``Plan.backoffs``), so a new scheduler leader keeps it.
+10. Auto-cordon: every replica failure implicates nodes (``Plan.implicated``):
+   a lost node, a member whose engine ended, the members that did *not* report
+   a lost peer (all of them if every one did), the members not up at a startup
+   timeout, every member of a replica that hung. A node active and implicated
+   ``auto_cordon_after`` times within ``auto_cordon_window`` (the shell's
+   history, ``failures``, plus this cycle's) is cordoned (``Plan.cordons``,
+   asked of the registry) — unless that would put more than
+   ``floor(auto_cordon_max_share · nodes)`` of one of its fabrics (or of the
+   cluster, for a node on no fabric) auto-cordoned: the circuit breaker, which
+   withholds it with a ``node`` event. Either way its history is used up
+   (``Plan.settled``), so an operator's uncordon starts it afresh.
+
 Every state transition is a ``replica`` event whose ``what`` is the new state.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
+from llmgw.shared.durations import format_duration
 from llmgw.shared.schemas import (
     DeploymentSpec,
     Event,
@@ -75,21 +112,26 @@ from llmgw.shared.schemas import (
     Replica,
     template_digest,
 )
+from llmgw.shared.states import (
+    ACTIVE_REPLICA,
+    BROKEN_ENGINE,
+    ENDED_ENGINE,
+    IN_FLIGHT_REPLICA,
+    RUNNING_ENGINE,
+    WANTED_REPLICA,
+    EngineState as E,
+    ReplicaState as RS,
+)
 
 from .placement import PlacementResult, place, request_for
-from .plan import Launch, Plan, Stop
+from .plan import Backoff, Cordon, Launch, NodeFailure, Plan, Stop
 from .view import ClusterView, PortRange
 
-# Engine states an agent reports (``EngineState``), plus "absent": the shell
-# writes it when a full status report from the member's node lacks the engine,
-# or when the agent refused the launch.
-RUNNING = frozenset({"starting", "joined", "ready"})
-ENDED = frozenset({"exited", "absent"})
-
-ACTIVE = frozenset({"launching", "waiting-for-workers", "ready"})
-WANTED = ACTIVE | {"pending"}
-IN_FLIGHT = frozenset({"launching", "waiting-for-workers", "failed", "reaping"})
 SPEC_CHANGED = "deployment spec changed"
+# Not yet serving: a failure from here counts towards the crash-loop backoff.
+_STARTING = frozenset({RS.LAUNCHING, RS.WAITING})
+# A leader that came up (whether or not it makes progress now).
+_LEADER_UP = frozenset({E.READY, E.STALLED})
 
 
 @dataclass(frozen=True)
@@ -100,6 +142,34 @@ class ReconcileConfig:
     # fencing stops the engine if it turns up, and an agent refuses a launch on
     # a GPU that is still busy.
     reap_timeout: float = 300.0
+    # Degraded this long (its leader makes no progress) -> failed and rebuilt.
+    hang_timeout: float = 30.0
+    # Crash loops (case 9): base delay, doubling per consecutive failure, capped.
+    backoff_base: float = 5.0
+    backoff_max: float = 300.0
+    # Auto-cordon (case 10); a share of 0 turns it off.
+    auto_cordon_after: int = 3
+    auto_cordon_window: float = 600.0
+    auto_cordon_max_share: float = 0.25
+
+    @classmethod
+    def from_section(cls, sc) -> "ReconcileConfig":
+        """From ``cfg.scheduler`` (``shared.config.SchedulerSection``)."""
+        return cls(
+            ports=PortRange(base=sc.port_base, count=sc.port_count),
+            hang_timeout=sc.hang_timeout,
+            backoff_base=sc.backoff_base,
+            backoff_max=sc.backoff_max,
+            auto_cordon_after=sc.auto_cordon_after,
+            auto_cordon_window=sc.auto_cordon_window,
+            auto_cordon_max_share=sc.auto_cordon_max_share,
+        )
+
+    def backoff(self, failures: int) -> float:
+        """The wait before the next attempt after ``failures`` in a row."""
+        if failures <= 0 or self.backoff_base <= 0:
+            return 0.0
+        return min(self.backoff_max, self.backoff_base * 2.0 ** min(failures - 1, 60))
 
 
 def reconcile(
@@ -110,11 +180,15 @@ def reconcile(
     now: float,
     *,
     config: ReconcileConfig | None = None,
+    failures: Mapping[str, Sequence[NodeFailure]] | None = None,
 ) -> Plan:
+    """``failures``: node -> the failures that implicated it before (the shell's
+    history of ``Plan.implicated``, any age: the window is applied here)."""
     cycle = _Cycle(deployments, replicas, nodes, leases, now, config or ReconcileConfig())
     for replica in sorted(replicas.values(), key=lambda r: (r.deployment, r.generation, r.id)):
         cycle.advance(replica)
-    cycle.view = ClusterView.build(nodes, leases, cycle.replicas.values(), ports=cycle.config.ports)
+    cycle.judge_nodes(failures or {})  # before placing: a node cordoned now takes nothing new
+    cycle.view = ClusterView.build(cycle.nodes, leases, cycle.replicas.values(), ports=cycle.config.ports)
     by_deployment: dict[str, list[Replica]] = defaultdict(list)
     for replica in cycle.replicas.values():
         by_deployment[replica.deployment].append(replica)
@@ -129,12 +203,16 @@ class _Cycle:
     def __init__(self, deployments, replicas, nodes, leases, now, config):
         self.deployments: Mapping[str, DeploymentSpec] = deployments
         self.replicas: dict[str, Replica] = dict(replicas)
-        self.nodes: Mapping[str, NodeRecord] = nodes
+        self.nodes: Mapping[str, NodeRecord] = nodes  # with this cycle's auto-cordons, once judged
         self.leases: Mapping[str, Lease] = leases
         self.now: float = now
         self.config: ReconcileConfig = config
         self.plan = Plan()
         self.view: ClusterView | None = None
+        # deployment -> reasons of its replicas that failed before serving, this cycle
+        self.early_failures: dict[str, list[str]] = defaultdict(list)
+        # deployment -> the replica that became ready this cycle
+        self.became_ready: dict[str, str] = {}
 
     # -- recording ----------------------------------------------------------
 
@@ -162,8 +240,8 @@ class _Cycle:
         return after
 
     def delete(self, replica: Replica, reason: str) -> None:
-        if replica.state != "gone":
-            self.transition(replica, "gone", reason)
+        if replica.state != RS.GONE:
+            self.transition(replica, RS.GONE, reason)
         self.replicas.pop(replica.id, None)
         self.plan.writes.pop(replica.id, None)
         self.plan.deletes.append(replica.id)
@@ -175,7 +253,7 @@ class _Cycle:
         if node_id not in self.nodes:
             return f"node {node_id} has no record"
         lease = self.leases.get(node_id)
-        if lease is not None and lease.state == "lost":
+        if lease is not None and lease.state == "lost":  # a LeaseState, not a replica/engine state
             return f"node {node_id} lost"
         return ""
 
@@ -186,66 +264,107 @@ class _Cycle:
             if (rec := self.nodes.get(m.node_id)) is not None and rec.admin == "draining"
         ]
 
-    # -- phase 1: each replica's own facts (cases 2, 3, 4) ------------------
+    # -- phase 1: each replica's own facts (cases 2, 3, 4, 8) ---------------
 
     def advance(self, replica: Replica) -> None:
-        if replica.state == "gone":  # a leftover record: nothing holds, nothing to say
+        if replica.state == RS.GONE:  # a leftover record: nothing holds, nothing to say
             self.replicas.pop(replica.id, None)
             self.plan.deletes.append(replica.id)
             return
-        if replica.state in ACTIVE:
-            why = self.failure(replica)
+        if replica.state in ACTIVE_REPLICA:
+            why, implicated = self.failure(replica)
             if why:
-                replica = self.transition(replica, "failed", why)  # case 3
+                self.failed(replica, why, implicated)  # cases 3, 9, 10
+                replica = self.transition(replica, RS.FAILED, why)
             else:
-                self.progress(replica)  # case 2
+                self.progress(replica)  # cases 2, 8
                 return
-        if replica.state == "failed":
+        if replica.state == RS.FAILED:
             replica = self.start_reaping(replica, replica.reason)  # case 4
-        if replica.state == "reaping":
+        if replica.state == RS.REAPING:
             self.finish_reaping(replica)  # case 4
 
-    def failure(self, replica: Replica) -> str:
+    def failure(self, replica: Replica) -> tuple[str, list[str]]:
+        """Why an active replica has failed ("" if it has not), and the nodes that implicates."""
         if not replica.members:
-            return "no members recorded"
-        down = [why for m in replica.members if (why := self.node_down(m.node_id))]
+            return "no members recorded", []
+        down = [(m.node_id, why) for m in replica.members if (why := self.node_down(m.node_id))]
         if down:
-            return "; ".join(down)
-        ended = [m for m in replica.members if m.engine_state in ENDED]
+            return "; ".join(why for _, why in down), _unique(n for n, _ in down)
+        ended = [m for m in replica.members if m.engine_state in ENDED_ENGINE]
         if ended:
-            return "; ".join(f"member rank {m.rank} on {m.node_id} {m.engine_state}" for m in ended)
+            why = "; ".join(f"member rank {m.rank} on {m.node_id} {m.engine_state}" for m in ended)
+            return why, _unique(m.node_id for m in ended)
+        broken = [m for m in replica.members if m.engine_state in BROKEN_ENGINE]
+        if broken:
+            why = "; ".join(
+                f"member rank {m.rank} on {m.node_id} {m.engine_state}" + (f": {m.engine_detail}" if m.engine_detail else "")
+                for m in broken
+            )
+            # The one that says a peer is gone is not the suspect; the peers are.
+            quiet = [m.node_id for m in replica.members if m.engine_state not in BROKEN_ENGINE]
+            return why, _unique(quiet or [m.node_id for m in replica.members])
         spec = self.deployments.get(replica.deployment)
-        leader_ready = replica.members[0].engine_state == "ready"  # made it, however late we look
+        leader = replica.members[0]
         late = spec is not None and self.now - replica.created_at > spec.startup_timeout
-        if replica.state != "ready" and not leader_ready and late:
+        if replica.state in _STARTING and leader.engine_state not in _LEADER_UP and late:  # up, however late we look
             states = ", ".join(f"{m.node_id}: {m.engine_state or 'unreported'}" for m in replica.members)
-            return f"not ready within {spec.startup_timeout:g}s of launch ({states})"
-        return ""
+            laggards = [m.node_id for m in replica.members if m.engine_state not in (E.READY, E.JOINED, E.STALLED)]
+            return f"not ready within {spec.startup_timeout:g}s of launch ({states})", _unique(laggards)
+        hung_for = self.now - replica.since
+        if replica.state == RS.DEGRADED and hung_for >= self.config.hang_timeout:
+            detail = leader.engine_detail or replica.reason
+            why = f"leader on {leader.node_id} made no progress for {format_duration(round(hung_for, 1))}" + (f": {detail}" if detail else "")
+            return why, _unique(m.node_id for m in replica.members)
+        return "", []
+
+    def failed(self, replica: Replica, why: str, implicated: list[str]) -> None:
+        """Evidence from a failure: towards the deployment's backoff and the nodes' records."""
+        if replica.state in _STARTING:
+            self.early_failures[replica.deployment].append(f"{replica.id}: {why}")
+        for node_id in implicated:
+            self.plan.implicated.append(NodeFailure(node_id, self.now, f"{replica.id} {why}"))
 
     def progress(self, replica: Replica) -> None:
         leader = replica.members[0]
-        if leader.engine_state == "ready" and replica.state != "ready":
+        stalled_why = leader.engine_detail or "no detail from its agent"
+        if replica.state == RS.READY:
+            if leader.engine_state == E.STALLED:
+                self.transition(replica, RS.DEGRADED, f"leader on {leader.node_id} stalled: {stalled_why}", detail=stalled_why)
+            return
+        if replica.state == RS.DEGRADED:
+            if leader.engine_state == E.READY:
+                self.transition(replica, RS.READY, f"leader on {leader.node_id} making progress again")
+                self.became_ready[replica.deployment] = replica.id
+            return
+        if leader.engine_state in _LEADER_UP:
             addr = self.nodes[leader.node_id].mgmt_addr
             endpoint = f"http://{_hostport(addr, leader.http_port)}"
-            self.transition(replica, "ready", f"leader on {leader.node_id} serving", endpoint=endpoint)
-        elif replica.state == "launching" and all(m.engine_state in RUNNING for m in replica.members):
-            self.transition(replica, "waiting-for-workers", "all engines started; leader waiting for workers")
+            if leader.engine_state == E.READY:
+                self.transition(replica, RS.READY, f"leader on {leader.node_id} serving", endpoint=endpoint)
+                self.became_ready[replica.deployment] = replica.id
+            else:  # it came up and stopped making progress before we saw it serve
+                self.transition(
+                    replica, RS.DEGRADED, f"leader on {leader.node_id} stalled: {stalled_why}", detail=stalled_why, endpoint=endpoint
+                )
+        elif replica.state == RS.LAUNCHING and all(m.engine_state in RUNNING_ENGINE for m in replica.members):
+            self.transition(replica, RS.WAITING, "all engines started; leader waiting for workers")
 
     def start_reaping(self, replica: Replica, reason: str) -> Replica:
         stopping = [
-            m for m in replica.members if not self.node_down(m.node_id) and m.engine_state not in ENDED
+            m for m in replica.members if not self.node_down(m.node_id) and m.engine_state not in ENDED_ENGINE
         ]
         # An exited engine gets a stop too: the agent keeps an exited engine's
         # record (and its log) until told, so without one it would stay forever.
-        exited = [m for m in replica.members if not self.node_down(m.node_id) and m.engine_state == "exited"]
+        exited = [m for m in replica.members if not self.node_down(m.node_id) and m.engine_state == E.EXITED]
         for m in stopping + exited:
             self.plan.stops.append(Stop(m.node_id, replica.id, replica.generation, reason))
         # The why and the what: an operator following events sees both on one line.
         detail = f"{reason}; " + ("stopping " + ", ".join(m.node_id for m in stopping) if stopping else "nothing left to stop")
-        return self.transition(replica, "reaping", reason, detail=detail)
+        return self.transition(replica, RS.REAPING, reason, detail=detail)
 
     def finish_reaping(self, replica: Replica) -> None:
-        if all(self.node_down(m.node_id) or m.engine_state in ENDED for m in replica.members):
+        if all(self.node_down(m.node_id) or m.engine_state in ENDED_ENGINE for m in replica.members):
             self.delete(replica, "all members stopped")
         elif self.now - replica.since >= self.config.reap_timeout:
             self.delete(replica, f"engines not reported exited within {self.config.reap_timeout:g}s; released")
@@ -254,7 +373,7 @@ class _Cycle:
 
     def converge(self, name: str, spec: DeploymentSpec | None, mine: list[Replica]) -> None:
         want = spec.replicas if spec is not None else 0
-        wanted = [r for r in mine if r.state in WANTED]
+        wanted = [r for r in mine if r.state in WANTED_REPLICA]
         digest = template_digest(spec) if spec is not None else ""
         outdated = [r for r in wanted if digest and r.spec_digest and r.spec_digest != digest]
         stale = {r.id for r in outdated}
@@ -271,9 +390,9 @@ class _Cycle:
             counted = counted[extra:]
 
         # case 6: a draining replica stays until ready replicas elsewhere cover it.
-        ready = sum(1 for r in counted if r.state == "ready")
+        ready = sum(1 for r in counted if r.state == RS.READY)
         keep = max(0, want - ready)
-        draining.sort(key=lambda r: (r.state != "ready", r.generation))
+        draining.sort(key=lambda r: (r.state != RS.READY, r.generation))
         for replica in draining[keep:]:
             nodes = ", ".join(self.draining(replica))
             self.retire(replica, "deployment deleted" if spec is None else f"node {nodes} draining; replaced")
@@ -282,18 +401,96 @@ class _Cycle:
             return
         # case 7: outdated replicas serve until the new template covers them.
         serving_old = self.roll(outdated, max(0, keep - len(draining)))
+        # case 9: a deployment in a crash loop waits before its next attempt.
+        backoff = self.backoff(spec)
+        if backoff.retry_at > self.now:
+            if want > len(counted) or any(r.state == RS.PENDING for r in counted):
+                self.plan.pending[name] = backoff_text(backoff)
+            return
         # case 1: retry pending replicas, then make the missing ones.
-        for replica in sorted((r for r in counted if r.state == "pending"), key=lambda r: r.generation):
+        for replica in sorted((r for r in counted if r.state == RS.PENDING), key=lambda r: r.generation):
             self.retry(spec, replica)
         if want > len(counted):
             self.create(spec, want - len(counted), mine)
         if serving_old:
             self.make_room(name, serving_old)
 
+    def backoff(self, spec: DeploymentSpec) -> Backoff:
+        """Case 9: the deployment's backoff after this cycle's failures and recoveries."""
+        before = Backoff(spec.failures, spec.retry_at, spec.last_failure)
+        after = before
+        ready = self.became_ready.get(spec.name)
+        if ready and (after.failures or after.retry_at):
+            after = Backoff()
+            self.deployment_event(spec.name, "recovered", f"{ready} ready; crash-loop backoff after {before.failures} failure(s) cleared")
+        early = self.early_failures.get(spec.name, [])
+        if early:
+            failures = after.failures + len(early)
+            after = Backoff(failures, self.now + self.config.backoff(failures), early[-1])
+            self.deployment_event(spec.name, "backoff", backoff_text(after))
+        if after != before:
+            self.plan.backoffs[spec.name] = after
+        return after
+
+    def deployment_event(self, name: str, what: str, detail: str) -> None:
+        self.plan.events.append(Event(time=self.now, kind="deployment", subject=name, what=what, detail=detail))
+
+    # -- phase 4: nodes implicated in repeated failures (case 10) -------------
+
+    def judge_nodes(self, history: Mapping[str, Sequence[NodeFailure]]) -> None:
+        cfg = self.config
+        evidence: dict[str, list[NodeFailure]] = defaultdict(list)
+        for node_id, past in history.items():
+            evidence[node_id].extend(f for f in past if self.now - f.time < cfg.auto_cordon_window)
+        for f in self.plan.implicated:
+            evidence[f.node_id].append(f)
+        cordoned: set[str] = {n for n, rec in self.nodes.items() if rec.admin == "cordoned" and rec.admin_by == "auto"}
+        for node_id in sorted(evidence):
+            seen = evidence[node_id]
+            rec = self.nodes.get(node_id)
+            if rec is None or rec.admin != "active":
+                if history.get(node_id):
+                    self.plan.settled.append(node_id)  # taken out of service already: start afresh when back
+                continue
+            if cfg.auto_cordon_max_share <= 0 or len(seen) < cfg.auto_cordon_after:
+                continue
+            why = f"{len(seen)} replica failures in {format_duration(cfg.auto_cordon_window)}: {seen[-1].reason}"
+            full = self.breaker(rec, cordoned)
+            self.plan.settled.append(node_id)
+            if full:
+                self.plan.events.append(
+                    Event(time=self.now, kind="node", subject=node_id, what="auto-cordon-withheld", detail=f"auto-cordon withheld: {full} ({why})")
+                )
+                continue
+            self.plan.cordons.append(Cordon(node_id, why))
+            cordoned.add(node_id)
+        if self.plan.cordons:
+            self.nodes = dict(self.nodes)
+            for c in self.plan.cordons:
+                self.nodes[c.node_id] = msgspec.structs.replace(self.nodes[c.node_id], admin="cordoned", admin_by="auto", admin_reason=c.reason)
+
+    def breaker(self, rec: NodeRecord, cordoned: set[str]) -> str:
+        """Why cordoning ``rec`` would exceed ``auto_cordon_max_share`` ("" if it would not)."""
+        groups: list[tuple[str, list[str]]]
+        if rec.fabrics:
+            groups = [
+                (f"fabric {f.name}", [n for n, r in self.nodes.items() if any(g.name == f.name for g in r.fabrics)])
+                for f in rec.fabrics
+            ]
+        else:
+            groups = [("the cluster", list(self.nodes))]
+        share = self.config.auto_cordon_max_share
+        for label, members in groups:
+            limit = math.floor(share * len(members) + 1e-9)
+            already = sum(1 for n in members if n in cordoned)
+            if already + 1 > limit:
+                return f"{label} already has {already} of {len(members)} nodes auto-cordoned (at most {limit} at share {share:g})"
+        return ""
+
     def roll(self, outdated: list[Replica], keep: int) -> list[Replica]:
         """Case 7: retire outdated replicas not needed for serving; return those kept."""
-        serving = sorted((r for r in outdated if r.state == "ready"), key=lambda r: r.generation)
-        for replica in [r for r in outdated if r.state != "ready"] + serving[: max(0, len(serving) - keep)]:
+        serving = sorted((r for r in outdated if r.state == RS.READY), key=lambda r: r.generation)
+        for replica in [r for r in outdated if r.state != RS.READY] + serving[: max(0, len(serving) - keep)]:
             self.retire(replica, f"{SPEC_CHANGED}; replaced by a replica of the new spec")
         return serving[max(0, len(serving) - keep):]
 
@@ -301,14 +498,14 @@ class _Cycle:
         """Case 7, no room to surge: retire the oldest outdated replica so its GPUs
         take a replacement — one at a time, and never the last one serving."""
         mine = [r for r in self.replicas.values() if r.deployment == name]
-        if not any(r.state == "pending" for r in mine) or any(r.state in IN_FLIGHT for r in mine):
+        if not any(r.state == RS.PENDING for r in mine) or any(r.state in IN_FLIGHT_REPLICA for r in mine):
             return
-        if sum(1 for r in mine if r.state == "ready") < 2:
+        if sum(1 for r in mine if r.state == RS.READY) < 2:
             return
         self.retire(serving_old[0], f"{SPEC_CHANGED}; no room for its replacement alongside it, so it makes room")
 
     def retire(self, replica: Replica, reason: str) -> None:
-        if replica.state == "pending":  # holds nothing, runs nothing
+        if replica.state == RS.PENDING:  # holds nothing, runs nothing
             self.delete(replica, reason)
             return
         replica = self.start_reaping(replica, reason)
@@ -339,7 +536,7 @@ class _Cycle:
                 model=spec.model,
                 engine=spec.engine,
                 generation=generation,
-                state="pending",
+                state=RS.PENDING,
                 created_at=self.now,
                 since=self.now,
                 spec_digest=digest,
@@ -350,7 +547,7 @@ class _Cycle:
                 self.launch(spec, replica, result, new=True)
             else:
                 self.plan.pending[spec.name] = result.summary
-                self.transition(replica, "pending", result.summary, new=True)
+                self.transition(replica, RS.PENDING, result.summary, new=True)
 
     def launch(self, spec: DeploymentSpec, replica: Replica, result: PlacementResult, *, new: bool = False) -> None:
         members = result.members
@@ -358,7 +555,7 @@ class _Cycle:
         leader_addr = self.nodes[leader.node_id].mgmt_addr
         placed = self.transition(
             replica,
-            "launching",
+            RS.LAUNCHING,
             result.summary,
             fabric=result.fabric,
             members=members,
@@ -406,9 +603,33 @@ def launches_for(spec: DeploymentSpec, replica: Replica, nodes: Mapping[str, Nod
     return out
 
 
+def remember_failures(
+    history: Mapping[str, Sequence[NodeFailure]], plan: Plan, now: float, window: float
+) -> dict[str, list[NodeFailure]]:
+    """The shell's failure history after ``plan``: this cycle's ``implicated`` in,
+    the ``settled`` nodes' history out, and what is older than ``window`` dropped."""
+    out: dict[str, list[NodeFailure]] = {n: [f for f in fs if now - f.time < window] for n, fs in history.items()}
+    for f in plan.implicated:
+        out.setdefault(f.node_id, []).append(f)
+    for node_id in plan.settled:
+        out.pop(node_id, None)
+    return {n: fs for n, fs in out.items() if fs}
+
+
 def _removal_order(replica: Replica) -> tuple[int, int]:
-    rank = 0 if replica.state == "pending" else 1 if replica.state != "ready" else 2
+    rank = 0 if replica.state == RS.PENDING else 1 if replica.state != RS.READY else 2
     return (rank, -replica.generation)
+
+
+def backoff_text(backoff: Backoff) -> str:
+    """What an operator reads for a deployment that is backing off (case 9)."""
+    n = backoff.failures
+    at = dt.datetime.fromtimestamp(backoff.retry_at).strftime("%H:%M:%S")
+    return f"backing off after {n} failure{'s' if n != 1 else ''} before serving: {backoff.last_failure}; next attempt at {at}"
+
+
+def _unique(items) -> list[str]:
+    return list(dict.fromkeys(items))
 
 
 def _hostport(addr: str, port: int) -> str:

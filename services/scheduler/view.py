@@ -19,14 +19,14 @@ from typing import Any
 
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.schemas import FabricMembership, Lease, NodeRecord, Replica
+from llmgw.shared.states import ACTIVE_REPLICA, ENDING_REPLICA, WANTED_REPLICA
 
 # Every state but gone holds its members' GPUs and ports: a failed or reaping
-# replica's processes may still run until an agent reports them exited.
-HOLDS_RESOURCES = frozenset(
-    {"pending", "launching", "waiting-for-workers", "ready", "failed", "reaping"}
-)
+# replica's processes may still run until an agent reports them exited, and a
+# degraded one may recover.
+HOLDS_RESOURCES = WANTED_REPLICA | ENDING_REPLICA
 # Replicas that count for spreading: the ones meant to keep serving.
-LIVE = frozenset({"launching", "waiting-for-workers", "ready"})
+LIVE = ACTIVE_REPLICA
 # A leader binds a rendezvous port and an HTTP port; workers bind none.
 PORTS_PER_LEADER = 2
 
