@@ -20,6 +20,7 @@ from llmgw.shared import subjects as S
 from llmgw.shared.config import GatewaySection, ServiceConfig, TlsSection
 from llmgw.shared.natsserver import NatsServer, free_port
 from llmgw.shared.schemas import DeploymentSpec, Replica, ReplicaMember, encode
+from llmgw.shared.states import EngineState
 
 HOST = "127.0.0.1"
 
@@ -93,9 +94,10 @@ async def start_sims(log_dir: Path, specs: list[tuple[str, str, float]]) -> list
     return sims
 
 
-def replica(rid: str, model: str, endpoint: str = "", state: str = "ready", deployment: str | None = None) -> Replica:
+def replica(rid: str, model: str, endpoint: str = "", state: str = "ready", deployment: str | None = None, node: str = "node01") -> Replica:
     port = int(endpoint.rsplit(":", 1)[1]) if endpoint else 0
-    member = ReplicaMember(node_id="node01", rank=0, role="leader", gpus=[0], http_port=port, serves_http=bool(endpoint), engine_state=state)
+    engine = {"ready": EngineState.READY, "degraded": EngineState.STALLED, "failed": EngineState.EXITED}.get(state, EngineState.STARTING)
+    member = ReplicaMember(node_id=node, rank=0, role="leader", gpus=[0], http_port=port, serves_http=bool(endpoint), engine_state=engine)
     return Replica(
         id=rid, deployment=deployment or model, model=model, engine="sim", generation=1, state=state,
         members=[member], endpoint=endpoint if state == "ready" else "", created_at=time.time(), since=time.time(),
