@@ -11,9 +11,10 @@ What runs:
 
 * a cluster started by ``llmgw up --detach`` in a temporary ``--dir``, with
   compressed timings (``--heartbeat-interval 1s --node-lost-after 5s
-  --engine-load-time 3s``, plus any progress-detection options ``llmgw up``
-  offers) and its demo deployment: 2 replicas x 2 nodes x 4 GPUs on 4 nodes
-  of 8 GPUs, two fabrics, so a failed replica's replacement always fits;
+  --engine-load-time 3s``, plus, when ``llmgw up`` offers them,
+  ``--probe-interval 1s --stall-after 2s --hang-timeout 10s``) and its demo
+  deployment: 2 replicas x 2 nodes x 4 GPUs on 4 nodes of 8 GPUs, two
+  fabrics, so a failed replica's replacement always fits;
   ``llmgw down`` at the end, always (also on Ctrl-C or failure). With
   ``--attach DIR`` the cluster is used as it is and left running;
 * a steady load through the gateway: ``--clients`` closed-loop clients in this
@@ -48,8 +49,10 @@ nats-restart          SIGKILL of the nats-server, restarted on the same store an
                       configuration after ``--outage``: must disturb nothing
 ====================  =========================================================
 
-Figures per fault, all from the fault's injection (t=0, this machine's clock;
-events carry the scheduler's or health monitor's clock, the same machine):
+Figures per fault, all from the fault's injection (t=0, this machine's clock,
+taken when the ``llmgw sim`` verb returned, right after its signal, or when
+this process sent the signal; events carry the clock of the service that
+wrote them, on the same machine):
 
 * detected: the first event about the sick replica or its node;
 * last to sick: the start of the last request that began after the fault and
@@ -568,6 +571,7 @@ class Bench:
         node = r.members[0].node_id
         self.begin(res, f"{node}, leader of {r.id}", f"llmgw sim kill-node {node}")
         await self.c.sim("kill-node", node)
+        res.t0 = time.time()  # the verb kills just before it exits; its start-up must not count
         await self.wait_replacement(res, before, r.id)
         await self.c.sim("start-node", node)
         return r.id, node
@@ -597,6 +601,7 @@ class Bench:
             raise Unsupported(f"{r.id} has no rank {rank}")
         self.begin(res, f"{r.id} rank {rank} on {m.node_id}", "")
         res.how = await self.c.hang(r, m)
+        res.t0 = time.time()
         self.say(f"{res.fault}: {res.how}")
         failed = await self.until(lambda: self.gone(r.id), self.args.fault_timeout)
         await self.c.resume(r, m)
@@ -618,6 +623,7 @@ class Bench:
         if "stall-replica" in self.c.verbs:
             self.begin(res, r.id, f"llmgw sim stall-replica {r.id}")
             await self.c.sim("stall-replica", r.id)
+            res.t0 = time.time()
         else:
             # Without a handler SIGUSR1 would kill the engine: that is leader-kill, not a stall.
             if not leader.pid or not catches(leader.pid, signal.SIGUSR1):
@@ -642,7 +648,7 @@ class Bench:
         from llmgw.services.simcluster import SIM_ENV
 
         self.c.spawn(f"agent-{node}", [*LLMGW, "agent", "--config", self.c.agent_configs[node]], env={SIM_ENV: node})
-        return r.id, node
+        return None, node  # its replica is not sick: requests to it are right
 
     async def fault_nats_restart(self, res, before):
         pid = self.c.live_pid("nats-server")
@@ -713,7 +719,9 @@ def parse_args(argv=None):
     ap.add_argument("--heartbeat-interval", default="1s")
     ap.add_argument("--node-lost-after", default="5s")
     ap.add_argument("--engine-load-time", default="3s")
-    ap.add_argument("--hang-timeout", default="10s", help="passed to 'llmgw up' when it offers --hang-timeout (default 10s)")
+    ap.add_argument("--probe-interval", default="1s", help="agents' canary interval, passed to 'llmgw up' when it offers it (default 1s)")
+    ap.add_argument("--stall-after", default="2s", help="no byte this long with requests in flight is a stall; passed on when offered (default 2s)")
+    ap.add_argument("--hang-timeout", default="10s", help="degraded this long fails a replica; passed on when offered (default 10s)")
     ap.add_argument("--up-args", default="", help="further 'llmgw up' arguments, space-separated")
     ap.add_argument("--json", help="write the raw figures (and every request) here")
     args = ap.parse_args(argv)
@@ -733,7 +741,7 @@ async def up_cluster(args, d: Path) -> None:
             "--heartbeat-interval", args.heartbeat_interval, "--node-lost-after", args.node_lost_after,
             "--engine-load-time", args.engine_load_time]  # fmt: skip
     offered = []
-    for opt, value in (("--hang-timeout", args.hang_timeout),):
+    for opt, value in (("--probe-interval", args.probe_interval), ("--stall-after", args.stall_after), ("--hang-timeout", args.hang_timeout)):
         if opt in helptext:
             argv += [opt, value]
             offered.append(f"{opt} {value}")
@@ -815,6 +823,9 @@ def run(argv=None) -> int:
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted; the cluster was stopped", file=sys.stderr)
         return 130
+    except RuntimeError as e:  # a command that failed: its own words, not a traceback
+        print(f"failover: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
