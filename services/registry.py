@@ -1,7 +1,8 @@
 """``llmgw registry``: the single writer of node records (``llmgw_nodes``).
 
 It turns inventories into node records and holds each node's admin state
-(active, cordoned, draining). The server's permissions already bind a node's
+(active, cordoned, draining), with why and by whom (``admin_reason``,
+``admin_by``: an operator, or the scheduler's auto-cordon). The server's permissions already bind a node's
 subject to its certificate, so ``llmgw.node.node02.inventory`` can only come
 from ``CN=node02,OU=node``; the registry still checks that the payload claims
 the same node, because a bug in an agent must not move one node's GPUs onto
@@ -29,6 +30,13 @@ NODES = Gauge("llmgw_registry_nodes", "Node records, by admin state", ["admin"])
 
 class UnknownNode(LlmgwError):
     code = "unknown_node"
+
+
+class BadAdminRequest(LlmgwError):
+    code = "bad_request"
+
+
+MAX_REASON = 500
 
 
 class Registry(ServiceRuntime):
@@ -127,6 +135,8 @@ class Registry(ServiceRuntime):
                 fabrics=inv.fabrics,
                 hcas=inv.hcas,
                 admin=old.admin if old else "active",
+                admin_reason=old.admin_reason if old else "",
+                admin_by=old.admin_by if old else "",
                 registered_at=old.registered_at if old else now(),
                 updated_at=now(),
             )
@@ -171,21 +181,36 @@ class Registry(ServiceRuntime):
     # -- admin API ---------------------------------------------------------------
     async def _set_admin(self, data: bytes, admin: str, what: str) -> NodeRecord:
         req = decode(data, NodeRequest)
+        if not is_valid_name(req.node_id):
+            raise BadAdminRequest(f"node_id: {req.node_id!r} is not a node name")
+        if len(req.reason) > MAX_REASON:
+            raise BadAdminRequest(f"reason: at most {MAX_REASON} characters, got {len(req.reason)}")
+        if req.auto and admin != "cordoned":
+            raise BadAdminRequest("auto: only a cordon can be automatic")
+        by = "auto" if req.auto else "operator"
+        # Uncordon clears the why; the who is kept (it says who made it active).
+        reason = req.reason if admin != "active" else ""
         for _ in range(5):
             try:
                 entry = await self.nodes_kv.get(req.node_id)
             except KeyNotFoundError:
                 raise UnknownNode(f"no node {req.node_id!r} in the registry") from None
             rec = decode(entry.value, NodeRecord)
-            if rec.admin == admin:
-                return rec
-            new = msgspec.structs.replace(rec, admin=admin, updated_at=now())
+            if rec.admin == admin and (req.auto or (rec.admin_by, rec.admin_reason) == (by, reason)):
+                return rec  # already so (an auto-cordon never takes over an operator's)
+            if req.auto and rec.admin != "active":
+                return rec  # an operator's cordon or drain outranks the scheduler's
+            new = msgspec.structs.replace(rec, admin=admin, admin_reason=reason, admin_by=by, updated_at=now())
             try:
                 await self.nodes_kv.update(req.node_id, encode(new), last=entry.revision)
             except KeyWrongLastSequenceError:
                 continue
-            await self.events.emit("node", req.node_id, what, f"admin state {rec.admin} → {admin}")
-            self.log.info("node %s %s", req.node_id, what)
+            detail = f"admin state {rec.admin} → {admin}" if rec.admin != admin else f"admin state {admin}"
+            detail += f" by {'the scheduler (auto-cordon)' if req.auto else 'an operator'}"
+            if reason:
+                detail = f"{reason} ({detail})"
+            await self.events.emit("node", req.node_id, what, detail)
+            self.log.info("node %s %s: %s", req.node_id, what, detail)
             await self._count(req.node_id, admin)
             return new
         raise LlmgwError(f"node {req.node_id} is changing too fast; try again")

@@ -122,9 +122,10 @@ def for_identity(role: str, name: str) -> Permissions:
             writes=[S.BUCKET_DEPLOYMENTS, S.BUCKET_REPLICAS, S.BUCKET_LEADERS],
             reads=[_KV(S.BUCKET_NODES), _KV(S.BUCKET_LEASES)],
             subscribe=[S.ALL_STATUS],
-            # launch/stop/list requests to agents; the scheduler also asks the
-            # registry (drain) nothing — drain is read from node records.
-            publish=[f"{S.CMD_SPACE}.*.>"],
+            # launch/stop/list requests to agents; of the registry it asks
+            # only cordon (auto-cordon; the registry writes node records) —
+            # drain and the rest are read from node records.
+            publish=[f"{S.CMD_SPACE}.*.>", S.api("registry", "cordon")],
         )
     if role == "gateway":
         return _service(

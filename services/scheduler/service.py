@@ -3,7 +3,9 @@
 It mirrors four buckets (nodes, leases, deployments, replicas) through KV
 watches, folds agents' status reports into the replicas' member engine states,
 runs ``reconcile`` when something changed (or every ``reconcile_interval``, for
-timeouts), and applies the plan in the order ``plan.py`` prescribes. Only the
+timeouts), and applies the plan in the order ``plan.py`` prescribes. It keeps
+the per-node failure history auto-cordon judges (in memory: a new leader
+starts it afresh) and asks the registry to cordon. Only the
 leader (``llmgw_leaders``) acts; a standby keeps its mirrors warm and takes
 over where the records say the work stands, so a restart in the middle of a
 rebuild neither duplicates nor loses a replica: every decision is re-derived
@@ -31,6 +33,7 @@ from llmgw.shared.schemas import (
     Lease,
     NameRequest,
     NodeRecord,
+    NodeRequest,
     Replica,
     StatusReport,
     decode,
@@ -40,16 +43,26 @@ from llmgw.shared.schemas import (
     to_builtins,
 )
 
+from llmgw.shared.states import REPLICA_ORDER, EngineState, ReplicaState
+
 from ..runtime import ServiceRuntime, run_service
 from . import ReconcileConfig, explain, fence, reconcile
-from .reconcile import launches_for
-from .plan import Launch, Plan, Stop
-from .view import ClusterView, PortRange
+from .plan import Backoff, Cordon, Launch, NodeFailure, Plan, Stop
+from .reconcile import backoff_text, launches_for, remember_failures
+from .view import ClusterView
 
 RECONCILE_SECONDS = Histogram("llmgw_scheduler_reconcile_seconds", "Time to compute and apply one plan")
 REPLICAS = Gauge("llmgw_scheduler_replicas", "Replicas, by state", ["state"])
 COMMANDS = Counter("llmgw_scheduler_commands_total", "Commands sent to agents", ["verb", "result"])
 STATUS = Counter("llmgw_scheduler_status_reports_total", "Agent status reports", ["result"])
+MEMBERS = Gauge("llmgw_scheduler_member_engines", "Replica members, by the engine state their agent reported", ["engine_state"])
+BACKING_OFF = Gauge("llmgw_scheduler_deployments_backing_off", "Deployments waiting out a crash-loop backoff")
+AUTO_CORDONS = Counter("llmgw_scheduler_auto_cordons_total", "Auto-cordon decisions", ["result"])
+# How long a cordon asked of the registry is assumed to be on its way (so the
+# breaker counts it) before its record shows it.
+CORDON_GRACE = 10.0
+# How long our own write of a deployment record outranks the mirror's copy.
+OWN_WRITE_GRACE = 5.0
 
 
 class UnknownDeployment(LlmgwError):
@@ -81,7 +94,7 @@ class Scheduler(ServiceRuntime):
 
     async def setup(self) -> None:
         sc = self.cfg.scheduler
-        self.rconfig = ReconcileConfig(ports=PortRange(base=sc.port_base, count=sc.port_count))
+        self.rconfig = ReconcileConfig.from_section(sc)
         nodes_kv = await open_bucket(self.js, S.BUCKET_NODES, wait=3600, logger=self.log)
         leases_kv = await open_bucket(self.js, S.BUCKET_LEASES, wait=3600, logger=self.log)
         self.deployments_kv = self.kv[S.BUCKET_DEPLOYMENTS]
@@ -97,6 +110,15 @@ class Scheduler(ServiceRuntime):
         # replica id -> (when, record or None if deleted) for our own recent writes
         self.recent: dict[str, tuple[float, Replica | None]] = {}
         self._pruned_at = 0.0
+        # node -> replica failures that implicated it (auto-cordon's evidence)
+        self.node_failures: dict[str, list[NodeFailure]] = {}
+        # node -> (when asked, reason): cordons asked of the registry, not yet in its record
+        self.cordoning: dict[str, tuple[float, str]] = {}
+        # deployment -> (when, record) of our own writes the watch has not echoed yet
+        self.spec_writes: dict[str, tuple[float, DeploymentSpec]] = {}
+        # commands sent from handlers, which must never wait on a node
+        self.background: set[asyncio.Task] = set()
+        self.stopping: set[tuple[str, str, int]] = set()
         self.wake = asyncio.Event()
         self.acting = False
         for m in (self.nodes, self.deployments, self.replicas):
@@ -125,9 +147,26 @@ class Scheduler(ServiceRuntime):
         if self.leadership and self.leadership.is_leader:
             # Fence on every report, not only full ones: a node whose lease went
             # lost while its agent stayed connected keeps reporting its stale
-            # engines, and those must stop too.
-            await self._send_stops(fence({node: report.engines}, self.known_replicas({f.replica_id for f in report.engines})))
+            # engines, and those must stop too. Sent in the background: this
+            # handler serves every node's reports and must not wait on one node.
+            stops = fence({node: report.engines}, self.known_replicas({f.replica_id for f in report.engines}))
+            stops = [st for st in stops if (st.node_id, st.replica_id, st.generation) not in self.stopping]
+            if stops:
+                self.stopping.update((st.node_id, st.replica_id, st.generation) for st in stops)
+                self._background(self._send_stops(stops), done=lambda: self.stopping.difference_update((st.node_id, st.replica_id, st.generation) for st in stops))
         self.wake.set()
+
+    def _background(self, coro, done=None) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self.background.add(task)
+
+        def finished(t: asyncio.Task) -> None:
+            self.background.discard(t)
+            if done is not None:
+                done()
+
+        task.add_done_callback(finished)
+        return task
 
     def known_replicas(self, ids: set[str]) -> dict[str, Replica]:
         """The records of ``ids`` (those a report names): the mirror's, or what this
@@ -172,14 +211,14 @@ class Scheduler(ServiceRuntime):
             changed = False
             for m in rep.members:
                 fact = self.reported.get(m.node_id, {}).get((rid, m.rank))
-                state, pid = m.engine_state, m.pid
+                state, detail, pid = m.engine_state, m.engine_detail, m.pid
                 if fact is not None and fact.generation == rep.generation:
-                    state, pid = fact.state, fact.pid
+                    state, detail, pid = EngineState(fact.state), fact.detail, fact.pid
                 elif (rid, m.rank) in self.absent or self._missing(m.node_id, rep):
-                    state = "absent"
-                if (state, pid) != (m.engine_state, m.pid):
+                    state, detail = EngineState.ABSENT, "missing from its node's full report, or the launch was refused"
+                if (state, detail, pid) != (m.engine_state, m.engine_detail, m.pid):
                     changed = True
-                    m = msgspec.structs.replace(m, engine_state=state, pid=pid)
+                    m = msgspec.structs.replace(m, engine_state=state, engine_detail=detail, pid=pid)
                 members.append(m)
             out[rid] = msgspec.structs.replace(rep, members=members) if changed else rep
         return out
@@ -217,7 +256,7 @@ class Scheduler(ServiceRuntime):
         resend = []
         for rep in self.replicas.items.values():
             spec = self.deployments.items.get(rep.deployment)
-            if rep.state not in ("launching", "waiting-for-workers") or spec is None or not rep.members:
+            if rep.state not in (ReplicaState.LAUNCHING, ReplicaState.WAITING) or spec is None or not rep.members:
                 continue
             if any(m.node_id not in self.nodes.items for m in rep.members):
                 continue  # reconcile fails it
@@ -240,10 +279,39 @@ class Scheduler(ServiceRuntime):
             self.reported[node] = {(f.replica_id, f.rank): f for f in report.engines}
             self.full_report_at[node] = time.time()
 
+    def _deployments(self) -> dict[str, DeploymentSpec]:
+        """The mirror's deployments, with our own recent writes (backoff, generation)
+        where the watch has not echoed them yet and the operator has not re-applied."""
+        stamp = time.time()
+        out = dict(self.deployments.items)
+        for name, (at, mine) in list(self.spec_writes.items()):
+            seen = out.get(name)
+            if stamp - at > OWN_WRITE_GRACE or seen is None or seen == mine or seen.applied_at != mine.applied_at:
+                del self.spec_writes[name]
+            else:
+                out[name] = mine
+        return out
+
+    def _nodes(self) -> dict[str, NodeRecord]:
+        """Node records, with the cordons we asked for and the registry has not written yet."""
+        stamp = time.time()
+        out = self.nodes.items
+        for node, (at, reason) in list(self.cordoning.items()):
+            rec = out.get(node)
+            if rec is None or rec.admin != "active" or stamp - at > CORDON_GRACE:
+                del self.cordoning[node]
+                continue
+            if out is self.nodes.items:
+                out = dict(out)
+            out[node] = msgspec.structs.replace(rec, admin="cordoned", admin_by="auto", admin_reason=reason)
+        return out
+
     async def reconcile_once(self) -> Plan:
         base = dict(self.replicas.items)
         current = self._with_reports(base)
-        plan = reconcile(self.deployments.items, current, self.nodes.items, self.leases.items, now(), config=self.rconfig)
+        plan = reconcile(
+            self._deployments(), current, self._nodes(), self.leases.items, now(), config=self.rconfig, failures=self.node_failures
+        )
         # Engine-state changes that did not change a replica's state still go to KV,
         # so operators see pids and engine states.
         for rid, rep in current.items():
@@ -255,11 +323,22 @@ class Scheduler(ServiceRuntime):
         return plan
 
     async def apply(self, plan: Plan) -> None:
-        # 1. generations first: a generation is never issued twice.
-        for name, gen in plan.generations.items():
-            spec = self.deployments.items.get(name)
-            if spec is not None and spec.last_generation < gen:
-                await self.deployments_kv.put(name, encode(msgspec.structs.replace(spec, last_generation=gen)))
+        # 1. generations (and backoffs) first: a generation is never issued twice.
+        specs = self._deployments()
+        for name in sorted(set(plan.generations) | set(plan.backoffs)):
+            spec = specs.get(name)
+            if spec is None:
+                continue
+            new = spec
+            gen = plan.generations.get(name, 0)
+            if spec.last_generation < gen:
+                new = msgspec.structs.replace(new, last_generation=gen)
+            b: Backoff | None = plan.backoffs.get(name)
+            if b is not None:
+                new = msgspec.structs.replace(new, failures=b.failures, retry_at=b.retry_at, last_failure=b.last_failure)
+            if new != spec:
+                await self.deployments_kv.put(name, encode(new))
+                self.spec_writes[name] = (time.time(), new)
         # 2. records.
         await asyncio.gather(*(self.replicas_kv.put(rid, encode(rep)) for rid, rep in plan.writes.items()))
         stamp = time.time()
@@ -280,6 +359,31 @@ class Scheduler(ServiceRuntime):
             self.log.info("replica %s → %s %s", ev.subject, ev.what, ev.detail)
         for name, why in plan.pending.items():
             self.log.info("deployment %s: replica pending: %s", name, why)
+        # 5. what auto-cordon judges next time, and the cordons it decided.
+        self.node_failures = remember_failures(self.node_failures, plan, now(), self.rconfig.auto_cordon_window)
+        for c in plan.cordons:
+            self.cordoning[c.node_id] = (time.time(), c.reason)
+            self._background(self._cordon(c))
+        AUTO_CORDONS.labels("withheld").inc(sum(1 for e in plan.events if e.what == "auto-cordon-withheld"))
+
+    async def _cordon(self, c: Cordon) -> None:
+        """Ask the registry (the single writer of node records) to cordon; it records and announces it."""
+        try:
+            reply = await self.nc.request(
+                S.api("registry", "cordon"), encode(NodeRequest(node_id=c.node_id, reason=c.reason, auto=True)), timeout=self.cfg.scheduler.command_timeout
+            )
+        except Exception as e:
+            AUTO_CORDONS.labels("no_answer").inc()
+            self.cordoning.pop(c.node_id, None)
+            self.log.warning("auto-cordon of %s: the registry did not answer (%s); its failures start afresh", c.node_id, e or type(e).__name__)
+            return
+        if reply.headers and reply.headers.get("Nats-Service-Error-Code"):
+            AUTO_CORDONS.labels("refused").inc()
+            self.cordoning.pop(c.node_id, None)
+            self.log.warning("auto-cordon of %s refused by the registry: %s", c.node_id, reply.data.decode(errors="replace"))
+            return
+        AUTO_CORDONS.labels("cordoned").inc()
+        self.log.warning("node %s auto-cordoned: %s", c.node_id, c.reason)
 
     async def _launch(self, launch: Launch) -> None:
         key = (launch.replica_id, launch.member.rank)
@@ -314,17 +418,28 @@ class Scheduler(ServiceRuntime):
 
     def _gauge(self) -> None:
         counts: dict[str, int] = defaultdict(int)
+        engines: dict[str, int] = defaultdict(int)
         for rep in self.replicas.items.values():
             counts[rep.state] += 1
-        for state in ("pending", "launching", "waiting-for-workers", "ready", "failed", "reaping"):
-            REPLICAS.labels(state).set(counts.get(state, 0))
+            for m in rep.members:
+                engines[m.engine_state] += 1
+        for state in REPLICA_ORDER:
+            if state != ReplicaState.GONE:
+                REPLICAS.labels(state).set(counts.get(state, 0))
+        for state in EngineState:
+            MEMBERS.labels(state.value or "unreported").set(engines.get(state, 0))
+        stamp = now()
+        BACKING_OFF.set(sum(1 for d in self.deployments.items.values() if d.retry_at > stamp))
 
     # -- operator API ----------------------------------------------------------------
     async def api_apply(self, data: bytes) -> DeploymentSpec:
         spec = validate_spec(decode(data, DeploymentSpec))
         old = self.deployments.items.get(spec.name)
         floor = old.last_generation if old else await self._deleted_generation(spec.name)
-        stored = msgspec.structs.replace(spec, applied_at=now(), last_generation=max(spec.last_generation, floor))
+        # Applying again is also how an operator says "try now": the backoff is the scheduler's, and starts afresh.
+        stored = msgspec.structs.replace(
+            spec, applied_at=now(), last_generation=max(spec.last_generation, floor), failures=0, retry_at=0.0, last_failure=""
+        )
         await self.deployments_kv.put(spec.name, encode(stored))
         shape = f"{spec.replicas} × {spec.nodes_per_replica} node(s) × {spec.gpus_per_node} GPU(s) of {spec.model} on {spec.engine}"
         if old is not None and template_digest(old) != template_digest(stored):
@@ -373,14 +488,46 @@ class Scheduler(ServiceRuntime):
         if spec is None:
             raise UnknownDeployment(f"no deployment named {req.name!r}")
         view = ClusterView.build(self.nodes.items, self.leases.items, self.replicas.items.values(), ports=self.rconfig.ports)
-        return to_builtins(explain(spec, view))
+        return explain_reply(spec, view, self.replicas.items.values(), now())
 
     async def stop(self) -> None:
+        for t in list(getattr(self, "background", ())):
+            t.cancel()
         for m in ("nodes", "leases", "deployments", "replicas"):
             mirror = getattr(self, m, None)
             if mirror is not None:
                 await mirror.stop()
         await super().stop()
+
+
+def explain_reply(spec: DeploymentSpec, view: ClusterView, replicas, at: float) -> dict:
+    """``explain``: where the next replica would go, node by node, plus what an
+    operator needs besides — the crash-loop backoff and the replicas as they
+    stand (a degraded or failing one with its members' engine details).
+    Every key of the placement explanation is kept; these are added."""
+    out = to_builtins(explain(spec, view))
+    backing_off = spec.retry_at > at
+    out["backoff"] = {
+        "failures": spec.failures,
+        "last_failure": spec.last_failure,
+        "retry_at": spec.retry_at,
+        "active": backing_off,
+        "message": backoff_text(Backoff(spec.failures, spec.retry_at, spec.last_failure)) if backing_off else "",
+    }
+    out["replicas"] = [
+        {
+            "id": r.id,
+            "state": r.state,
+            "reason": r.reason,
+            "members": [
+                {"node": m.node_id, "rank": m.rank, "engine_state": m.engine_state, "engine_detail": m.engine_detail}
+                for m in r.members
+            ],
+        }
+        for r in sorted(replicas, key=lambda r: r.generation)
+        if r.deployment == spec.name
+    ]
+    return out
 
 
 def main(args) -> int:

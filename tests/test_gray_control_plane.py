@@ -1,0 +1,146 @@
+"""Crash loops against a real control plane: a real nats-server, the registry,
+health monitor and scheduler in-process, real agents launching real `sim`
+engines that exit at start-up (an argument the engine refuses: exit 2).
+
+What must hold: the scheduler backs off between attempts (each gap at least
+the backoff, doubling from base to max) instead of relaunching every cycle;
+a node implicated in repeated failures is auto-cordoned through the
+registry, with the reason on its record; the circuit breaker withholds a
+second one in a fabric of four at share 0.25; ``explain`` shows the backoff;
+an operator's uncordon clears the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from llmgw.services import simcluster
+from llmgw.services.health import HealthMonitor
+from llmgw.services.registry import Registry
+from llmgw.services.scheduler.service import Scheduler
+from llmgw.shared import subjects as S
+from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared.schemas import DeploymentSpec, Event, NameRequest, NodeRecord, NodeRequest, decode, encode
+from llmgw.shared.states import ReplicaState as RS
+
+from .cluster_helpers import HEALTH, SCHED, Cluster
+
+pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
+
+BASE, CAP = 0.25, 1.0
+GRAY = dict(
+    SCHED,
+    backoff_base=BASE,
+    backoff_max=CAP,
+    auto_cordon_after=2,
+    auto_cordon_window=120.0,
+    auto_cordon_max_share=0.25,
+)
+
+
+@pytest.fixture
+async def cluster(nats_server, tmp_path):
+    c = Cluster(nats_server, tmp_path / "cluster")
+    yield c
+    await c.close()
+
+
+def crashing(name="crash") -> DeploymentSpec:
+    # The sim engine refuses an unknown argument and exits 2 at once, on every node.
+    return DeploymentSpec(
+        name=name, model="sim-7b", engine="sim", replicas=1, nodes_per_replica=1, gpus_per_node=4,
+        engine_args=["--no-such-flag"], startup_timeout=30,
+    )
+
+
+async def test_crash_loop_backs_off_and_auto_cordon_stays_within_the_share(cluster, connector):
+    await cluster.start_service(Registry, "registry")
+    await cluster.start_service(HealthMonitor, "health", health=HEALTH)
+    await cluster.start_service(Scheduler, "scheduler", scheduler=GRAY)
+    cluster.add_nodes(simcluster.layout(4, 1, 4))  # one fabric, ib-a, of four nodes
+    for n in cluster.nodes:
+        cluster.start_agent(n)
+    ops = await cluster.operator(connector)
+    js = ops.jetstream()
+    nodes = await KvMirror(await open_bucket(js, S.BUCKET_NODES, wait=10), NodeRecord).start()
+    deployments = await KvMirror(await open_bucket(js, S.BUCKET_DEPLOYMENTS, wait=10), DeploymentSpec).start()
+    events: list[Event] = []
+    sub = await js.subscribe(S.ALL_EVENTS, ordered_consumer=True)
+
+    async def collect():
+        async for msg in sub.messages:
+            events.append(decode(msg.data, Event))
+
+    collector = asyncio.create_task(collect())
+    try:
+        await cluster.wait(
+            lambda: (sum(1 for l in cluster.leases.items.values() if l.state == "ready"), len(nodes.items)),
+            (4, 4),
+            what="four nodes registered and ready",
+        )
+        await cluster.apply(crashing())
+
+        def launches() -> list[float]:
+            return [e.time for e in events if e.kind == "replica" and e.what == RS.LAUNCHING and e.data.get("deployment") == "crash"]
+
+        def withheld() -> list[Event]:
+            return [e for e in events if e.kind == "node" and e.what == "auto-cordon-withheld"]
+
+        def auto_cordoned() -> list[str]:
+            return sorted(n for n, r in nodes.items.items() if r.admin == "cordoned" and r.admin_by == "auto")
+
+        # Enough attempts to see the doubling reach its cap, one node
+        # auto-cordoned (the record shows it) and a second one withheld.
+        await cluster.wait(
+            lambda: len(launches()) >= 5 and len(auto_cordoned()) == 1 and withheld(),
+            timeout=45,
+            what="5 attempts, one node auto-cordoned and another withheld",
+        )
+
+        # -- backoff: every gap between attempts is at least the backoff due.
+        times = launches()
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        due = [min(CAP, BASE * 2**k) for k in range(len(gaps))]
+        assert all(g >= d - 0.01 for g, d in zip(gaps, due)), (gaps, due)
+        failed = [e for e in events if e.kind == "replica" and e.what == RS.FAILED and e.data.get("deployment") == "crash"]
+        assert len(failed) >= len(times) - 1 and all("exited" in e.detail for e in failed)
+        spec = deployments.items["crash"]
+        assert spec.failures >= 4 and "exited" in spec.last_failure and spec.retry_at > 0
+        assert [e for e in events if e.kind == "deployment" and e.what == "backoff"]
+
+        # -- explain names the backoff (what `llmgw ctl explain` prints).
+        reply = await ops.request(S.api("scheduler", "explain"), encode(NameRequest(name="crash")), timeout=5)
+        ex = json.loads(reply.data)
+        assert ex["backoff"]["failures"] >= 4 and "exited" in ex["backoff"]["last_failure"]
+        assert ex["summary"]  # the placement part is still there
+
+        # -- auto-cordon: one node of four, its reason on the record and in the event.
+        (node,) = auto_cordoned()
+        rec = nodes.items[node]
+        assert rec.admin_reason.startswith("2 replica failures in 2m: crash-g")
+        (cordoned,) = [e for e in events if e.kind == "node" and e.what == "cordoned"]
+        assert cordoned.subject == node and cordoned.detail.startswith("2 replica failures in 2m: ")
+        other = withheld()[0]
+        assert other.subject != node
+        assert other.detail.startswith("auto-cordon withheld: fabric ib-a already has 1 of 4 nodes auto-cordoned")
+        assert nodes.items[other.subject].admin == "active"
+
+        # -- the operator's uncordon clears the reason.
+        reply = await ops.request(S.api("registry", "uncordon"), encode(NodeRequest(node_id=node)), timeout=5)
+        assert decode(reply.data, NodeRecord).admin == "active"
+        await cluster.wait(
+            lambda: (nodes.items[node].admin, nodes.items[node].admin_reason, nodes.items[node].admin_by),
+            ("active", "", "operator"),
+            what="uncordoned record",
+        )
+        # An auto-cordon never comes from anyone's bad request: a malformed one is refused, the registry keeps going.
+        reply = await ops.request(S.api("registry", "uncordon"), encode(NodeRequest(node_id=node, auto=True)), timeout=5)
+        assert reply.headers and reply.headers.get("Nats-Service-Error-Code") and b"only a cordon" in reply.data
+    finally:
+        collector.cancel()
+        await sub.unsubscribe()
+        await nodes.stop()
+        await deployments.stop()
