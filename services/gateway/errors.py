@@ -20,9 +20,13 @@ def error_response(status: int, message: str, *, code: str, param: str | None = 
 
 
 def sse_error(message: str, *, code: str) -> bytes:
-    """The event that ends a stream broken after its first byte. The official
-    client raises ``APIError`` on a data event carrying ``error``."""
+    """The event that ends a stream broken after its first byte (``SSE_DONE``
+    follows it). The official client raises ``APIError`` on a data event
+    carrying ``error``."""
     return b"data: " + json.dumps(error_body(message, code=code, type_="server_error")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"  # the last event of every OpenAI stream, broken ones included
 
 
 def bad_request(message: str, *, code: str = "invalid_value", param: str | None = None) -> Response:

@@ -32,11 +32,15 @@ class _RouterCollector:
     def collect(self):
         inflight = GaugeMetricFamily("llmgw_gateway_inflight_requests", "Requests in flight through this gateway, by replica", labels=["replica", "model"])
         ready = GaugeMetricFamily("llmgw_gateway_ready_replicas", "Routable replicas, by model (cooling ones included)", labels=["model"])
-        cooling = GaugeMetricFamily("llmgw_gateway_replica_cooling", "1 while a replica is out of rotation after repeated failures", labels=["replica", "model"])
+        cooling = GaugeMetricFamily("llmgw_gateway_replica_cooling", "1 while a replica is out of rotation (repeated failures, or ejected)", labels=["replica", "model"])
+        silent = GaugeMetricFamily(
+            "llmgw_gateway_replica_silent_seconds", "How long a replica has sent no byte to any stream in flight (0: none in flight)", labels=["replica", "model"]
+        )
         counts: dict[str, int] = {}
         for b in list(self.router.backends()):
             inflight.add_metric([b.id, b.model], b.outstanding)
             cooling.add_metric([b.id, b.model], 1.0 if self.router.cooling(b) else 0.0)
+            silent.add_metric([b.id, b.model], b.silent_for)
             if b.routable:
                 counts[b.model] = counts.get(b.model, 0) + 1
         for model, n in counts.items():
@@ -44,6 +48,7 @@ class _RouterCollector:
         yield inflight
         yield ready
         yield cooling
+        yield silent
 
 
 class GatewayMetrics:
@@ -53,8 +58,25 @@ class GatewayMetrics:
         self._latency = Histogram("llmgw_gateway_request_duration_seconds", "Time from request to the end of its answer", ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self._ttft = Histogram("llmgw_gateway_time_to_first_token_seconds", "Time from request to the first streamed chunk", ["model"], buckets=TTFT_BUCKETS, registry=r)
         self._upstream_errors = Counter("llmgw_gateway_upstream_errors", "Failed upstream attempts, by replica and kind", ["replica", "kind"], registry=r)
-        self._retries = Counter("llmgw_gateway_retries", "Requests retried on another replica", ["model"], registry=r)
-        self._cooldowns = Counter("llmgw_gateway_cooldowns", "Times a replica was taken out of rotation", ["replica"], registry=r)
+        self._retries = Counter(
+            "llmgw_gateway_retries",
+            "Requests retried on another replica, by why the first attempt was given up "
+            "(connect, endpoint, broken: it failed; left_ready: its record left the ready state; stalled: no byte for stall_after)",
+            ["model", "reason"],
+            registry=r,
+        )
+        self._cooldowns = Counter(
+            "llmgw_gateway_cooldowns",
+            "Times a replica was taken out of rotation, by reason (failures: repeated failures; connect, endpoint, stalled: ejected at once)",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self._stream_errors = Counter(
+            "llmgw_gateway_stream_errors",
+            "Streams ended with an error event after their first chunk, by reason (timeout, stream_broken, left_ready, stalled)",
+            ["model", "reason"],
+            registry=r,
+        )
         self._served = Counter("llmgw_gateway_replica_requests", "Upstream attempts, by replica", ["replica"], registry=r)
         r.register(_RouterCollector(router))
         # labels() takes a lock and hashes its arguments; the hot path reuses children.
@@ -77,11 +99,14 @@ class GatewayMetrics:
     def upstream_error(self, replica: str, kind: str) -> None:
         self._child(self._upstream_errors, replica, kind).inc()
 
-    def retried(self, model: str) -> None:
-        self._child(self._retries, model).inc()
+    def retried(self, model: str, reason: str) -> None:
+        self._child(self._retries, model, reason).inc()
 
-    def cooled(self, replica: str) -> None:
-        self._child(self._cooldowns, replica).inc()
+    def cooled(self, replica: str, reason: str) -> None:
+        self._child(self._cooldowns, replica, reason).inc()
+
+    def stream_error(self, model: str, reason: str) -> None:
+        self._child(self._stream_errors, model, reason).inc()
 
     def attempt(self, replica: str) -> None:
         self._child(self._served, replica).inc()

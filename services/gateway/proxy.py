@@ -15,6 +15,27 @@ with 504 and not retried: the wait has already been spent once.
 A client that leaves cancels its handler (``httpserver.py``); the upstream
 connection is then closed, not returned to the pool, which is how
 an engine learns to stop generating.
+
+Moving requests off a sick replica (gray failures: a hung engine, a stalled
+collective, while ``/health`` may still say 200):
+
+* a refused connection (or an endpoint that cannot be parsed) takes the
+  replica out of rotation at once (``Router.eject``), and the request is
+  retried elsewhere;
+* when a replica's record leaves *ready* (``on_replica``: degraded, failed,
+  gone), every request in flight on it that has sent nothing to its client is
+  abandoned upstream (``Connection.abort`` closes that connection) and retried
+  once on another ready replica, transparently. A stream already under way is
+  ended with an error event at once if the replica is failed or gone; on a
+  degraded one it may go on while tokens flow, and the stall watch below ends
+  it if they stop;
+* the stall watch (``sweep``, every ``tick`` from the service, never a timer
+  per request): a replica with streams in flight that has sent no byte to any
+  of them for ``stall_after`` is stalled — ejected at once, its requests that
+  sent nothing are retried elsewhere, its streams under way end with an error
+  event. Only streams are evidence: a plain answer arrives whole at its end, so
+  a long one is silent by nature; plain requests alone are left to the agent's
+  canary (and the control plane's verdict, which reaches ``on_replica``).
 """
 
 from __future__ import annotations
@@ -23,13 +44,15 @@ import logging
 import time
 
 from llmgw.shared.config import GatewaySection
+from llmgw.shared.schemas import Replica
+from llmgw.shared.states import ReplicaState
 
 from . import errors
 from .access import AccessLog
 from .httpserver import Request, Response, Stream
 from .metrics import GatewayMetrics
-from .router import Backend, NoReadyReplica, Router
-from .upstream import Broken, ConnectFailed, ConnectTimeout, Connection, ReadTimeout, UpstreamClient
+from .router import Backend, NoReadyReplica, Router, routable
+from .upstream import Abandoned, BadEndpoint, Broken, ConnectFailed, ConnectTimeout, Connection, ReadTimeout, UpstreamClient
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -85,22 +108,24 @@ class Upstream:
 
 
 class Forwarder:
-    def __init__(self, router: Router, upstream: Upstream, metrics: GatewayMetrics, access: AccessLog | None = None):
+    def __init__(self, router: Router, upstream: Upstream, metrics: GatewayMetrics, access: AccessLog | None = None, *, stall_after: float = 5.0):
         self.router = router
         self.upstream = upstream
         self.metrics = metrics
         self.access = access
+        self.stall_after = stall_after
 
-    async def forward(self, request: Request, path: str, body: bytes, model: str) -> Response | Stream:
-        """Answer ``request`` from a replica of ``model``; raises UnknownModel / NoReadyReplica before any attempt."""
+    async def forward(self, request: Request, path: str, body: bytes, model: str, stream: bool = False) -> Response | Stream:
+        """Answer ``request`` from a replica of ``model``; raises UnknownModel / NoReadyReplica before any attempt.
+        ``stream``: the client asked for a stream (what the stall watch goes by)."""
         started = time.perf_counter()
         backend = self.router.pick(model)
         status = CLIENT_CLOSED  # what is counted if the client's leaving cancels us
         try:
             try:
-                resp, status = await self._attempt(request, backend, path, body, model, started)
+                resp, status = await self._attempt(request, backend, path, body, model, started, stream)
             except _Retryable as first:
-                self.metrics.retried(model)
+                self.metrics.retried(model, first.kind)
                 try:
                     backend = self.router.pick(model, exclude=backend)
                 except NoReadyReplica:
@@ -108,7 +133,7 @@ class Forwarder:
                     status = resp.status
                 else:
                     try:
-                        resp, status = await self._attempt(request, backend, path, body, model, started)
+                        resp, status = await self._attempt(request, backend, path, body, model, started, stream)
                     except _Retryable as second:
                         resp = errors.bad_gateway(f"two replicas of '{model}' failed: {first}; then {second}")
                         status = resp.status
@@ -119,7 +144,9 @@ class Forwarder:
             if self.access is not None:
                 self.access.answered(request, model, status, seconds, backend.id)
 
-    async def _attempt(self, request: Request, b: Backend, path: str, body: bytes, model: str, started: float) -> tuple[Response | Stream, int]:
+    async def _attempt(
+        self, request: Request, b: Backend, path: str, body: bytes, model: str, started: float, stream: bool
+    ) -> tuple[Response | Stream, int]:
         """One try on ``b``: the response and the status to count. Raises _Retryable while nothing was sent."""
         self.metrics.attempt(b.id)
         upstream: Connection | None = None
@@ -129,7 +156,7 @@ class Forwarder:
             extra = _request_id_line(rid)
         try:
             try:
-                upstream = await self.upstream.client.post(b.endpoint, path, body, extra)
+                upstream = await self.upstream.client.post(b.endpoint, path, body, extra, b.flights, stream)
                 streaming = upstream.status == 200 and upstream.mimetype == "text/event-stream"
                 if streaming:
                     first = await upstream.read_some()
@@ -137,21 +164,26 @@ class Forwarder:
                         raise Broken("the replica ended the stream before its first byte")
                 else:
                     data = await upstream.read()
+            except Abandoned as e:  # the sweep or a record change gave up on it; already counted there
+                self.metrics.upstream_error(b.id, e.kind)
+                raise _Retryable(e.kind, str(e)) from None
             except ConnectTimeout as e:
-                raise self._failed(b, "connect", f"replica {b.id} did not accept a connection in time: {_describe(e)}") from None
+                raise self._ejected(b, "connect", f"replica {b.id} did not accept a connection in time: {_describe(e)}") from None
+            except BadEndpoint as e:
+                raise self._ejected(b, "endpoint", f"replica {b.id} has an unusable endpoint: {_describe(e.os_error)}") from None
             except ReadTimeout:
                 self.metrics.upstream_error(b.id, "timeout")
                 self._count_failure(b)
                 resp = errors.gateway_timeout(f"replica {b.id} of '{model}' sent nothing for {self.upstream.cfg.upstream_timeout:g}s")
                 return resp, resp.status
             except ConnectFailed as e:
-                raise self._failed(b, "connect", f"cannot connect to replica {b.id}: {_describe(e.os_error)}") from None
+                raise self._ejected(b, "connect", f"cannot connect to replica {b.id}: {_describe(e.os_error)}") from None
             except (Broken, OSError) as e:  # OSError: the socket broke under a write
                 raise self._failed(b, "broken", f"replica {b.id} failed before answering: {_describe(e)}") from None
 
             if streaming:
                 self.metrics.first_token(model, time.perf_counter() - started)
-                resp, status, finished = await self._relay_stream(request, b, upstream, first)
+                resp, status, finished = await self._relay_stream(request, b, upstream, first, model)
                 return resp, status
             finished = True
             if upstream.status >= 500:
@@ -164,13 +196,15 @@ class Forwarder:
         finally:
             self.router.release(b)
             if upstream is not None:
+                b.flights.discard(upstream)
                 # Close rather than pool a connection whose answer was not read to
                 # the end: that is what tells the engine to stop (client left, broke).
                 upstream.release() if finished else upstream.close()
 
-    async def _relay_stream(self, request: Request, b: Backend, upstream: Connection, first: bytes) -> tuple[Stream, int, bool]:
+    async def _relay_stream(self, request: Request, b: Backend, upstream: Connection, first: bytes, model: str) -> tuple[Stream, int, bool]:
         """Pass the stream through; returns the response, the status to count, and whether upstream ended cleanly."""
         pending = first
+        upstream.answered = True  # from here on the client has bytes: no retry, an error event at worst
         try:
             resp = request.start_stream(200, _STREAM_HEAD + b.head, "text/event-stream")
             while True:
@@ -186,10 +220,14 @@ class Forwarder:
                 try:
                     chunk = await upstream.read_some()
                 except ReadTimeout:
-                    await self._end_broken(resp, b, "timeout", f"replica {b.id} sent nothing for {self.upstream.cfg.upstream_timeout:g}s", "upstream_timeout")
+                    await self._end_broken(resp, b, model, "timeout", f"replica {b.id} sent nothing for {self.upstream.cfg.upstream_timeout:g}s", "upstream_timeout")
+                    return resp, 200, False
+                except Abandoned as e:  # counted against the replica where it was decided
+                    message = f"{e}; the stream cannot be resumed elsewhere, send the request again"
+                    await self._end_broken(resp, b, model, e.kind, message, "replica_unavailable", count=False)
                     return resp, 200, False
                 except (Broken, OSError) as e:
-                    await self._end_broken(resp, b, "stream_broken", f"the stream from replica {b.id} broke: {_describe(e)}", "upstream_error")
+                    await self._end_broken(resp, b, model, "stream_broken", f"the stream from replica {b.id} broke: {_describe(e)}", "upstream_error")
                     return resp, 200, False
                 if not chunk:
                     break
@@ -202,11 +240,15 @@ class Forwarder:
         self.router.succeeded(b)
         return resp, 200, True
 
-    async def _end_broken(self, resp: Stream, b: Backend, kind: str, message: str, code: str) -> None:
+    async def _end_broken(self, resp: Stream, b: Backend, model: str, kind: str, message: str, code: str, count: bool = True) -> None:
         self.metrics.upstream_error(b.id, kind)
-        self._count_failure(b)
+        self.metrics.stream_error(model, kind)
+        if count:
+            self._count_failure(b)
         # A half-received event is dropped: the error event must start on a boundary.
-        await resp.write(errors.sse_error(message, code=code))
+        # Then [DONE], as a stream that ends normally: clients that stop reading
+        # only on it (rather than at the end of the body) stop here too.
+        await resp.write(errors.sse_error(message, code=code) + errors.SSE_DONE)
         await resp.end()
 
     def _failed(self, b: Backend, kind: str, detail: str) -> _Retryable:
@@ -214,8 +256,78 @@ class Forwarder:
         self._count_failure(b)
         return _Retryable(kind, detail)
 
+    def _ejected(self, b: Backend, kind: str, detail: str) -> _Retryable:
+        """A failure that is a verdict on its own: out of rotation now, and retry elsewhere."""
+        self.metrics.upstream_error(b.id, kind)
+        self.eject(b, kind, detail)
+        return _Retryable(kind, detail)
+
     def _count_failure(self, b: Backend) -> None:
         if self.router.failed(b):
-            self.metrics.cooled(b.id)
+            self.metrics.cooled(b.id, "failures")
             # One line per cool-down, not per failed request: a dead replica under load must not flood the log.
             log.warning("replica %s (%s) failed %d times in a row; out of rotation for %gs", b.id, b.endpoint, self.router.failures_before_cooldown, self.router.cooldown)
+
+    def eject(self, b: Backend, reason: str, detail: str) -> None:
+        """Out of rotation at once (passive detection, ahead of the control plane's verdict)."""
+        if self.router.eject(b, reason):
+            self.metrics.cooled(b.id, reason)
+            log.warning("replica %s (%s) out of rotation for %gs at once (%s): %s", b.id, b.endpoint, self.router.cooldown, reason, detail)
+
+    # -- moving requests off a sick replica ---------------------------------------
+    def evacuate(self, b: Backend, kind: str, message: str, *, streams_too: bool) -> int:
+        """Abandon ``b``'s requests in flight that sent their client nothing (they are
+        retried elsewhere) and, with ``streams_too``, its streams under way (they end
+        with an error event). Returns how many were abandoned."""
+        n = 0
+        for conn in list(b.flights):
+            if conn.aborted is None and (streams_too or not conn.answered):
+                conn.abort(Abandoned(kind, message))
+                n += 1
+        return n
+
+    def on_replica(self, key: str, old: Replica | None, new: Replica | None) -> None:
+        """KvMirror listener, after the router's: a record that left ready takes its requests with it."""
+        if routable(new):
+            return
+        b = self.router.backend(key)
+        if b is None or not b.flights:
+            return
+        state = new.state if new is not None else "gone"
+        degraded = state == ReplicaState.DEGRADED
+        # Degraded: tokens may still flow on streams under way (the stall watch ends
+        # them if not); failed or gone: its engines are being stopped anyway.
+        n = self.evacuate(b, "left_ready", f"replica {key} is {state or 'no longer ready'}", streams_too=not degraded)
+        if n:
+            log.warning("replica %s is %s: %d request(s) in flight on it moved off it", key, state, n)
+
+    def sweep(self, now: float) -> None:
+        """The stall watch, run every tick: each replica's silence, and what to do about it.
+
+        ``now`` is ``time.monotonic()`` (the clock ``Connection.send`` stamps with)."""
+        stall_after = self.stall_after
+        for b in list(self.router.backends()):
+            if b.completed != b.progress_mark:
+                b.progress_mark = b.completed
+                b.progress_at = now
+            flights = b.flights
+            if not flights:
+                b.silent_for = 0.0
+                continue
+            silence = -1.0
+            for conn in flights:
+                if conn.rx != conn.rx_mark:
+                    conn.rx_mark = conn.rx
+                    conn.active_at = now
+                if conn.stream:
+                    quiet = now - max(conn.active_at, b.progress_at)
+                    if silence < 0 or quiet < silence:
+                        silence = quiet
+            b.silent_for = max(silence, 0.0)
+            if not b.routable:
+                # Requests that reached it while its record was changing (mid-connect).
+                self.evacuate(b, "left_ready", f"replica {b.id} is no longer ready", streams_too=False)
+            if silence >= stall_after:
+                detail = f"replica {b.id} sent no byte to any of its streams in flight for {silence:.1f}s"
+                self.eject(b, "stalled", detail)
+                self.evacuate(b, "stalled", detail, streams_too=True)

@@ -4,12 +4,19 @@ The service feeds it replica and deployment records as its KV watches see them;
 the proxy asks ``pick`` for a backend and reports how the attempt went. Keeping
 this free of sockets and NATS lets its rules be read in one place:
 
-* only a *ready* replica with an endpoint is routable — the endpoint is the
-  leader's, since only a replica's leader listens;
+* only a *ready* replica (``ROUTABLE_REPLICA``) with an endpoint is
+  routable — the endpoint is the leader's, since only a replica's leader
+  listens; a ``degraded`` one takes no new request;
 * among those of the requested model, the one with the fewest requests in
   flight through this gateway wins; ties rotate, so an idle pool still spreads;
 * ``failures_before_cooldown`` failures in a row take a replica out of rotation
-  for ``cooldown`` seconds; one success resets the count;
+  for ``cooldown`` seconds; one success resets the count. Some failures are
+  verdicts on their own (``eject``): a refused connection, an endpoint that
+  cannot be parsed, a replica that sent no byte for ``stall_after`` — those
+  take it out at once, before the control plane has noticed anything;
+* per replica it keeps what the traffic reports to the agents say: requests in
+  flight (``outstanding``), answers completed (cumulative), and — filled in by
+  the proxy's sweep — how long the replica has been silent (``silent_for``);
 * a model no deployment or replica record mentions is unknown (404); a known
   model with nothing routable is unavailable (503, with a Retry-After).
 """
@@ -18,9 +25,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmgw.shared.schemas import DeploymentSpec, Replica
+from llmgw.shared.states import ROUTABLE_REPLICA
 
 
 class UnknownModel(Exception):
@@ -50,13 +58,22 @@ class Backend:
     cool_until: float = 0.0
     routable: bool = True
     head: bytes = b""  # the header line naming this replica in answers, encoded once
+    node: str = ""  # the leader's node: where its agent hears the traffic reports
+    completed: int = 0  # answers read to their end (status < 500), since this gateway started
+    # Upstream connections of the requests in flight (upstream.Connection), for the
+    # proxy's sweep: it reads their arrival counters and aborts them.
+    flights: set = field(default_factory=set)
+    silent_for: float = 0.0  # seconds the replica has sent nothing to any stream in flight (the sweep's figure)
+    progress_mark: int = 0  # ``completed`` when the sweep last looked
+    progress_at: float = 0.0  # when the sweep last saw ``completed`` grow
+    ejected: str = ""  # why it is cooling down (a reason for logs and metrics), "" if not
 
     def __post_init__(self):
         self.head = b"x-llmgw-replica: %s\r\n" % self.id.encode("utf-8", "surrogateescape")
 
 
 def routable(rep: Replica | None) -> bool:
-    return rep is not None and rep.state == "ready" and rep.endpoint.startswith(("http://", "https://"))
+    return rep is not None and rep.state in ROUTABLE_REPLICA and rep.endpoint.startswith(("http://", "https://"))
 
 
 class Router:
@@ -76,6 +93,10 @@ class Router:
         self._by_model: dict[str, list[Backend]] = {}  # routable ones only
         self._replica_models: dict[str, str] = {}  # every replica record, any state
         self._deployment_models: dict[str, str] = {}
+        # ``completed`` of replicas whose backend was dropped (it left ready with
+        # nothing in flight) while its record lives: the count must only grow,
+        # since the agents compare it with the last one they heard.
+        self._completed: dict[str, int] = {}
         self._turn = 0
         self.cooldowns = 0  # how many times a replica was taken out of rotation
 
@@ -83,16 +104,19 @@ class Router:
     def on_replica(self, key: str, old: Replica | None, new: Replica | None) -> None:
         if new is None:
             self._replica_models.pop(key, None)
+            self._completed.pop(key, None)
         else:
             self._replica_models[key] = new.model
         b = self._backends.get(key)
         if routable(new):
             if b is None:
                 b = self._backends[key] = Backend(key, new.model, new.endpoint.rstrip("/"))
+                b.completed = b.progress_mark = self._completed.pop(key, 0)
             elif b.endpoint != new.endpoint.rstrip("/") or b.model != new.model:
                 self._unlist(b)
                 b.model, b.endpoint = new.model, new.endpoint.rstrip("/")
                 b.failures, b.cool_until = 0, 0.0  # a new leader deserves a fresh start
+            b.node = new.members[0].node_id if new.members else ""
             if not b.routable or b not in self._by_model.get(b.model, ()):
                 b.routable = True
                 self._by_model.setdefault(b.model, []).append(b)
@@ -100,7 +124,7 @@ class Router:
             self._unlist(b)
             b.routable = False
             if b.outstanding == 0:
-                del self._backends[key]
+                self._drop(b)
 
     def on_deployment(self, key: str, old: DeploymentSpec | None, new: DeploymentSpec | None) -> None:
         if new is None:
@@ -125,6 +149,13 @@ class Router:
 
     def backends(self) -> Iterable[Backend]:
         return self._backends.values()
+
+    def has_record(self, replica_id: str) -> bool:
+        return replica_id in self._replica_models
+
+    def backend(self, replica_id: str) -> Backend | None:
+        """The replica's backend while it is routable or has requests in flight."""
+        return self._backends.get(replica_id)
 
     # -- routing ---------------------------------------------------------------
     def pick(self, model: str, exclude: Backend | None = None) -> Backend:
@@ -153,20 +184,34 @@ class Router:
     def release(self, b: Backend) -> None:
         b.outstanding -= 1
         if not b.routable and b.outstanding == 0 and self._backends.get(b.id) is b:
-            del self._backends[b.id]
+            self._drop(b)
+
+    def _drop(self, b: Backend) -> None:
+        del self._backends[b.id]
+        if b.id in self._replica_models:  # the record lives on (degraded, say): keep its count
+            self._completed[b.id] = b.completed
 
     def succeeded(self, b: Backend) -> None:
         b.failures = 0
+        b.completed += 1
 
     def failed(self, b: Backend) -> bool:
         """Count a failure; True when this one sent the replica into cool-down."""
         b.failures += 1
         if b.failures >= self.failures_before_cooldown:
-            b.failures = 0
-            b.cool_until = self.clock() + self.cooldown
-            self.cooldowns += 1
-            return True
+            return self.eject(b, "failures")
         return False
+
+    def eject(self, b: Backend, reason: str) -> bool:
+        """Out of rotation for ``cooldown`` now, whatever the count; True unless it
+        was cooling down already (then its cool-down is not extended)."""
+        b.failures = 0
+        if b.cool_until > self.clock():
+            return False
+        b.cool_until = self.clock() + self.cooldown
+        b.ejected = reason
+        self.cooldowns += 1
+        return True
 
     def cooling(self, b: Backend) -> bool:
         return b.cool_until > self.clock()

@@ -9,6 +9,7 @@ route handles its own errors, so the hot path is one coroutine call deep.
 from __future__ import annotations
 
 import time
+from typing import Any
 from urllib.parse import unquote
 
 import msgspec
@@ -26,9 +27,11 @@ _NEED_KEY = "a valid API key is required: send 'Authorization: Bearer KEY'"
 
 
 class _Head(msgspec.Struct):
-    """The only fields the gateway reads; the body itself is forwarded untouched."""
+    """The only fields the gateway reads; the body itself is forwarded untouched.
+    ``stream`` is not checked here (the engine judges it): only ``true`` makes a stream."""
 
     model: str | None = None
+    stream: Any = None
 
 
 _decode_head = msgspec.json.Decoder(_Head).decode
@@ -77,7 +80,8 @@ class GatewayApp:
             return self._refused(request, started, errors.too_large(self.max_body_bytes))
         body = request.body
         try:
-            model = _decode_head(body).model
+            head = _decode_head(body)
+            model = head.model
         except msgspec.ValidationError as e:
             if "Expected `object`" in str(e) and "$." not in str(e):
                 return self._refused(request, started, errors.bad_request("the request body must be a JSON object", code="invalid_json"))
@@ -88,7 +92,7 @@ class GatewayApp:
         if not model:
             return self._refused(request, started, errors.bad_request("'model' is required: name one of GET /v1/models", code="missing_field", param="model"))
         try:
-            return await self.forwarder.forward(request, path, body, model)
+            return await self.forwarder.forward(request, path, body, model, head.stream is True)
         except UnknownModel as e:
             return self._refused(request, started, errors.not_found(f"{e}; GET /v1/models lists the models served"), UNKNOWN_MODEL)
         except NoReadyReplica as e:

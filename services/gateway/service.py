@@ -6,6 +6,12 @@ The gateway only reads (its certificate may read ``llmgw_replicas`` and
 bucket and publishes no event: it waits for the scheduler to create the
 buckets. Routing state arrives by KV watch, never by polling; if the bus goes
 away, requests keep being routed on the last records seen.
+
+Its one publication is evidence for the agents' progress probes: every
+``traffic_interval`` a ``TrafficReport`` to ``llmgw.cmd.<node>.traffic`` for
+each node leading a replica this gateway had activity on (answers completed
+since the last report, or requests in flight), nothing when idle. The same
+loop runs the proxy's stall watch (``Forwarder.sweep``).
 """
 
 from __future__ import annotations
@@ -14,13 +20,14 @@ import asyncio
 import gc
 import signal
 import ssl
+import time
 from pathlib import Path
 
 from llmgw.shared import bus
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
-from llmgw.shared.schemas import DeploymentSpec, Replica
+from llmgw.shared.schemas import DeploymentSpec, Replica, ReplicaTraffic, TrafficReport, encode
 from prometheus_client import start_http_server
 
 from ..runtime import ServiceRuntime, run_service
@@ -28,7 +35,7 @@ from .access import AccessLog
 from .auth import ApiKeys
 from .metrics import GatewayMetrics
 from .proxy import Forwarder, Upstream
-from .router import Router
+from .router import Backend, Router
 from .httpserver import HttpServer
 from .server import GatewayApp
 
@@ -42,6 +49,26 @@ def parse_listen(listen: str, source: str = "") -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{prefix}gateway.listen: {listen!r} is not HOST:PORT (e.g. 127.0.0.1:8080)")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def traffic_reports(router: Router, gateway: str, reported: dict[str, int], now: float) -> list[TrafficReport]:
+    """One report per leader node, for the replicas with activity since the last
+    call: answers completed (``completed`` moved past ``reported``, updated here)
+    or requests in flight. Empty when idle."""
+    by_node: dict[str, list[ReplicaTraffic]] = {}
+    for b in router.backends():
+        b: Backend
+        if b.outstanding <= 0 and b.completed == reported.get(b.id, 0):
+            continue
+        reported[b.id] = b.completed
+        if not b.node:
+            continue
+        by_node.setdefault(b.node, []).append(
+            ReplicaTraffic(replica_id=b.id, completed=b.completed, in_flight=max(b.outstanding, 0), silent_for=round(b.silent_for, 3))
+        )
+    for rid in [rid for rid in reported if not router.has_record(rid)]:
+        del reported[rid]
+    return [TrafficReport(gateway=gateway, node_id=node, replicas=reps, sent_at=now) for node, reps in sorted(by_node.items())]
 
 
 def tls_context(cfg_source: str, cert: str, key: str) -> ssl.SSLContext:
@@ -75,6 +102,7 @@ class Gateway(ServiceRuntime):
         self.metrics = GatewayMetrics(self.router)
         self.upstream = Upstream(g)
         self.http: HttpServer | None = None
+        self.forwarder: Forwarder | None = None
         self.app: GatewayApp | None = None
         self.replicas: KvMirror | None = None
         self.deployments: KvMirror | None = None
@@ -110,9 +138,13 @@ class Gateway(ServiceRuntime):
 
     async def setup(self) -> None:
         await self.upstream.start()
+        g = self.cfg.gateway
+        self.forwarder = Forwarder(self.router, self.upstream, self.metrics, AccessLog() if g.access_log else None, stall_after=g.stall_after)
+        if self.replicas is not None:  # after the router's: it sees the record first
+            self.replicas.listeners.append(self.forwarder.on_replica)
         self.app = GatewayApp(
             self.router,
-            Forwarder(self.router, self.upstream, self.metrics, AccessLog() if self.cfg.gateway.access_log else None),
+            self.forwarder,
             self.metrics,
             max_body_bytes=self.cfg.gateway.max_body_bytes,
             keys=self.keys,
@@ -126,8 +158,27 @@ class Gateway(ServiceRuntime):
         except OSError as e:
             self.http = None
             raise ConfigError(f"{self.cfg.source}: gateway.listen {host}:{port}: {e.strerror or e}") from None
+        self.spawn(self.watch())
         scheme = "https" if self.tls else "http"
         self.log.info("gateway serving the OpenAI API on %s://%s:%d%s", scheme, host, self.port, " (API keys required)" if self.keys else "")
+
+    async def watch(self) -> None:
+        """The stall watch every tick, and the traffic reports every ``traffic_interval``."""
+        g = self.cfg.gateway
+        tick = min(g.traffic_interval, g.stall_after / 4)
+        reported: dict[str, int] = {}
+        next_report = 0.0
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            try:
+                self.forwarder.sweep(now)
+                if now >= next_report - tick / 10:
+                    next_report = now + g.traffic_interval
+                    for report in traffic_reports(self.router, self.instance, reported, time.time()):
+                        await self.nc.publish(S.traffic(report.node_id), encode(report))
+            except Exception:  # a bug here must not stop the watch for good
+                self.log.exception("gateway watch: sweep or traffic report failed")
 
     def reload_keys(self) -> None:
         """SIGHUP: re-read the key file; a bad file keeps the keys in force."""

@@ -23,7 +23,14 @@ Guarantees the gateway's proxy relies on:
 * failures are typed: ``ConnectFailed`` / ``ConnectTimeout`` (nothing was
   sent), ``ReadTimeout`` (silence longer than ``read_timeout``, before the
   answer or between chunks), ``Broken`` (anything else: reset, early EOF, a
-  malformed answer).
+  malformed answer), ``BadEndpoint`` (a ``ConnectFailed`` for an endpoint
+  whose host or port cannot be parsed), ``Abandoned`` (the gateway gave up on
+  the replica while the answer was awaited: ``Connection.abort``).
+
+Bookkeeping for the proxy's stall watch, kept off the hot path's clock: a
+connection counts its arrivals (``rx``, one integer increment per read) and
+notes when its request was sent (``sent_at``); a periodic sweep compares the
+count with the one it saw last, so no timer or clock call runs per byte.
 """
 
 from __future__ import annotations
@@ -54,6 +61,19 @@ class ReadTimeout(UpstreamError):
 
 class Broken(UpstreamError):
     pass
+
+
+class BadEndpoint(ConnectFailed):
+    """The endpoint's host or port cannot be parsed: nothing was sent anywhere."""
+
+
+class Abandoned(UpstreamError):
+    """The gateway stopped waiting for this answer (``Connection.abort``): the
+    replica left the ready state, or it was found stalled. ``kind`` says which."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 MAX_HEAD = 64 * 1024  # an answer's status line and headers; engines send a few hundred bytes
@@ -87,6 +107,14 @@ class Connection(asyncio.Protocol):
         self._left = 0  # bytes left: of the body (_LENGTH) or of the current chunk (_CHUNKED)
         self._chunk_state = _SIZE
         self.done = False  # the answer was read to its end
+        # The exchange as the proxy's stall watch sees it (reset by ``send``).
+        self.rx = 0  # reads so far: a counter, so the hot path calls no clock per byte
+        self.rx_mark = 0  # ``rx`` when the watch last looked
+        self.sent_at = 0.0  # monotonic time the request was sent
+        self.active_at = 0.0  # last time the watch saw the replica send on it (or sent_at)
+        self.stream = False  # the client asked for a stream
+        self.answered = False  # the client was sent something (the proxy sets it)
+        self.aborted: Abandoned | None = None
 
     # -- asyncio.Protocol: bytes in, one waiter woken ---------------------------------
     def connection_made(self, transport):
@@ -94,6 +122,7 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
+        self.rx += 1
         if len(self.buf) > _HIGH_WATER and not self.paused:
             self.paused = True
             self.transport.pause_reading()
@@ -120,6 +149,8 @@ class Connection(asyncio.Protocol):
 
     async def _fill(self) -> None:
         """Wait for more bytes. Raises Broken at EOF, ReadTimeout after read_timeout of silence."""
+        if self.aborted is not None:
+            raise self.aborted
         if self.eof:
             raise Broken(f"the connection was closed ({self.lost})" if self.lost else "the replica closed the connection")
         if self.paused:
@@ -137,7 +168,20 @@ class Connection(asyncio.Protocol):
     def send(self, data: bytes) -> None:
         self.status = 0
         self.done = False
+        self.rx = self.rx_mark = 0
+        self.sent_at = self.active_at = time.monotonic()
+        self.answered = False
         self.transport.write(data)
+
+    def abort(self, error: Abandoned) -> None:
+        """Stop waiting for this answer: whoever awaits it gets ``error`` now (and
+        at every later read), and the socket is closed, which stops the engine's work."""
+        if self.aborted is None:
+            self.aborted = error
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_exception(error)
+        self.close()
 
     async def read_head(self) -> None:
         """Parse the status line and headers; 1xx answers (other than 101) are skipped."""
@@ -365,11 +409,15 @@ class UpstreamClient:
         key = (endpoint, path)
         t = self._targets.get(key)
         if t is None:
-            u = urlsplit(endpoint)
+            try:
+                u = urlsplit(endpoint)
+                port = u.port  # a ValueError for a port that is not a number 0-65535
+            except ValueError as e:
+                raise BadEndpoint(OSError(f"cannot parse the endpoint {endpoint!r}: {e}")) from None
             if u.scheme not in ("http", "https") or not u.hostname:
-                raise ConnectFailed(OSError(f"not an http(s) endpoint: {endpoint!r}"))
+                raise BadEndpoint(OSError(f"not an http(s) endpoint: {endpoint!r}"))
             tls = u.scheme == "https"
-            port = u.port or (443 if tls else 80)
+            port = port or (443 if tls else 80)
             pkey = (u.scheme, u.hostname, port)
             pool = self._pools.get(pkey)
             if pool is None:
@@ -386,8 +434,14 @@ class UpstreamClient:
             t = self._targets[key] = _Target(pool, head)
         return t
 
-    async def post(self, endpoint: str, path: str, body: bytes, extra_headers: bytes = b"") -> Connection:
+    async def post(
+        self, endpoint: str, path: str, body: bytes, extra_headers: bytes = b"", flights: set | None = None, stream: bool = False
+    ) -> Connection:
         """Send ``body`` and read the answer's head. ``extra_headers``: whole ``Name: value\\r\\n`` lines.
+
+        ``flights``: a set the connection joins before its request is sent (so it
+        can be ``abort``-ed while the head is awaited) and leaves if this raises;
+        after a return the caller removes it. ``stream``: the client asked for one.
 
         The caller reads the body off the returned connection and then must
         ``release()`` it (read to the end) or ``close()`` it (anything else).
@@ -397,11 +451,17 @@ class UpstreamClient:
         t = self._target(endpoint, path)
         conn = await t.pool.get()
         try:
+            conn.stream = stream
+            conn.aborted = None
+            if flights is not None:
+                flights.add(conn)
             # One write, so one send(): head and body together.
             conn.send(b"%s%d\r\n%s\r\n%s" % (t.head, len(body), extra_headers, body))
             await conn.read_head()
         except BaseException:
             conn.close()
+            if flights is not None:
+                flights.discard(conn)
             raise
         return conn
 
