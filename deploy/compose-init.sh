@@ -39,6 +39,8 @@
 #   HEARTBEAT_INTERVAL  default 5s
 #   NODE_LOST_AFTER     default 60s
 #   GATEWAY_LISTEN      default 0.0.0.0:8080
+#   NATS_PUBLISHED_PORT the host port NATS is published on, for operator-host.yaml
+#                       (default 4222)
 set -euo pipefail
 
 LLMGW="${LLMGW:-llmgw}"
@@ -53,10 +55,12 @@ SIM_GPUS="${SIM_GPUS:-8}"
 HEARTBEAT_INTERVAL="${HEARTBEAT_INTERVAL:-5s}"
 NODE_LOST_AFTER="${NODE_LOST_AFTER:-60s}"
 GATEWAY_LISTEN="${GATEWAY_LISTEN:-0.0.0.0:8080}"
+NATS_PUBLISHED_PORT="${NATS_PUBLISHED_PORT:-4222}"
 SERVER_URL="tls://$NATS_HOST:4222"
 
 say() { printf 'compose-init: %s\n' "$*"; }
-llmgw() { "$LLMGW" "$@" >/dev/null; }
+# `command`: with the default LLMGW=llmgw, the function would call itself.
+llmgw() { command "$LLMGW" "$@" >/dev/null; }
 umask 077
 
 # -- the authority and the server's certificate ---------------------------------
@@ -113,7 +117,7 @@ mkdir -p "$dir"
 identity "$dir" operator operator
 service_yaml operator "$SERVER_URL" >"$dir/operator.yaml"
 # The same identity from the host, through the published port.
-service_yaml operator "tls://127.0.0.1:4222" >"$dir/operator-host.yaml"
+service_yaml operator "tls://127.0.0.1:$NATS_PUBLISHED_PORT" >"$dir/operator-host.yaml"
 
 # -- simulated nodes: the seed's agent.yaml, a fake nvidia-smi, a sysfs-shaped ib_root
 gpu_uuid() { # NODE INDEX -> a stable UUID-shaped id
