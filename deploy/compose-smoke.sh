@@ -123,12 +123,19 @@ quietly() { "$@" >>"$WORK/pip.log" 2>&1 || { tail -30 "$WORK/pip.log" >&2; die "
 python3 -m venv "$WORK/venv"
 PY="$WORK/venv/bin/python"
 quietly "$PY" -m pip install --disable-pip-version-check --upgrade pip
-quietly "$PY" -m pip wheel --no-deps -w "$WHEELHOUSE" "$ROOT"
-ARCH="$(uname -m)"
-PLATFORMS=(--platform "manylinux2014_$ARCH" --platform "linux_$ARCH")
-for minor in $(seq 17 40); do PLATFORMS+=(--platform "manylinux_2_${minor}_$ARCH"); done
-quietly "$PY" -m pip download -d "$WHEELHOUSE" --only-binary=:all: --implementation cp \
-  --python-version "$PYVER" "${PLATFORMS[@]}" "$WHEELHOUSE"/llmgw-*.whl
+if [ "$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" = "$PYVER" ]; then
+  # The same Python here and in the image: what docs/operations.md has the user type.
+  quietly "$PY" -m pip wheel -w "$WHEELHOUSE" "$ROOT"
+else
+  # Another Python in the image: llmgw's own wheel, and its dependencies as
+  # binary wheels for the image's Python and this machine's architecture.
+  quietly "$PY" -m pip wheel --no-deps -w "$WHEELHOUSE" "$ROOT"
+  ARCH="$(uname -m)"
+  PLATFORMS=(--platform "manylinux2014_$ARCH" --platform "linux_$ARCH")
+  for minor in $(seq 17 40); do PLATFORMS+=(--platform "manylinux_2_${minor}_$ARCH"); done
+  quietly "$PY" -m pip download -d "$WHEELHOUSE" --only-binary=:all: --implementation cp \
+    --python-version "$PYVER" "${PLATFORMS[@]}" "$WHEELHOUSE"/llmgw-*.whl
+fi
 quietly "$PY" -m pip install "$WHEELHOUSE"/llmgw-*.whl openai
 mark "wheelhouse ready ($(find "$WHEELHOUSE" -name '*.whl' | wc -l) wheels); host has llmgw and openai"
 
