@@ -61,7 +61,7 @@ async def supervisors(work_dir):
     made: list[Supervisor] = []
 
     async def make() -> Supervisor:
-        cfg = SupervisorConfig(work_dir=str(work_dir), log_lines=20, stop_timeout=1.0, health_interval=0.2)
+        cfg = SupervisorConfig(work_dir=str(work_dir), log_lines=20, stop_timeout=1.0, health_interval=0.2, probe_interval=1.0, probe_timeout=0.5)
         sup = Supervisor(cfg, mgmt_addr="127.0.0.1", mgmt_interface="lo", on_change=Recorder())
         await sup.adopt()
         sup.start()
@@ -166,18 +166,20 @@ async def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(supervisors, wo
     await eventually(lambda: wrapper not in zombie_children() and not os.path.exists(f"/proc/{wrapper}"), "the wrapper to be reaped")
 
 
-async def test_a_leader_that_stops_answering_goes_back_to_starting(supervisors, work_dir):
+async def test_a_leader_that_stops_answering_is_stalled_until_it_makes_progress(supervisors, work_dir):
     sup = await supervisors()
     assert (await sup.launch(make_launch("r1"), NODE_GPUS)).ok
     await eventually(lambda: sup.on_change.state("r1") == "ready", "the leader to be ready")
     (pid, _), = recorded_engines(work_dir).values()
     os.kill(pid, signal.SIGSTOP)  # frozen: alive, but answering nothing
     try:
-        await eventually(lambda: sup.on_change.state("r1") == "starting", "the frozen leader to be starting again")
+        await eventually(lambda: sup.on_change.state("r1") == "stalled", "the frozen leader to be stalled")
     finally:
         os.kill(pid, signal.SIGCONT)
     await eventually(lambda: sup.on_change.state("r1") == "ready", "the thawed leader to be ready again")
-    assert [f.state for f in sup.on_change.facts] == ["starting", "ready", "starting", "ready"]
+    assert [f.state for f in sup.on_change.facts] == ["starting", "ready", "stalled", "ready"]
+    stalled = sup.on_change.facts[2]
+    assert stalled.detail.startswith(("/health failed 2 times in a row", "canary sent")), stalled.detail
 
 
 async def test_a_new_supervisor_adopts_running_engines_and_learns_their_exit_codes(supervisors, work_dir):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.schemas import LaunchCommand
 
-__all__ = ["ENGINES", "AdapterError", "EngineCommand", "build"]
+__all__ = ["ENGINES", "AdapterError", "EngineCommand", "build", "served_model"]
 
 
 class AdapterError(ConfigError):
@@ -249,3 +249,26 @@ def build(cmd: LaunchCommand, *, mgmt_addr: str, mgmt_interface: str, python: st
     if not mgmt_addr or not mgmt_interface:
         raise AdapterError("the node's mgmt_addr and mgmt_interface are required to launch an engine")
     return adapter(cmd, mgmt_addr, mgmt_interface, python)
+
+
+def served_model(cmd: LaunchCommand) -> str:
+    """The model name the leader answers to, for the agent's canary request.
+
+    Every engine here serves ``cmd.model`` unless the deployment's engine_args
+    give ``--served-model-name`` (vLLM, SGLang and sim alike; vLLM accepts
+    several names and answers to each, so the first is used).
+    """
+    args = list(cmd.engine_args)
+    for i, arg in enumerate(args):
+        flag = _norm_flag(arg)
+        if flag != "--served-model-name":
+            continue
+        if "=" in arg:
+            value = arg.split("=", 1)[1]
+        elif i + 1 < len(args) and not args[i + 1].startswith("-"):
+            value = args[i + 1]
+        else:
+            continue
+        if value.strip():
+            return value
+    return cmd.model

@@ -13,9 +13,16 @@ What it sends, and when:
   held back during a disconnect and delivered later would vouch for a moment
   that has passed, so none is ever buffered;
 * ``StatusReport(full=True)`` at start and on every reconnect, and
-  ``full=False`` with just the engines that changed in between. Changes seen
+  ``full=False`` with just the engines that changed in between (at once: a
+  leader going ``stalled`` or an engine ``peer-lost`` is news the scheduler
+  acts on). Changes seen
   while disconnected are dropped, not queued: the full report on reconnect
   carries the current state of every engine, which supersedes them.
+
+What it listens to, besides commands: the gateways' ``TrafficReport`` on
+``llmgw.cmd.<node>.traffic`` — evidence of progress (or of silence) for the
+leaders it supervises, which the supervisor merges with its own canaries. A
+malformed report is logged, counted and dropped; the agent carries on.
 
 SIGTERM or SIGINT ends the agent and nothing else: engines keep running and the
 next agent adopts them (invariant 5).
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -48,6 +56,7 @@ from llmgw.shared.schemas import (
     LaunchCommand,
     StatusReport,
     StopCommand,
+    TrafficReport,
     decode,
     encode,
 )
@@ -106,6 +115,7 @@ class Agent:
         self._outbox: asyncio.Queue[EngineFact | _FullReport] = asyncio.Queue()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self.bad_traffic = 0
 
     # -- run ---------------------------------------------------------------------
     async def run(self) -> int:
@@ -308,6 +318,7 @@ class Agent:
         await self.nc.subscribe(S.cmd_stop(self.node), cb=self._answering(self._stop_cmd))
         await self.nc.subscribe(S.cmd_list(self.node), cb=self._answering(self._list))
         await self.nc.subscribe(S.cmd_inventory(self.node), cb=self._answering(self._inventory_cmd))
+        await self.nc.subscribe(S.traffic(self.node), cb=self._on_traffic)
         await self.nc.flush()
 
     def _answering(self, handler: Callable[[bytes], Awaitable[CommandAck | StatusReport | Inventory]]):
@@ -331,6 +342,20 @@ class Agent:
                 log.warning("%s: reply not sent: %s", msg.subject, e)
 
         return on_msg
+
+    async def _on_traffic(self, msg: Msg) -> None:
+        try:
+            report = decode(msg.data, TrafficReport)
+            problem = _traffic_problem(report, self.node)
+            if problem:
+                raise WireError("TrafficReport", f"from gateway {report.gateway!r}: {problem}")
+            self.supervisor.traffic(report)
+        except WireError as e:
+            self.bad_traffic += 1
+            log.warning("%s: dropped a traffic report (%d so far): %s", msg.subject, self.bad_traffic, e)
+        except Exception:  # a bug here must not end the subscription
+            self.bad_traffic += 1
+            log.exception("%s: handling a traffic report failed", msg.subject)
 
     async def _launch(self, data: bytes) -> CommandAck:
         cmd = decode(data, LaunchCommand)
@@ -371,6 +396,20 @@ class Agent:
         )  # fmt: skip
         for w in self.found.warnings:
             log.warning("discovery: %s", w)
+
+
+def _traffic_problem(report: TrafficReport, node: str) -> str:
+    """What makes a well-typed report unusable, or ''."""
+    if not report.gateway:
+        return "no gateway name"
+    if report.node_id != node:
+        return f"it is about node {report.node_id!r}, not this node {node!r}"
+    for rt in report.replicas:
+        if rt.completed < 0 or rt.in_flight < 0:
+            return f"replica {rt.replica_id!r}: negative counts (completed {rt.completed}, in_flight {rt.in_flight})"
+        if not math.isfinite(rt.silent_for) or rt.silent_for < 0:
+            return f"replica {rt.replica_id!r}: silent_for must be a number of seconds >= 0, got {rt.silent_for}"
+    return ""
 
 
 def main(args: argparse.Namespace) -> int:

@@ -9,17 +9,37 @@ systemd's ``KillMode=process`` reaches it, and everything the supervisor knows
 about it is in its directory (``enginedir.py``), from which a restarted agent
 adopts it as it is: nothing killed, nothing restarted.
 
-Engine states, as reported in ``EngineFact.state``::
+Engine states, as reported in ``EngineFact.state`` (``shared/states.py``)::
 
     launch / adopt ──> starting ──(leader: GET /health == 200)──> ready
-                          ^                                          │
-                          └───(leader: /health fails twice running)──┘
+                                                                  │  ^
+        (leader: a canary gets no token in probe_timeout,         v  │ (a canary gets a token,
+         or a gateway's requests in flight get no byte for     stalled  or a gateway's completed
+         stall_after, or /health fails twice running)                    count grows)
+    any running ──(its own log says a peer of its group is gone)──> peer-lost
     any ──(process gone; exit_code from the wrapper)──> exited ──(stop)──> forgotten
 
-Workers never listen (invariant 3), so they are watched as processes only and
-stay ``starting`` while alive. An exited engine is kept, with its exit code and
-log tail, until a stop for it arrives, so the control plane always sees the
-exit, even across a reconnect or an agent restart.
+Every change goes out at once as a status delta, with ``EngineFact.detail``
+saying in words what was seen ("canary sent 12:00:01 got no token in 3s").
+
+Progress probes. ``/health`` answers while a multi-node engine's collective
+hangs, so a ready leader is also asked for a token: every ``probe_interval`` a
+one-token completion (the canary) — unless real requests completed on it in
+that interval, which the gateways report (``TrafficReport``, merged per
+gateway, a gateway's entry forgotten after a few intervals without news).
+A gateway's report of requests in flight that got no byte for ``stall_after``
+is evidence of a stall too, without waiting for the next canary.
+
+Peer loss. A multi-node engine whose peer went away says so in its own log
+(the sim: "rank 1 lost (...)", "lost the leader (...)"; NCCL, Gloo and torch
+print their own lines, see ``PEER_LOST_PATTERNS`` and docs/engines.md). Such a
+group is broken for good, so the line is reported as ``peer-lost`` with the
+line as detail, within ``LOG_SCAN_INTERVAL``.
+
+Workers never listen (invariant 3), so they are watched as processes (and
+logs) only and stay ``starting`` while alive. An exited engine is kept, with
+its exit code and log tail, until a stop for it arrives, so the control plane
+always sees the exit, even across a reconnect or an agent restart.
 """
 
 from __future__ import annotations
@@ -27,7 +47,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,8 +62,8 @@ import aiohttp
 
 from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import LlmgwError, WireError
-from llmgw.shared.schemas import CommandAck, EngineFact, LaunchCommand
-from llmgw.shared.schemas import ReportedEngineState as EngineState
+from llmgw.shared.schemas import CommandAck, EngineFact, LaunchCommand, TrafficReport
+from llmgw.shared.states import EngineState
 
 from . import adapters, procfs
 from .config import SupervisorConfig
@@ -67,12 +89,50 @@ POLL = 0.02
 # stopped serving. It also keeps a dying leader from flapping to ``starting``
 # just before its exit is seen.
 HEALTH_FAILURES_BEFORE_UNREADY = 2
+# Engine logs are read for peer-loss lines this often, at most this much per read.
+LOG_SCAN_INTERVAL = 0.25
+LOG_SCAN_MAX = 1 << 20
+# Lines in an engine's own output saying a peer of its group is gone for good.
+# Matched case-sensitively against each line; docs/engines.md says where each
+# comes from and which are verified against the engines' sources.
+PEER_LOST_PATTERNS = tuple(
+    re.compile(p)
+    for p in (
+        r"\brank \d+ lost\b",  # llmgw sim leader: "rank 1 lost (no word from ...)"
+        r"\blost the leader\b",  # llmgw sim worker: "lost the leader (...)"
+        r"Connection closed by peer",  # Gloo (torch.distributed CPU groups, vLLM/SGLang control plane)
+        r"ncclRemoteError|remote process exited or there was a network error",  # NCCL
+        r"Watchdog caught collective operation timeout",  # torch ProcessGroupNCCL watchdog
+    )
+)
+# The canary: one token of a real generation.
+CANARY_PROMPT = "ping"
+# A gateway's traffic entry is forgotten after this many probe intervals without a report.
+TRAFFIC_FORGET_INTERVALS = 3
 # How many stopped replicas' generations are remembered (for refusing late launches).
 MAX_FENCES = 4096
 FENCES_FILE = "fences.json"
 
 EngineKey = tuple[str, int, int]  # (replica_id, generation, rank)
 OnChange = Callable[[EngineFact], None]
+
+
+@dataclass
+class GatewayTraffic:
+    """The last report of one gateway about one leader's replica."""
+
+    completed: int
+    in_flight: int
+    silent_for: float
+    received_at: float  # monotonic
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def _refuse(code: str, reason: str) -> CommandAck:
@@ -90,7 +150,8 @@ class Engine:
     dir: EngineDir
     spec: EngineSpec
     pids: PidRecord | None = None
-    state: EngineState = "starting"
+    state: EngineState = EngineState.STARTING
+    detail: str = ""
     exit_code: int | None = None
     log_tail: list[str] = field(default_factory=list)
     since: float = field(default_factory=time.time)
@@ -98,6 +159,15 @@ class Engine:
     health_failures: int = 0
     # The wrapper, when this agent started it (adopted engines have none).
     child: subprocess.Popen | None = None
+    # Progress probes (leaders): when the next canary is due, the one in
+    # flight, when a gateway last saw requests complete, and per gateway what
+    # it last reported (all times monotonic).
+    probe_due: float = 0.0
+    canary: asyncio.Task | None = None
+    completed_at: float = -math.inf
+    traffic: dict[str, GatewayTraffic] = field(default_factory=dict)
+    # How far the log has been read for peer-loss lines.
+    log_offset: int = 0
 
     @property
     def cmd(self) -> LaunchCommand:
@@ -117,7 +187,12 @@ class Engine:
 
     @property
     def live(self) -> bool:
-        return self.state != "exited"
+        return self.state != EngineState.EXITED
+
+    @property
+    def probed(self) -> bool:
+        """A serving leader whose progress is watched: ready or stalled, not being stopped."""
+        return self.spec.serves_http and self.stopping is None and self.state in (EngineState.READY, EngineState.STALLED)
 
     def fact(self) -> EngineFact:
         c = self.cmd
@@ -129,6 +204,7 @@ class Engine:
             serves_http=self.spec.serves_http,
             pid=self.pid,
             state=self.state,
+            detail=self.detail,
             exit_code=self.exit_code,
             gpus=list(c.gpus),
             http_port=c.http_port,
@@ -214,6 +290,10 @@ class Supervisor:
         self._reaping: list[subprocess.Popen] = []
         self._http: aiohttp.ClientSession | None = None
         self._watch: asyncio.Task | None = None
+        self._scan: asyncio.Task | None = None
+        # For tests and logs: canaries sent, traffic reports refused.
+        self.canaries_sent = 0
+        self.bad_traffic = 0
 
     # -- queries -----------------------------------------------------------------
     def facts(self) -> list[EngineFact]:
@@ -249,10 +329,12 @@ class Supervisor:
                 if e.stopping is not None:
                     self._start_stop(e)
             self._watch = asyncio.create_task(self._watch_loop(), name="supervisor-watch")
+            self._scan = asyncio.create_task(self._scan_loop(), name="supervisor-log-scan")
 
     async def close(self) -> None:
         """Stop watching. Engines keep running; unfinished stops are finished by the next agent."""
-        tasks = [t for t in (self._watch, *self._stops.values()) if t is not None]
+        canaries = [e.canary for e in self._engines.values() if e.canary is not None]
+        tasks = [t for t in (self._watch, self._scan, *self._stops.values(), *canaries) if t is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -260,7 +342,7 @@ class Supervisor:
                 await t
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing; nothing left to tell
                 pass
-        self._watch = None
+        self._watch = self._scan = None
         self._stops.clear()
         if self._http is not None:
             await self._http.close()
@@ -295,7 +377,7 @@ class Supervisor:
                 f"http port {e.cmd.http_port}, rendezvous port {e.cmd.rendezvous_port}); "
                 "a changed member needs a new generation",
             )
-        what = f"exited with code {e.exit_code}" if e.state == "exited" else e.state
+        what = f"exited with code {e.exit_code}" if e.state == EngineState.EXITED else e.state
         return CommandAck(ok=True, pid=e.pid, reason=f"already launched: {e.label} pid {e.pid} ({what}); nothing started")
 
     def _fenced(self, cmd: LaunchCommand) -> CommandAck | None:
@@ -474,6 +556,8 @@ class Supervisor:
         """Drop an engine from the record: its directory goes, its wrapper is reaped."""
         if self._engines.get(e.key) is e:
             del self._engines[e.key]
+        if e.canary is not None:
+            e.canary.cancel()
         e.dir.remove()
         if e.child is not None and e.child.poll() is None:
             self._reaping.append(e.child)
@@ -503,26 +587,32 @@ class Supervisor:
                 log.info("%s: the engine's pid is %d (the wrapper was slow to start it)", e.label, e.pid)
                 self._notify(e)
         await self._probe_leaders()
+        self._probe_progress()
 
     def _exited(self, e: Engine) -> None:
         if not e.live:
             return
         e.load_pids()
         code = e.recorded_exit()
-        e.state, e.exit_code, e.since = "exited", code, time.time()
+        if e.canary is not None:
+            e.canary.cancel()
+        e.state, e.exit_code, e.since = EngineState.EXITED, code, time.time()
         e.log_tail = e.dir.log_tail(self.cfg.log_lines)
         if code is None:
             note = f"[llmgw agent] exit code unknown: {e.why_unknown()}"
             e.log_tail = [*e.log_tail[-(self.cfg.log_lines - 1) :], note] if self.cfg.log_lines > 1 else [note]
         how = "exit code unknown" if code is None else (f"killed by signal {-code}" if code < 0 else f"exit code {code}")
+        e.detail = how
         level = logging.INFO if e.stopping is not None else logging.WARNING
         log.log(level, "%s (pid %d) exited: %s%s", e.label, e.pid, how, "" if e.stopping else "; last lines: " + " | ".join(e.log_tail[-3:]))
         self._notify(e)
 
-    def _set_state(self, e: Engine, state: EngineState, why: str) -> None:
+    def _set_state(self, e: Engine, state: EngineState, why: str, detail: str = "") -> None:
+        """Move a running engine to ``state``; ``detail`` is what the control plane is told about why."""
         if e.state != state and e.live:
-            e.state, e.since = state, time.time()
-            log.info("%s (pid %d) is %s: %s", e.label, e.pid, state, why)
+            e.state, e.detail, e.since = state, detail, time.time()
+            log.log(logging.INFO if state in (EngineState.READY, EngineState.STARTING) else logging.WARNING,
+                    "%s (pid %d) is %s: %s", e.label, e.pid, state, why)  # fmt: skip
             self._notify(e)
 
     def _notify(self, e: Engine) -> None:
@@ -534,31 +624,174 @@ class Supervisor:
             log.exception("engine state listener failed for %s", e.label)
 
     async def _probe_leaders(self) -> None:
-        leaders = [e for e in self._engines.values() if e.live and e.spec.serves_http and e.spec.health_url]
+        leaders = [e for e in self._engines.values() if e.live and e.spec.serves_http and e.spec.health_url and e.state != EngineState.PEER_LOST]
         if leaders:
             await asyncio.gather(*(self._probe(e) for e in leaders))
 
     async def _probe(self, e: Engine) -> None:
-        ok = await self._healthy(e.spec.health_url)
-        if not e.live:
+        problem = await self._healthy(e.spec.health_url)
+        if not e.live or e.state == EngineState.PEER_LOST:
             return
-        if ok:
+        if problem is None:
             e.health_failures = 0
-            self._set_state(e, "ready", f"{e.spec.health_url} answers 200")
+            if e.state == EngineState.STARTING:
+                self._set_state(e, EngineState.READY, f"{e.spec.health_url} answers 200")
+                # Just answered: the first canary is due one interval from now.
+                e.probe_due = time.monotonic() + self.cfg.probe_interval
+            # A stalled leader whose /health answers again is still stalled
+            # until a token shows it makes progress (the canary).
         else:
             e.health_failures += 1
-            if e.state == "ready" and e.health_failures >= HEALTH_FAILURES_BEFORE_UNREADY:
-                self._set_state(e, "starting", f"{e.spec.health_url} stopped answering")
+            if e.state == EngineState.READY and e.stopping is None and e.health_failures >= HEALTH_FAILURES_BEFORE_UNREADY:
+                self._set_state(
+                    e, EngineState.STALLED, f"{e.spec.health_url} failed {e.health_failures} times running: {problem}",
+                    detail=f"/health failed {e.health_failures} times in a row: {problem}",
+                )  # fmt: skip
 
-    async def _healthy(self, url: str) -> bool:
+    async def _healthy(self, url: str) -> str | None:
+        """None when ``url`` answers 200, else what went wrong, in words."""
+        timeout_s = min(2.0, max(0.5, self.cfg.health_interval))
+        try:
+            async with self._session().get(url, timeout=aiohttp.ClientTimeout(total=timeout_s), allow_redirects=False) as r:
+                return None if r.status == 200 else f"HTTP {r.status}"
+        except asyncio.TimeoutError:
+            return f"no answer in {format_duration(timeout_s)}"
+        except (aiohttp.ClientError, OSError) as err:
+            return str(err) or type(err).__name__
+
+    def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
             self._http = aiohttp.ClientSession()
-        timeout = aiohttp.ClientTimeout(total=min(2.0, max(0.5, self.cfg.health_interval)))
+        return self._http
+
+    # -- progress: canaries and the gateways' traffic -------------------------------
+    def _probe_progress(self) -> None:
+        """Send the canaries that are due; forget gateways that went quiet."""
+        now = time.monotonic()
+        forget = TRAFFIC_FORGET_INTERVALS * self.cfg.probe_interval
+        for e in self._engines.values():
+            for gw in [g for g, t in e.traffic.items() if now - t.received_at > forget]:
+                del e.traffic[gw]
+            if not e.probed or now < e.probe_due or (e.canary is not None and not e.canary.done()):
+                continue
+            e.probe_due = now + self.cfg.probe_interval
+            if e.state == EngineState.READY and now - e.completed_at < self.cfg.probe_interval:
+                continue  # real requests completed in the interval: no canary needed
+            e.canary = asyncio.create_task(self._canary(e), name=f"canary-{e.label}")
+
+    async def _canary(self, e: Engine) -> None:
+        sent = time.time()
+        self.canaries_sent += 1
+        problem = await self._ask_token(e)
+        e.probe_due = time.monotonic() + self.cfg.probe_interval
+        if not e.probed:
+            return
+        if problem is None:
+            if e.state == EngineState.STALLED:
+                self._set_state(e, EngineState.READY, f"canary sent {_clock(sent)} got a token")
+        elif e.state == EngineState.READY:
+            detail = f"canary sent {_clock(sent)} {problem}"
+            self._set_state(e, EngineState.STALLED, detail, detail=detail)
+
+    async def _ask_token(self, e: Engine) -> str | None:
+        """One-token completion from the leader: None when a token came, else what happened instead."""
+        url = e.spec.health_url.rsplit("/health", 1)[0] + "/v1/completions"
+        body = {"model": adapters.served_model(e.cmd), "prompt": CANARY_PROMPT, "max_tokens": 1}
+        timeout_s = self.cfg.probe_timeout
         try:
-            async with self._http.get(url, timeout=timeout, allow_redirects=False) as r:
-                return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
+            async with self._session().post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s), allow_redirects=False) as r:
+                raw = await r.read()
+                if r.status != 200:
+                    return f"failed: HTTP {r.status}: {raw[:200].decode(errors='replace')}"
+        except asyncio.TimeoutError:
+            return f"got no token in {format_duration(timeout_s)}"
+        except (aiohttp.ClientError, OSError) as err:
+            return f"failed: {str(err) or type(err).__name__}"
+        try:
+            answer = json.loads(raw)
+            choices = answer.get("choices") or []
+            texts = [c.get("text") or "" for c in choices if isinstance(c, dict)]
+            tokens = (answer.get("usage") or {}).get("completion_tokens") or 0
+        except (ValueError, AttributeError):
+            return f"failed: the answer is not an OpenAI completion: {raw[:120]!r}"
+        if any(texts) or (isinstance(tokens, int) and tokens >= 1):
+            return None
+        return f"failed: the answer carries no token: {raw[:120]!r}"
+
+    def traffic(self, report: TrafficReport) -> None:
+        """A gateway's evidence about the replicas whose leader runs here."""
+        now = time.monotonic()
+        leaders: dict[str, Engine] = {}
+        for e in self._engines.values():
+            if e.live and e.spec.serves_http:
+                have = leaders.get(e.cmd.replica_id)
+                if have is None or e.cmd.generation > have.cmd.generation:
+                    leaders[e.cmd.replica_id] = e
+        gw = report.gateway
+        for rt in report.replicas:
+            e = leaders.get(rt.replica_id)
+            if e is None:
+                continue  # not (or no longer) here: the gateway's view lags ours
+            prev = e.traffic.get(gw)
+            grown = rt.completed - prev.completed if prev is not None and rt.completed > prev.completed else 0
+            e.traffic[gw] = GatewayTraffic(rt.completed, rt.in_flight, rt.silent_for, now)
+            if grown:
+                e.completed_at = now
+            if not e.probed:
+                continue
+            if grown:
+                if e.state == EngineState.STALLED:
+                    self._set_state(e, EngineState.READY, f"{_plural(grown, 'request')} completed on it (gateway {gw})")
+            elif rt.in_flight > 0 and rt.silent_for >= self.cfg.stall_after and e.state == EngineState.READY:
+                detail = f"{_plural(rt.in_flight, 'request')} in flight, no byte for {rt.silent_for:.0f}s (gateway {gw})"
+                self._set_state(e, EngineState.STALLED, detail, detail=detail)
+
+    # -- peer loss, from the engines' own output -------------------------------------
+    async def _scan_loop(self) -> None:
+        while True:
+            try:
+                self.scan_logs()
+            except Exception:  # a bug here must not stop the watching of every engine
+                log.exception("reading engine logs failed; trying again")
+            await asyncio.sleep(LOG_SCAN_INTERVAL)
+
+    def scan_logs(self) -> None:
+        """Read what each running engine logged since the last scan; report a peer-loss line."""
+        for e in list(self._engines.values()):
+            if not e.live or e.state == EngineState.PEER_LOST or e.stopping is not None:
+                continue
+            line = self._new_peer_loss_line(e)
+            if line is not None:
+                self._set_state(e, EngineState.PEER_LOST, f"its log says: {line}", detail=line)
+
+    def _new_peer_loss_line(self, e: Engine) -> str | None:
+        path = e.dir.log_path
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            return None
+        if size < e.log_offset:
+            e.log_offset = 0  # truncated or replaced
+        if size == e.log_offset:
+            return None
+        start = max(e.log_offset, size - LOG_SCAN_MAX)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read(size - start)
+        except OSError:
+            return None
+        end = data.rfind(b"\n")
+        if end < 0:
+            if len(data) < LOG_SCAN_MAX:
+                return None  # half a line: read it whole next time
+            end = len(data) - 1
+        e.log_offset = start + end + 1
+        for raw in data[: end + 1].splitlines():
+            text = raw.decode("utf-8", errors="replace").strip()
+            if any(p.search(text) for p in PEER_LOST_PATTERNS):
+                return text[:500]
+        return None
 
     # -- adoption ------------------------------------------------------------------
     def _load(self, d: EngineDir) -> Engine | None:
