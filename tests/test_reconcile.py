@@ -637,13 +637,13 @@ def test_ctl_deployments_counts_outdated_replicas_during_a_rollout():
     from llmgw.services.ctl.ops import deployment_table
 
     w = four_single_node_replicas_world(replicas=2, nodes=4)
-    assert deployment_table(w.deployments, w.replicas)[1][3:] == ("2/2", "1 node(s) × 8 GPU(s)", "-")
+    assert deployment_table(w.deployments, w.replicas)[1][3:6] == ("2/2", "1 node(s) × 8 GPU(s)", "-")
     change_template(w, engine_args=["--v2"])
     w.step()
-    assert deployment_table(w.deployments, w.replicas)[1][3:] == ("2/2", "1 node(s) × 8 GPU(s)", "2")
+    assert deployment_table(w.deployments, w.replicas)[1][3:6] == ("2/2", "1 node(s) × 8 GPU(s)", "2")
     w.engines("sim-g3", all="ready")
     w.step()  # sim-g1 reaping: on its way out, no longer counted as outdated
-    assert deployment_table(w.deployments, w.replicas)[1][3:] == ("2/2", "1 node(s) × 8 GPU(s)", "1")
+    assert deployment_table(w.deployments, w.replicas)[1][3:6] == ("2/2", "1 node(s) × 8 GPU(s)", "1")
 
 
 def test_count_or_timeout_changes_replace_nothing():

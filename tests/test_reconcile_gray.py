@@ -461,3 +461,88 @@ def test_a_node_cordoned_meanwhile_has_its_history_dropped():
     w.nodes["node01"] = msgspec.structs.replace(w.nodes["node01"], admin="draining", admin_by="operator")
     w.step()
     assert "node01" in w.plan.settled and "node01" not in w.history
+
+
+# --------------------------------------------------------------------------
+# The operator's view: ctl and the console (pure parts)
+# --------------------------------------------------------------------------
+
+
+def test_ctl_deployments_shows_the_backoff_and_json_keeps_its_fields():
+    from llmgw.services.ctl.ops import backoff_line, deployment_table
+
+    w = single_node_world(config=ReconcileConfig(backoff_base=5.0))
+    w.step()
+    crash_once(w)
+    table = deployment_table(w.deployments, w.replicas, now=w.now)
+    assert table[0][-1] == "BACKOFF"
+    at = dt.datetime.fromtimestamp(w.now + 5.0).strftime("%H:%M:%S")
+    assert table[1][3:] == ("0/1", "1 node(s) × 8 GPU(s)", "-", f"1×, next {at}")
+    assert backoff_line(w.deployments["sim"], w.now).startswith(f"backing off after 1 failure before serving; next attempt at {at}")
+    # Past retry_at it still says how many in a row, without a next time.
+    assert deployment_table(w.deployments, w.replicas, now=w.now + 6.0)[1][-1] == "1×"
+
+
+def test_ctl_nodes_json_adds_admin_reason_and_who():
+    from llmgw.services.ctl.ops import admin_text, node_rows
+
+    nodes, leases = cluster(make_node("node01"), make_node("node02"))
+    nodes["node01"] = msgspec.structs.replace(nodes["node01"], admin="cordoned", admin_by="auto", admin_reason="3 replica failures in 10m: x")
+    rows = {r["node_id"]: r for r in node_rows(nodes, leases, {})}
+    assert (rows["node01"]["admin"], rows["node01"]["admin_by"], rows["node01"]["admin_reason"]) == ("cordoned", "auto", "3 replica failures in 10m: x")
+    assert admin_text(rows["node01"]) == "cordoned (auto)" and admin_text(rows["node02"]) == "active"
+    assert {"node_id", "fabrics", "gpus_total", "gpus_free", "state", "admin", "mgmt_addr", "lease_age"} <= rows["node02"].keys()
+
+
+def test_ctl_explain_head_names_backoff_and_the_stalled_member():
+    from llmgw.services.ctl.ops import explain_lines
+    from llmgw.services.scheduler.service import explain_reply
+    from llmgw.services.scheduler.view import ClusterView
+
+    w = degraded_world()
+    view = ClusterView.build(w.nodes, w.leases, w.replicas.values())
+    spec = msgspec.structs.replace(w.deployments["sim"], failures=2, retry_at=w.now + 10, last_failure="sim-g0: member rank 0 on node01 exited")
+    ex = explain_reply(spec, view, w.replicas.values(), w.now)
+    lines = explain_lines(ex)
+    assert lines[0].startswith("deployment sim: ")
+    assert lines[1].startswith("backing off after 2 failures before serving: sim-g0: member rank 0 on node01 exited; next attempt at ")
+    assert lines[2] == "replica sim-g1 degraded: leader on node01 stalled: canary sent 12:00:01 got no token in 3s"
+    assert lines[3] == "  rank 0 on node01: stalled: canary sent 12:00:01 got no token in 3s"
+    assert {"deployment", "summary", "nodes", "placeable"} <= ex.keys()  # what scripts read stays
+
+
+def test_console_marks_degraded_and_shows_a_deployment_backing_off():
+    from tui.model import BACKOFF, ClusterState, MarkBook, replica_tone, replica_views
+    from tui.palette import GPU_CELL_STYLE, REPLICA_TONE_STYLE
+    from tui.replicas import state_text, summary
+
+    w = degraded_world()
+    backing = msgspec.structs.replace(
+        make_deployment("other", replicas=1), failures=3, retry_at=w.now + 20, last_failure="other-g3: member rank 0 on node03 exited"
+    )
+    state = ClusterState(w.nodes, w.leases, w.replicas, {"sim": w.deployments["sim"], "other": backing})
+    rows = replica_views(state, w.now, MarkBook())
+    degraded, waiting = rows
+    assert (degraded.id, degraded.state, degraded.tone) == ("sim-g1", RS.DEGRADED, "degraded")
+    assert "canary sent 12:00:01" in degraded.reason
+    assert str(state_text(degraded)) == "⚠ degraded"
+    assert (waiting.id, waiting.state, waiting.tone, waiting.age) == ("(other)", BACKOFF, "backoff", "in 20s")
+    assert waiting.reason.startswith("backing off after 3 failures before serving; next attempt at ")
+    assert summary(rows) == "1 degraded · 1 backoff"
+    # A colour of its own, on the row and on its GPU cells.
+    assert replica_tone(RS.DEGRADED) == "degraded"
+    assert REPLICA_TONE_STYLE["degraded"] not in (REPLICA_TONE_STYLE["ready"], REPLICA_TONE_STYLE["starting"], REPLICA_TONE_STYLE["failing"])
+    assert GPU_CELL_STYLE["degraded"] not in (GPU_CELL_STYLE["ready"], GPU_CELL_STYLE["starting"], GPU_CELL_STYLE["failing"])
+    # Once retry_at has passed, no backoff row.
+    assert [r.id for r in replica_views(state, w.now + 21, MarkBook())] == ["sim-g1"]
+
+
+def test_console_node_detail_shows_the_auto_cordon_reason_and_engine_detail():
+    from tui.model import ClusterState, node_detail
+
+    w = degraded_world()
+    w.nodes["node01"] = msgspec.structs.replace(w.nodes["node01"], admin="cordoned", admin_by="auto", admin_reason="3 replica failures in 10m: x")
+    v = node_detail("node01", ClusterState(w.nodes, w.leases, w.replicas), [], {}, w.now)
+    assert v.admin_reason == "auto: 3 replica failures in 10m: x"
+    (m,) = v.members
+    assert (m.engine_state, m.engine_detail) == (E.STALLED, "canary sent 12:00:01 got no token in 3s")

@@ -29,7 +29,7 @@ from llmgw.shared import bus, subjects as S
 from llmgw.shared.config import ServiceConfig
 from llmgw.shared.errors import BusError, WireError
 from llmgw.shared.kvmirror import KvMirror
-from llmgw.shared.schemas import Event, Lease, NodeRecord, Replica, decode
+from llmgw.shared.schemas import DeploymentSpec, Event, Lease, NodeRecord, Replica, decode
 
 from .model import ClusterState
 
@@ -41,7 +41,14 @@ COALESCE = 0.03
 # service's configuration allows for its own reconnects.
 RECONNECT_MAX = 5.0
 
-MIRRORED = ((S.BUCKET_NODES, NodeRecord), (S.BUCKET_LEASES, Lease), (S.BUCKET_REPLICAS, Replica))
+MIRRORED = (
+    (S.BUCKET_NODES, NodeRecord),
+    (S.BUCKET_LEASES, Lease),
+    (S.BUCKET_REPLICAS, Replica),
+    (S.BUCKET_DEPLOYMENTS, DeploymentSpec),  # a deployment's crash-loop backoff
+)
+# Mirrored when there, not waited for: the banner does not hold the screen for them.
+OPTIONAL = frozenset({S.BUCKET_DEPLOYMENTS})
 
 
 @dataclass(frozen=True)
@@ -206,7 +213,8 @@ class Feed(Session):
                 await mirror.start(timeout=5)
                 break
             except BucketNotFoundError:
-                self._wait_for(bucket, f"waiting for {bucket} (its writer has not created it yet)")
+                if bucket not in OPTIONAL:  # without it the console has nothing to say yet
+                    self._wait_for(bucket, f"waiting for {bucket} (its writer has not created it yet)")
             except Exception as e:  # JetStream may still be recovering after a server restart
                 self._wait_for(bucket, f"cannot watch {bucket} yet ({type(e).__name__})")
             if mirror is not None:
@@ -228,7 +236,7 @@ class Feed(Session):
             m = self.mirrors.get(bucket)
             return dict(m.items) if m else {}
 
-        return ClusterState(items(S.BUCKET_NODES), items(S.BUCKET_LEASES), items(S.BUCKET_REPLICAS))
+        return ClusterState(items(S.BUCKET_NODES), items(S.BUCKET_LEASES), items(S.BUCKET_REPLICAS), items(S.BUCKET_DEPLOYMENTS))
 
     # -- events ----------------------------------------------------------------
 

@@ -12,8 +12,9 @@ import string
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from llmgw.services.ctl.ops import node_rows
-from llmgw.shared.schemas import Event, Lease, NodeRecord, Replica
+from llmgw.services.ctl.ops import backoff_line, node_rows
+from llmgw.shared.schemas import DeploymentSpec, Event, Lease, NodeRecord, Replica
+from llmgw.shared.states import ENDING_REPLICA, ReplicaState
 
 # The panel of nodes configured on no fabric (they host single-node replicas only).
 NO_FABRIC = "no fabric"
@@ -23,17 +24,21 @@ NO_FABRIC = "no fabric"
 NODE_STATES = ("lost", "suspect", "draining", "cordoned", "ready", "unknown")
 
 # Replica states grouped by what an operator should feel about them.
-STARTING = ("pending", "launching", "waiting-for-workers")
-FAILING = ("failed", "reaping")
+STARTING = (ReplicaState.PENDING, ReplicaState.LAUNCHING, ReplicaState.WAITING)
+FAILING = tuple(ENDING_REPLICA)
+# Not a replica state: the row a deployment in a crash-loop backoff shows in the
+# replicas table, where its replacement would be.
+BACKOFF = "backing-off"
 
 
 @dataclass(frozen=True)
 class ClusterState:
-    """The three buckets the console mirrors, as last seen."""
+    """The buckets the console mirrors, as last seen."""
 
     nodes: Mapping[str, NodeRecord] = field(default_factory=dict)
     leases: Mapping[str, Lease] = field(default_factory=dict)
     replicas: Mapping[str, Replica] = field(default_factory=dict)
+    deployments: Mapping[str, DeploymentSpec] = field(default_factory=dict)
 
 
 def node_state(record: NodeRecord, lease: Lease | None) -> str:
@@ -47,12 +52,14 @@ def node_state(record: NodeRecord, lease: Lease | None) -> str:
 
 
 def replica_tone(state: str) -> str:
-    """ready | starting | failing | gone: the colour family of a replica state."""
+    """ready | degraded | starting | failing | gone | backoff: the colour family of a replica state."""
     if state in STARTING:
         return "starting"
     if state in FAILING:
         return "failing"
-    return state if state in ("ready", "gone") else "starting"
+    if state == BACKOFF:
+        return "backoff"
+    return state if state in (ReplicaState.READY, ReplicaState.DEGRADED, ReplicaState.GONE) else "starting"
 
 
 def format_age(seconds: float | None) -> str:
@@ -114,7 +121,7 @@ def gpu_holders(replicas: Mapping[str, Replica]) -> dict[str, dict[int, Replica]
     """
     held: dict[str, dict[int, Replica]] = {}
     for r in sorted(replicas.values(), key=lambda r: (r.state in FAILING, r.id), reverse=True):
-        if r.state == "gone":
+        if r.state == ReplicaState.GONE:
             continue
         for m in r.members:
             for g in m.gpus:
@@ -132,7 +139,7 @@ class GpuCell:
     index: int
     mark: str  # "·" when free
     replica: str = ""
-    tone: str = "free"  # free | ready | starting | failing
+    tone: str = "free"  # free | ready | degraded | starting | failing
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,8 @@ class NodeView:
     # The admin state when the state word does not already say it (a lost node
     # that is also cordoned), so an operator's cordon never looks ignored.
     admin: str = ""
+    # Why it is cordoned/draining ("auto: 3 replica failures in 10m: …").
+    admin_reason: str = ""
 
     @property
     def key(self) -> str:
@@ -159,6 +168,15 @@ class FabricView:
     name: str
     nodes: tuple[NodeView, ...]
     summary: str  # "2 nodes · 8/16 GPUs free"
+
+
+def admin_reason(record: NodeRecord) -> str:
+    """Why a node is out of rotation, and who said so ("" when active or not said)."""
+    if record.admin == "active":
+        return ""
+    if record.admin_by == "auto":
+        return f"auto: {record.admin_reason or 'repeated replica failures'}"
+    return record.admin_reason
 
 
 def _problem(record: NodeRecord) -> str:
@@ -202,6 +220,7 @@ def fabric_views(state: ClusterState, now: float, marks: MarkBook, pattern: str 
                     mgmt_addr=rec.mgmt_addr,
                     problem=_problem(rec),
                     admin=rec.admin if rec.admin not in ("active", word) else "",
+                    admin_reason=admin_reason(rec),
                 )
             )
         total = sum(len(state.nodes[n].gpus) for n in members[fabric])
@@ -255,7 +274,26 @@ def replica_views(
                 age=format_age(now - r.since) if r.since else "-",
                 reason=r.reason,
                 tone=replica_tone(r.state),
-                rebuild=r.id in rebuilding and r.state != "ready",
+                rebuild=r.id in rebuilding and r.state != ReplicaState.READY,
+            )
+        )
+    # A deployment in a crash-loop backoff has no replica on its way: a row says so.
+    for d in sorted(state.deployments.values(), key=lambda d: d.name):
+        if d.retry_at <= now or not d.failures:
+            continue
+        if not matches(pattern, d.name, BACKOFF, d.last_failure):
+            continue
+        out.append(
+            ReplicaView(
+                mark="…",
+                id=f"({d.name})",
+                deployment=d.name,
+                fabric="-",
+                members="-",
+                state=BACKOFF,
+                age=f"in {format_age(d.retry_at - now)}",
+                reason=backoff_line(d, now),
+                tone="backoff",
             )
         )
     return tuple(out)
@@ -304,6 +342,7 @@ class MemberLine:
     role: str
     gpus: str
     engine_state: str
+    engine_detail: str = ""  # what the agent saw (a stalled canary, a lost peer)
 
 
 @dataclass(frozen=True)
@@ -312,6 +351,7 @@ class NodeDetailView:
     known: bool
     state: str = "unknown"
     admin: str = ""
+    admin_reason: str = ""
     lease: str = ""  # "ready since 19:27:34, renewed 0.4s ago, boot 72424447"
     mgmt: str = ""
     fabrics: str = ""
@@ -348,7 +388,7 @@ def node_detail(
         for m in r.members:
             if m.node_id == node_id:
                 gpus = ",".join(map(str, m.gpus)) or "-"
-                members.append(MemberLine(r.id, r.state, m.rank, m.role, gpus, m.engine_state or "-"))
+                members.append(MemberLine(r.id, r.state, m.rank, m.role, gpus, m.engine_state or "-", m.engine_detail))
     hcas = tuple(
         HcaLine(
             name=h.name,
@@ -364,6 +404,7 @@ def node_detail(
         known=True,
         state=node_state(rec, lease),
         admin=rec.admin,
+        admin_reason=admin_reason(rec),
         lease=lease_text,
         mgmt=f"{rec.mgmt_addr} ({rec.mgmt_interface})" if rec.mgmt_interface else rec.mgmt_addr,
         fabrics=fabrics or NO_FABRIC,

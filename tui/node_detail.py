@@ -33,7 +33,8 @@ def detail_renderable(v: NodeDetailView) -> Group:
     head.append(v.node_id, style="bold")
     head.append("  ")
     head.append(f" {v.state} ", style=NODE_STATE_STYLE.get(v.state, ""))
-    head.append(f"  admin {v.admin}\n", style="bold" if v.admin != "active" else "")
+    head.append(f"  admin {v.admin}", style="bold" if v.admin != "active" else "")
+    head.append(f" ({v.admin_reason})\n" if v.admin_reason else "\n", style="bold" if v.admin != "active" else "")
     head.append(f"lease   {v.lease}\nmgmt    {v.mgmt}\nfabrics {v.fabrics}")
 
     gpus = _table("GPUs", "#", "NAME", "MEMORY", "HELD BY")
@@ -45,7 +46,10 @@ def detail_renderable(v: NodeDetailView) -> Group:
         hcas.add_row(h.name, h.ports, usable)
     reps = _table("Replicas on this node", "REPLICA", "STATE", "RANK", "ROLE", "GPUS", "ENGINE")
     for m in v.members:
-        reps.add_row(m.replica, Text(m.state, style=REPLICA_TONE_STYLE.get(replica_tone(m.state), "")), str(m.rank), m.role, m.gpus, m.engine_state)
+        engine = Text(m.engine_state)
+        if m.engine_detail:  # a stalled canary, a lost peer: what the agent saw
+            engine.append(f": {m.engine_detail}", style="yellow")
+        reps.add_row(m.replica, Text(m.state, style=REPLICA_TONE_STYLE.get(replica_tone(m.state), "")), str(m.rank), m.role, m.gpus, engine)
     parts = [head, Text(""), gpus, Text(""), hcas if v.hcas else Text("HCAs: none reported", style="dim"), Text("")]
     parts.append(reps if v.members else Text("Replicas on this node: none", style="dim"))
     parts += [Text(""), _events(v)]

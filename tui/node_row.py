@@ -33,6 +33,8 @@ def row_text(view: NodeView, name_width: int, width: int) -> Text:
         text.append(f"  {view.gpus_free}/{len(view.cells)} free  {view.mgmt_addr}", style="dim")
     if view.problem:
         text.append(f"  ! {view.problem}", style="bold red")
+    if view.admin_reason:  # last: the row's end is cut with an ellipsis when narrow
+        text.append(f"  ({view.admin_reason})", style=NODE_STATE_STYLE.get(view.state, "") if view.state in ("cordoned", "draining") else "dim")
     return text
 
 

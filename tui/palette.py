@@ -15,7 +15,10 @@ NODE_STATE_STYLE = {
 
 REPLICA_TONE_STYLE = {
     "ready": "green",
+    # Up, but its leader makes no progress: no new requests go to it.
+    "degraded": "bold black on dark_orange",
     "starting": "bold yellow",
+    "backoff": "bold magenta",
     "failing": "bold white on red",
     "gone": "dim",
 }
@@ -24,6 +27,7 @@ REPLICA_TONE_STYLE = {
 GPU_CELL_STYLE = {
     "free": "grey50",
     "ready": "black on green",
+    "degraded": "black on dark_orange",
     "starting": "black on yellow",
     "failing": "white on red",
 }
@@ -41,6 +45,10 @@ EVENT_STYLE = {
     "uncordoned": "cyan",
     "launching": "cyan",
     "pending": "yellow",
+    "degraded": "bold dark_orange",
+    "recovered": "green",
+    "backoff": "magenta",
+    "auto-cordon-withheld": "magenta",
 }
 
 STORY_STYLE = "bold cyan"

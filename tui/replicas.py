@@ -1,4 +1,5 @@
-"""The replicas table: failed replicas in red, replacements on their way marked ↻."""
+"""The replicas table: failed replicas in red, degraded ones marked ⚠ in orange,
+replacements on their way marked ↻, deployments backing off marked ⏸."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ def state_text(view: ReplicaView) -> Text:
     style = REPLICA_TONE_STYLE.get(view.tone, "")
     if view.tone == "failing":
         return Text(f"✖ {view.state}", style=style)
+    if view.tone == "degraded":
+        return Text(f"⚠ {view.state}", style=style)
+    if view.tone == "backoff":
+        return Text(f"⏸ {view.state}", style=style)
     if view.rebuild:
         return Text(f"↻ {view.state}", style=style)
     return Text(view.state, style=style)
@@ -26,7 +31,7 @@ def summary(rows: tuple[ReplicaView, ...]) -> str:
     for r in rows:
         key = "rebuilding" if r.rebuild else {"failing": "failed", "starting": "starting"}.get(r.tone, r.tone)
         counts[key] = counts.get(key, 0) + 1
-    order = ("ready", "rebuilding", "starting", "failed", "gone")
+    order = ("ready", "degraded", "rebuilding", "starting", "failed", "backoff", "gone")
     return " · ".join(f"{counts[k]} {k}" for k in order if counts.get(k))
 
 
@@ -59,6 +64,7 @@ class ReplicasTable(DataTable):
         for r in rows:
             failing = r.tone == "failing"
             plain = "bold red" if failing else ""
+            warn = r.tone in ("degraded", "backoff")
             cells.append(
                 (
                     Text(f" {r.mark} ", style=GPU_CELL_STYLE.get(r.tone, "")),
@@ -68,7 +74,7 @@ class ReplicasTable(DataTable):
                     Text(r.members, style=plain),
                     state_text(r),
                     Text(r.age, style=plain, justify="right"),
-                    Text(r.reason, style="red" if failing else "dim"),
+                    Text(r.reason, style="red" if failing else ("yellow" if warn else "dim")),
                 )
             )
         # Columns too, so their widths fit what is shown now, not the widest state ever

@@ -37,6 +37,7 @@ from llmgw.shared.schemas import (
     template_digest,
     to_builtins,
 )
+from llmgw.shared.states import ENDING_REPLICA, ReplicaState
 
 
 class ApiFailed(LlmgwError):
@@ -140,7 +141,7 @@ def _age(t: float) -> str:
 def gpus_in_use(replicas: dict[str, Replica]) -> dict[str, set[int]]:
     used: dict[str, set[int]] = {}
     for r in replicas.values():
-        if r.state == "gone":
+        if r.state == ReplicaState.GONE:
             continue
         for m in r.members:
             used.setdefault(m.node_id, set()).update(m.gpus)
@@ -162,6 +163,9 @@ def node_rows(nodes: dict[str, NodeRecord], leases: dict[str, Lease], replicas: 
                 "gpus_free": total - len(used.get(nid, set()) & {g.index for g in n.gpus}),
                 "state": lease.state if lease else "unknown",
                 "admin": n.admin,
+                # why it is cordoned/draining, and who said so ("auto": the scheduler)
+                "admin_reason": n.admin_reason,
+                "admin_by": n.admin_by,
                 "mgmt_addr": n.mgmt_addr,
                 "lease_age": (dt.datetime.now().timestamp() - lease.last_renew) if lease else None,
             }
@@ -181,7 +185,10 @@ def replica_rows(replicas: dict[str, Replica]) -> list[dict]:
                 "spec_digest": r.spec_digest,  # the engine template it runs (ctl deployments: OUTDATED)
                 "fabric": r.fabric,
                 "state": r.state,
-                "members": [{"node": m.node_id, "rank": m.rank, "role": m.role, "gpus": list(m.gpus), "engine_state": m.engine_state, "pid": m.pid} for m in r.members],
+                "members": [
+                    {"node": m.node_id, "rank": m.rank, "role": m.role, "gpus": list(m.gpus), "engine_state": m.engine_state, "engine_detail": m.engine_detail, "pid": m.pid}
+                    for m in r.members
+                ],
                 "endpoint": r.endpoint,
                 "since": r.since,
                 "reason": r.reason,
@@ -211,11 +218,20 @@ def nodes(args) -> int:
     table = [("NODE", "STATE", "ADMIN", "FABRICS", "GPUS FREE/TOTAL", "MGMT ADDR", "LEASE AGE")]
     for r in rows:
         age = f"{r['lease_age']:.1f}s" if r["lease_age"] is not None else "-"
-        table.append((r["node_id"], r["state"], r["admin"], ",".join(r["fabrics"]) or "(none)", f"{r['gpus_free']}/{r['gpus_total']}", r["mgmt_addr"], age))
+        table.append((r["node_id"], r["state"], admin_text(r), ",".join(r["fabrics"]) or "(none)", f"{r['gpus_free']}/{r['gpus_total']}", r["mgmt_addr"], age))
     _table(table)
     if len(table) == 1:
         print("(no nodes registered yet)")
+    # Reasons are long: under the table, one line per node that has one.
+    for r in rows:
+        if r["admin"] != "active" and r["admin_reason"]:
+            print(f"{r['node_id']} {r['admin']}{' automatically' if r['admin_by'] == 'auto' else ''}: {r['admin_reason']}")
     return 0
+
+
+def admin_text(row: dict) -> str:
+    """The ADMIN cell: "cordoned (auto)" for the scheduler's auto-cordon."""
+    return f"{row['admin']} (auto)" if row["admin"] != "active" and row.get("admin_by") == "auto" else row["admin"]
 
 
 def replicas(args) -> int:
@@ -236,6 +252,10 @@ def replicas(args) -> int:
     _table(table)
     if len(table) == 1:
         print("(no replicas)")
+    # A replica that is not serving says why, under the table (a stalled leader's canary, a lost peer).
+    for r in rows:
+        if r["state"] not in (ReplicaState.READY, ReplicaState.LAUNCHING, ReplicaState.WAITING) and r["reason"]:
+            print(f"{r['id']} {r['state']}: {r['reason']}")
     return 0
 
 
@@ -252,24 +272,45 @@ def deployments(args) -> int:
     _table(table)
     if len(table) == 1:
         print("(no deployments)")
+    for d in sorted(deps.values(), key=lambda d: d.name):
+        if d.failures:
+            print(f"{d.name}: {backoff_line(d)}")
     return 0
 
 
-def deployment_table(deps: dict[str, DeploymentSpec], reps: dict[str, Replica]) -> list[tuple]:
+def backoff_line(d: DeploymentSpec, now: float | None = None) -> str:
+    """A deployment's crash-loop backoff in words ("" when it has none)."""
+    if not d.failures:
+        return ""
+    now = dt.datetime.now().timestamp() if now is None else now
+    s = "s" if d.failures != 1 else ""
+    if d.retry_at > now:
+        at = dt.datetime.fromtimestamp(d.retry_at).strftime("%H:%M:%S")
+        return f"backing off after {d.failures} failure{s} before serving; next attempt at {at}; last: {d.last_failure}"
+    return f"{d.failures} failure{s} before serving in a row, retrying; last: {d.last_failure}"
+
+
+def deployment_table(deps: dict[str, DeploymentSpec], reps: dict[str, Replica], now: float | None = None) -> list[tuple]:
     """``ctl deployments``: a header, then a row per deployment."""
-    table = [("DEPLOYMENT", "MODEL", "ENGINE", "READY/WANTED", "SHAPE", "OUTDATED")]
+    now = dt.datetime.now().timestamp() if now is None else now
+    table = [("DEPLOYMENT", "MODEL", "ENGINE", "READY/WANTED", "SHAPE", "OUTDATED", "BACKOFF")]
     for d in sorted(deps.values(), key=lambda d: d.name):
         mine = [r for r in reps.values() if r.deployment == d.name]
-        ready = sum(1 for r in mine if r.state == "ready")
+        ready = sum(1 for r in mine if r.state == ReplicaState.READY)
         # Replicas of an older engine template still to be replaced by the rolling update.
         digest = template_digest(d)
-        outdated = sum(1 for r in mine if r.spec_digest and r.spec_digest != digest and r.state not in ("reaping", "gone"))
+        outdated = sum(1 for r in mine if r.spec_digest and r.spec_digest != digest and r.state not in ENDING_REPLICA | {ReplicaState.GONE})
         shape = f"{d.nodes_per_replica} node(s) × {d.gpus_per_node} GPU(s)"
-        table.append((d.name, d.model, d.engine, f"{ready}/{d.replicas}", shape, str(outdated) if outdated else "-"))
+        # Crash-loop backoff: failures in a row, and the next attempt while it waits.
+        backoff = "-"
+        if d.failures:
+            backoff = f"{d.failures}×, next {dt.datetime.fromtimestamp(d.retry_at).strftime('%H:%M:%S')}" if d.retry_at > now else f"{d.failures}×"
+        table.append((d.name, d.model, d.engine, f"{ready}/{d.replicas}", shape, str(outdated) if outdated else "-", backoff))
     return table
 
 
-_SPEC_KEYS = [f for f in DeploymentSpec.__struct_fields__ if f not in ("applied_at", "last_generation")]
+# What an operator writes; the rest is the scheduler's (generations, backoff).
+_SPEC_KEYS = [f for f in DeploymentSpec.__struct_fields__ if f not in ("applied_at", "last_generation", "failures", "last_failure", "retry_at")]
 
 
 def load_deployments(path: str) -> list[DeploymentSpec]:
@@ -336,7 +377,8 @@ def explain(args) -> int:
     if args.output == "json":
         _json(ex)
         return 0
-    print(f"deployment {ex['deployment']}: {ex['summary']}")
+    for line in explain_lines(ex):
+        print(line)
     table = [("NODE", "FABRICS", "GPUS FREE/TOTAL", "VERDICT")]
     for n in ex["nodes"]:
         verdict = "ok" if n["ok"] else f"{n['reason']}: {n['detail']}"
@@ -345,15 +387,36 @@ def explain(args) -> int:
     return 0
 
 
+def explain_lines(ex: dict) -> list[str]:
+    """The head of ``ctl explain``: the placement summary, the backoff, the replicas
+    that are not serving and why (with their members' engine details)."""
+    out = [f"deployment {ex['deployment']}: {ex['summary']}"]
+    backoff = ex.get("backoff") or {}
+    if backoff.get("active"):
+        out.append(backoff["message"])
+    elif backoff.get("failures"):
+        out.append(f"{backoff['failures']} failure(s) before serving in a row (retrying now); last: {backoff['last_failure']}")
+    for r in ex.get("replicas", []):
+        if r["state"] == ReplicaState.READY:
+            continue
+        out.append(f"replica {r['id']} {r['state']}" + (f": {r['reason']}" if r["reason"] else ""))
+        for m in r["members"]:
+            if m.get("engine_detail"):
+                out.append(f"  rank {m['rank']} on {m['node']}: {m['engine_state'] or 'unreported'}: {m['engine_detail']}")
+    return out
+
+
 def admin(args) -> int:
     verb = args.ctl_cmd
 
     async def go():
         async with Session(args) as s:
-            return decode(await s.call("registry", verb, encode(NodeRequest(node_id=args.node))), NodeRecord)
+            # --reason, where the command line offers it, is kept on the record.
+            req = NodeRequest(node_id=args.node, reason=getattr(args, "reason", None) or "")
+            return decode(await s.call("registry", verb, encode(req)), NodeRecord)
 
     rec = _run(go())
-    print(f"node {rec.node_id} is now {rec.admin}")
+    print(f"node {rec.node_id} is now {rec.admin}" + (f": {rec.admin_reason}" if rec.admin_reason else ""))
     return 0
 
 
