@@ -100,7 +100,7 @@ PEER_LOST_PATTERNS = tuple(
     for p in (
         r"\brank \d+ lost\b",  # llmgw sim leader: "rank 1 lost (no word from ...)"
         r"\blost the leader\b",  # llmgw sim worker: "lost the leader (...)"
-        r"Connection closed by peer",  # Gloo (torch.distributed CPU groups, vLLM/SGLang control plane)
+        r"Connection closed by (remote )?peer",  # Gloo's pair.cc; NCCL's socket errors as users report them
         r"ncclRemoteError|remote process exited or there was a network error",  # NCCL
         r"Watchdog caught collective operation timeout",  # torch ProcessGroupNCCL watchdog
     )
