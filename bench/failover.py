@@ -58,7 +58,8 @@ wrote them, on the same machine):
 * last to sick: the start of the last request that began after the fault and
   was answered by the sick replica (``x-llmgw-replica``); "-" when none did;
 * replacement: the ``ready`` event of a new replica of the deployment;
-* errors, counted apart: non-2xx answers, connection errors and cut streams,
+* requests: those answered (or given up) between the fault and the heal,
+  and of them, counted apart, the errors: non-2xx answers, connection errors and cut streams,
   requests with no answer in ``--request-timeout`` (a client-visible hang),
   and streams ended by an error event; and "slow": requests longer than twice
   the steady p99;
@@ -545,7 +546,7 @@ class Bench:
                 res.replacement = ev.time - t0
                 break
         res.replica_events = [f"+{ev.time - t0:.1f}s {ev.subject} {ev.what}" for ev in self.w.events if t0 <= ev.time <= res.end and ev.kind == "replica" and ev.subject.startswith(self.deployment + "-")]
-        window = [r for r in self.load.done if r.end >= t0 and r.start <= res.end]
+        window = [r for r in self.load.done if t0 <= r.end <= res.end]  # answered between the fault and the heal
         res.requests = len(window)
         for r in window:
             if r.error:

@@ -1,0 +1,88 @@
+"""The chaos benchmark runs one fault end to end, measures it, and leaves nothing running.
+
+A real ``llmgw up`` cluster (real nats-server, services, agents and ``sim``
+engines), a small real load through the gateway, one real SIGKILL of a
+leader engine. Timing targets are not checked here (a shared machine; the
+figures belong in docs/performance.md): only that each figure was measured and
+is consistent with the others and with the raw requests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--clients", "2", "--stream-every", "2", "--max-tokens", "4", "--warmup", "2", "--settle", "1",
+         "--engine-load-time", "1s", "--fault-timeout", "30", "--heal-timeout", "30"]  # fmt: skip
+
+
+def _processes_in(d: Path) -> list[int]:
+    """Live processes whose working directory is ``d`` (``llmgw up`` starts every one there)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if Path(os.readlink(f"/proc/{entry}/cwd")) == d:
+                    pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def test_leader_kill_is_measured_and_the_cluster_is_stopped(tmp_path):
+    figures = tmp_path / "figures.json"
+    cluster = (tmp_path / "cluster").resolve()
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.failover", "--faults", "leader-kill", *SMALL, "--dir", str(cluster), "--json", str(figures)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    # Everything 'llmgw up' started was stopped by the benchmark's 'llmgw down'.
+    assert not (cluster / "pids.json").exists(), out[-2000:]
+    assert _processes_in(cluster) == []
+
+    data = json.loads(figures.read_text())
+    (res,) = data["results"]
+    assert res["fault"] == "leader-kill" and res["healed"] is True, res
+    sick = res["victim"].split()[0]  # "demo-g1 rank 0 on node01"
+    assert res["detected_by"].startswith(f"replica {sick} failed"), res
+    assert res["detected"] is not None and res["replacement"] is not None
+    assert 0 <= res["detected"] < res["replacement"], res
+
+    # The load ran through the gateway, which named the answering replica on every good answer.
+    reqs = data["requests"]
+    good = [q for q in reqs if not q["error"]]
+    assert good and all(q["status"] == 200 and q["replica"].startswith("demo-g") for q in good)
+    assert {q["stream"] for q in reqs} == {True, False}
+    assert all(q["first"] is not None and q["first"] <= q["end"] - q["start"] + 1e-3 for q in good)
+    # The per-fault figures are those of the raw requests in its window.
+    window = [q for q in reqs if res["t0"] <= q["end"] <= res["end"]]
+    assert res["requests"] == len(window) > 0
+    for kind, n in res["errors"].items():
+        assert n == sum(1 for q in window if q["error"] == kind), kind
+    to_sick = [q["start"] - res["t0"] for q in window if q["start"] >= res["t0"] and q["replica"] == sick]
+    assert res["last_to_sick"] == (max(to_sick) if to_sick else None)
+    # A replacement answered after it was ready.
+    replacement = [q for q in good if q["replica"] not in (sick, "") and q["start"] >= res["t0"] + res["replacement"]]
+    assert any(q["replica"] not in {x["replica"] for x in good if x["end"] < res["t0"]} for q in replacement), "no request reached the new replica"
+
+    table = [line for line in r.stdout.splitlines() if line.startswith("| leader-kill |")]
+    assert len(table) == 1 and table[0].rstrip().endswith("| yes |"), r.stdout[-2000:]
+
+
+def test_unknown_fault_is_refused_with_the_known_ones():
+    r = subprocess.run([sys.executable, "-m", "bench.failover", "--faults", "leader-kill,meteor"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert "--faults: unknown meteor" in r.stderr and "nats-restart" in r.stderr
