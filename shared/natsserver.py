@@ -127,9 +127,29 @@ class NatsServer:
         self.render()
         if not self.proc or self.proc.poll() is not None:
             raise BusError("nats-server is not running")
+        # nats-server applies a reload asynchronously: return once it has (its
+        # config_load_time moves when the reload is complete), not after a guessed
+        # pause that a loaded machine outlasts.
+        before = self._config_load_time()
         self.proc.send_signal(signal.SIGHUP)
-        # nats-server applies a reload asynchronously; give it a moment.
-        time.sleep(0.3)
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BusError(f"nats-server exited with {self.proc.returncode} on reload; see {self.log_path}")
+            now = self._config_load_time()
+            if now is not None and now != before:
+                return
+            time.sleep(0.01)
+        raise BusError(f"nats-server did not apply the reload within 15s; see {self.log_path}")
+
+    def _config_load_time(self) -> str | None:
+        import json
+
+        try:
+            with urllib.request.urlopen(f"{self.monitor_url}/varz", timeout=2) as r:
+                return str(json.load(r).get("config_load_time", ""))
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
 
     def stop(self, timeout: float = 5.0) -> None:
         if not self.proc or self.proc.poll() is not None:
