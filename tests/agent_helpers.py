@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,8 @@ from llmgw.shared.bus import TlsFiles
 from llmgw.shared.errors import WireError
 from llmgw.shared.natsserver import free_port
 from llmgw.shared.schemas import Heartbeat, Inventory, LaunchCommand, StatusReport, decode
+
+from .waiting import eventually as _eventually
 
 PYTHON = sys.executable
 GPU_NAME = "NVIDIA H200"
@@ -212,15 +213,8 @@ def group_alive(pid: int, started: int) -> bool:
 
 
 async def eventually(check: Callable[[], object], what: str, timeout: float = 20.0, step: float = 0.05):
-    """Poll ``check`` until it returns something truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(step)
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last value seen."""
+    return await _eventually(check, what=what, timeout=timeout, interval=step)
 
 
 class AgentProcess:

@@ -20,6 +20,8 @@ from llmgw.shared import subjects as S
 from llmgw.shared.config import GatewaySection, ServiceConfig, TlsSection
 from llmgw.shared.natsserver import NatsServer, free_port
 from llmgw.shared.schemas import DeploymentSpec, Replica, ReplicaMember, encode
+
+from .waiting import _UNSET, eventually
 from llmgw.shared.states import EngineState
 
 HOST = "127.0.0.1"
@@ -158,15 +160,7 @@ async def start_gateway(cfg: ServiceConfig):
     return gw
 
 
-async def wait_for(predicate, what: str, timeout: float = 10.0, interval: float = 0.02):
-    """Await ``predicate()`` (sync or async) until truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what} after {timeout:g}s")
-        await asyncio.sleep(interval)
+async def wait_for(predicate, what: str, timeout: float = 10.0, interval: float = 0.02, *, expected=_UNSET):
+    """Await ``predicate()`` (sync or async) until truthy, or equal to ``expected`` when
+    given; fail naming ``what`` and the last value seen."""
+    return await eventually(predicate, expected, what=what, timeout=timeout, interval=interval)

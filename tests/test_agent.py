@@ -154,8 +154,10 @@ async def test_agent_publishes_its_node_and_runs_a_two_member_replica(node, cont
     assert {(hb.node_id, hb.boot_id) for hb in tap.heartbeats} == {(NODE, boot)}
 
     acks = await launch_pair(sched)
-    leader = await eventually(lambda: (f := tap.engine("r1", 0)) and f.state == "ready" and f, "the leader to be ready")
-    worker = tap.engine("r1", 1)
+    # the leader's "ready" and the worker's report are separate messages: wait for both
+    leader, worker = await eventually(
+        lambda: (f := tap.engine("r1", 0)) and f.state == "ready" and (w := tap.engine("r1", 1)) and (f, w), "the leader ready and the worker reported"
+    )
     assert (leader.pid, leader.serves_http, leader.gpus) == (acks[0].pid, True, [0, 1, 2, 3])
     assert (worker.pid, worker.serves_http, worker.state) == (acks[1].pid, False, "starting")
 
@@ -270,6 +272,7 @@ async def test_a_reconnect_brings_a_full_report_and_no_stale_heartbeats(node, co
         # While it is cut off, its engine dies (as if OOM-killed) and heartbeats fall due.
         os.killpg(pid, signal.SIGKILL)
         await eventually(lambda: not procfs.is_alive(pid, started), "the engine to die")
+        # Not a wait for anything: heartbeats fall due while it is cut off (several intervals).
         await asyncio.sleep(1.5)
         back_at = time.time()
         link.restore()

@@ -68,6 +68,10 @@ async def stack(nats_server, tmp_path):
         await s.board.close()
 
 
+async def _sum(values) -> float:
+    return sum(await values)
+
+
 def base_url(gw) -> str:
     return f"http://{HOST}:{gw.port}"
 
@@ -85,6 +89,12 @@ def gw_metric(gw, name: str, **labels) -> float:
     return metric_sum(gw.metrics.render().decode(), name, **labels)
 
 
+async def metric_is(gw, value: float, name: str, **labels) -> None:
+    """The gateway counts a request as it finishes, which can be just after the client
+    has its answer: wait for the exact value (and fail with the last one seen)."""
+    await wait_for(lambda: gw_metric(gw, name, **labels), f"{name}{labels or ''} == {value}", expected=value)
+
+
 async def test_openai_client_chat_and_completions_streaming_and_not(stack):
     (a, b), gw, client = await stack.start([("a", "org/alpha", 0.0), ("b", "org/beta", 0.0)])
     board = stack.board
@@ -92,7 +102,12 @@ async def test_openai_client_chat_and_completions_streaming_and_not(stack):
     await board.put(replica("beta-1", "org/beta", b.endpoint))
     await board.put(replica("gamma-1", "org/gamma", state="launching"))
     await board.deploy("delta", "org/delta")  # applied, no replica yet
-    await wait_for(lambda: gw.router.models() == ["org/alpha", "org/beta"], "both ready models routed")
+    # the replicas and the deployment come through two buckets: wait for everything this test relies on
+    await wait_for(
+        lambda: (gw.router.models(), gw.router.known("org/gamma"), gw.router.known("org/delta")),
+        "both ready models routed, gamma and delta known",
+        expected=(["org/alpha", "org/beta"], True, True),
+    )
     assert await model_ids(client) == ["org/alpha", "org/beta"]
 
     raw = await client.chat.completions.with_raw_response.create(model="org/alpha", messages=HELLO, max_tokens=12)
@@ -114,8 +129,8 @@ async def test_openai_client_chat_and_completions_streaming_and_not(stack):
     pieces = [p async for p in await client.completions.create(model="org/beta", prompt="GPUs on one fabric", max_tokens=5, stream=True, stream_options={"include_usage": True})]
     assert "".join(p.choices[0].text for p in pieces if p.choices) == done.choices[0].text
     assert pieces[-1].usage.completion_tokens == done.usage.completion_tokens
-    assert gw_metric(gw, "llmgw_gateway_time_to_first_token_seconds_count", model="org/beta") == 1
-    assert gw_metric(gw, "llmgw_gateway_requests_total", model="org/alpha", status="200") == 2
+    await metric_is(gw, 1, "llmgw_gateway_time_to_first_token_seconds_count", model="org/beta")
+    await metric_is(gw, 2, "llmgw_gateway_requests_total", model="org/alpha", status="200")
 
     # A replica's state change reaches /v1/models and routing live.
     await board.put(replica("beta-1", "org/beta", b.endpoint, state="failed"))
@@ -137,7 +152,7 @@ async def test_openai_client_chat_and_completions_streaming_and_not(stack):
     await wait_for(lambda: not gw.router.known("org/beta"), "beta's record deleted")
     with pytest.raises(openai.NotFoundError):
         await client.completions.create(model="org/beta", prompt="x")
-    assert gw_metric(gw, "llmgw_gateway_requests_total", model="_unknown", status="404") == 2
+    await metric_is(gw, 2, "llmgw_gateway_requests_total", model="_unknown", status="404")
 
     # An engine's own error answer (a bad parameter) is passed through as is.
     with pytest.raises(openai.BadRequestError) as err:
@@ -153,10 +168,13 @@ async def test_load_spreads_over_two_ready_replicas(stack):
 
     answers = await asyncio.gather(*(client.chat.completions.create(model="org/alpha", messages=HELLO, max_tokens=6) for _ in range(64)))
     assert all(r.choices[0].message.content for r in answers)
-    served = [await a.metric("vllm:request_success_total"), await b.metric("vllm:request_success_total")]
-    assert sum(served) == 64, served  # counted by the engines themselves
+    async def served():  # counted by the engines themselves, as each request ends
+        return [await a.metric("vllm:request_success_total"), await b.metric("vllm:request_success_total")]
+
+    await wait_for(lambda: _sum(served()), "64 requests counted by the engines", expected=64)
+    served = await served()
     assert max(served) <= 0.6 * 64, served
-    assert gw_metric(gw, "llmgw_gateway_inflight_requests") == 0
+    await metric_is(gw, 0, "llmgw_gateway_inflight_requests")
 
 
 async def test_dead_replicas_mid_stream_before_first_byte_and_all_gone(stack):
@@ -177,7 +195,7 @@ async def test_dead_replicas_mid_stream_before_first_byte_and_all_gone(stack):
                 slow1.kill()
     assert not isinstance(err.value, openai.APITimeoutError)
     assert "broke" in err.value.message and err.value.body["code"] == "upstream_error"
-    assert gw_metric(gw, "llmgw_gateway_upstream_errors_total", replica="slow-1", kind="stream_broken") == 1
+    await metric_is(gw, 1, "llmgw_gateway_upstream_errors_total", replica="slow-1", kind="stream_broken")
 
     # 2. Its record still says ready (the scheduler has not noticed): connection
     #    refused there, retried on the other. With the broken stream that is
@@ -187,10 +205,10 @@ async def test_dead_replicas_mid_stream_before_first_byte_and_all_gone(stack):
     for _ in range(4):
         done = await client.completions.create(model="org/alpha", prompt="p", max_tokens=2)
         assert done.usage.completion_tokens == 2
-    assert gw_metric(gw, "llmgw_gateway_upstream_errors_total", replica="slow-1", kind="connect") == 1
-    assert gw_metric(gw, "llmgw_gateway_replica_cooling", replica="slow-1") == 1
-    assert gw_metric(gw, "llmgw_gateway_cooldowns_total", replica="slow-1") == 1
-    assert gw_metric(gw, "llmgw_gateway_retries_total", model="org/alpha") == 1
+    await metric_is(gw, 1, "llmgw_gateway_upstream_errors_total", replica="slow-1", kind="connect")
+    await metric_is(gw, 1, "llmgw_gateway_replica_cooling", replica="slow-1")
+    await metric_is(gw, 1, "llmgw_gateway_cooldowns_total", replica="slow-1")
+    await metric_is(gw, 1, "llmgw_gateway_retries_total", model="org/alpha")
 
     # 3. Killed after accepting a request but before its first byte: the
     #    request is answered by another replica, and the client never knows.
@@ -205,7 +223,7 @@ async def test_dead_replicas_mid_stream_before_first_byte_and_all_gone(stack):
     raw = await asyncio.wait_for(pending, 15)
     assert raw.headers["x-llmgw-replica"] == "fast-1"
     assert raw.parse().usage.completion_tokens > 0
-    assert gw_metric(gw, "llmgw_gateway_upstream_errors_total", replica="slow-2", kind="broken") == 1
+    await metric_is(gw, 1, "llmgw_gateway_upstream_errors_total", replica="slow-2", kind="broken")
 
     # 4. The last one dies too, its record still ready: 502, not a hang.
     await board.put(replica("slow-2", "org/alpha", state="failed"))
@@ -239,7 +257,7 @@ async def test_timeout_and_client_disconnect_cancel_upstream(stack):
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
         await wait_for(lambda: gw_metric(gw, "llmgw_gateway_requests_total", status="499") == 2, "the second leaving counted")
-        assert gw_metric(gw, "llmgw_gateway_inflight_requests") == 0
+        await metric_is(gw, 0, "llmgw_gateway_inflight_requests")
 
     # An engine silent for longer than upstream_timeout: 504 (plain) / an error event (stream).
     gw2, client2 = await stack.gateway(upstream_timeout=0.5)
@@ -247,7 +265,7 @@ async def test_timeout_and_client_disconnect_cancel_upstream(stack):
     with pytest.raises(openai.APIStatusError) as err:
         await client2.chat.completions.create(model="org/alpha", messages=HELLO, max_tokens=200, extra_body={"ignore_eos": True})
     assert err.value.status_code == 504 and err.value.body["code"] == "upstream_timeout"
-    assert gw_metric(gw2, "llmgw_gateway_upstream_errors_total", kind="timeout") == 1
+    await metric_is(gw2, 1, "llmgw_gateway_upstream_errors_total", kind="timeout")
 
 
 async def _zero(value) -> bool:

@@ -132,8 +132,9 @@ class Beater:
     async def _run(self):
         while True:
             self.seq += 1
+            self.last = time.time()  # when the last heartbeat was sent (not when the beater was stopped)
             await self.nc.publish(S.heartbeat(self.node), encode(Heartbeat(node_id=self.node, boot_id=self.boot, seq=self.seq)))
-            await asyncio.sleep(FAST["heartbeat_interval"])
+            await asyncio.sleep(FAST["heartbeat_interval"])  # the beat itself: a node's heartbeat interval
 
     def start(self):
         self.task = asyncio.create_task(self._run())
@@ -142,7 +143,6 @@ class Beater:
     async def stop(self):
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
-        self.last = time.time()
 
 
 async def start_health(nats_server, name="health"):
