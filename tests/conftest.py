@@ -20,6 +20,7 @@ import time
 import pytest
 
 from llmgw.shared import bus
+from llmgw.shared.errors import BusError
 from llmgw.shared.natsserver import NatsServer
 
 NATS_MODE = os.environ.get("LLMGW_TEST_NATS", "binary")
@@ -96,11 +97,30 @@ def make_server(root) -> NatsServer:
     return NatsServer(root=root)
 
 
+def start_on_free_ports(srv: NatsServer, attempts: int = 5) -> None:
+    """Start ``srv``; if one of its ports was taken between free_port() choosing it and
+    the server binding it (other test processes share this machine), choose again.
+
+    Not a retry of a failing test: the server never ran. Any other failure to start is
+    raised at once, with the end of the server's log.
+    """
+    for attempt in range(attempts):
+        try:
+            srv.start()
+            return
+        except BusError as e:
+            log = srv.log_path.read_text(errors="replace") if srv.log_path.exists() else ""
+            if "address already in use" not in log or attempt == attempts - 1 or isinstance(srv, DockerNats):
+                raise BusError(f"{e}\n--- end of the nats-server log ---\n{log[-2000:]}") from e
+            srv.log_path.unlink()
+            srv.port = srv.monitor_port = 0  # prepare() picks new ones
+
+
 @pytest.fixture
 def nats_server(tmp_path):
     srv = make_server(tmp_path / "nats")
     srv.prepare()
-    srv.start()
+    start_on_free_ports(srv)
     yield srv
     srv.stop()
 
