@@ -264,3 +264,38 @@ async def test_an_endpoint_that_cannot_be_parsed_is_a_502_and_a_cooldown(stack):
         assert raw.headers["x-llmgw-replica"] == "alpha-a"
     assert gw_metric(gw, "llmgw_gateway_cooldowns_total", replica="alpha-port", reason="endpoint") == 1
     assert gw_metric(gw, "llmgw_gateway_requests_total", status="500") == 0
+
+
+def test_router_counts_survive_a_replica_leaving_ready_and_ejection_does_not_extend():
+    """Pure: ``completed`` only grows (the agents compare it with the last report),
+    even across degraded -> ready, which drops and re-creates the backend; an
+    ejection while cooling keeps the first deadline; reports group by leader node."""
+    from llmgw.services.gateway.router import Router
+    from llmgw.services.gateway.service import traffic_reports
+
+    now = [100.0]
+    r = Router(cooldown=10, failures_before_cooldown=3, retry_after=1, clock=lambda: now[0])
+    r.on_replica("x", None, record("x", "m", "http://127.0.0.1:1", node="n1"))
+    r.on_replica("y", None, record("y", "m", "http://127.0.0.1:2", node="n2"))
+    reported: dict[str, int] = {}
+    assert traffic_reports(r, "gw", reported, 0.0) == []  # idle: nothing
+    for _ in range(3):
+        b = r.pick("m", exclude=r.backend("y"))
+        r.succeeded(b)
+        r.release(b)
+    busy = r.pick("m", exclude=r.backend("x"))  # one in flight on y
+    reports = traffic_reports(r, "gw", reported, 0.0)
+    assert [(p.node_id, [(t.replica_id, t.completed, t.in_flight) for t in p.replicas]) for p in reports] == [("n1", [("x", 3, 0)]), ("n2", [("y", 0, 1)])]
+    r.release(busy)
+    assert traffic_reports(r, "gw", reported, 0.0) == []  # nothing new on x, nothing in flight on y
+
+    r.on_replica("x", None, record("x", "m", state="degraded", node="n1"))
+    assert r.backend("x") is None
+    r.on_replica("x", None, record("x", "m", "http://127.0.0.1:1", node="n1"))
+    assert r.backend("x").completed == 3
+    assert traffic_reports(r, "gw", reported, 0.0) == []  # back, but no activity
+
+    b = r.backend("x")
+    assert r.eject(b, "stalled") and b.cool_until == 110.0
+    now[0] = 105.0
+    assert not r.eject(b, "connect") and b.cool_until == 110.0 and b.ejected == "stalled"

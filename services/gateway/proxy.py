@@ -316,7 +316,7 @@ class Forwarder:
                 continue
             silence = -1.0
             for conn in flights:
-                if conn.rx != conn.rx_mark:
+                if conn.rx != conn.rx_mark or conn.paused:  # paused: we stopped reading (a slow client), not the replica
                     conn.rx_mark = conn.rx
                     conn.active_at = now
                 if conn.stream:
