@@ -24,6 +24,8 @@ import pytest
 from llmgw.services.gateway import errors
 from llmgw.services.gateway.httpserver import DISCARD_TIME, MAX_HEAD, MAX_QUEUED, MAX_URL, HttpServer, Request, Response
 
+from .waiting import eventually
+
 HOST = "127.0.0.1"
 LIMIT = 1000  # max_body_bytes of every server here
 READ_TIMEOUT = 5.0  # no answer within this is a hang
@@ -144,6 +146,8 @@ class App:
         self.written = 0  # bytes /big has written so far
         self.max_buffered = 0  # the most /big ever saw waiting in the transport's write buffer
         self.stream_error: BaseException | None = None
+        self.big_conn = None  # the connection /big writes to
+        self.writing = False  # /big is inside a write (waiting, if the transport is paused)
 
     async def __call__(self, req: Request):
         self.seen.append(req)
@@ -196,9 +200,12 @@ class App:
         if path == "/big":
             total, piece = int(q["total"]), b"z" * int(q["chunk"])
             s = req.start_stream(200, {}, "application/octet-stream")
+            self.big_conn = req.conn
             self.started.set()
             while self.written < total:
+                self.writing = True
                 await s.write(piece)
+                self.writing = False
                 self.written += len(piece)
                 self.max_buffered = max(self.max_buffered, req.conn.transport.get_write_buffer_size())
             await s.end()
@@ -339,15 +346,16 @@ async def test_many_pipelined_requests_pause_reading_and_are_all_answered():
         n = 3 * MAX_QUEUED
         for i in range(n):
             w.write(b"GET /echo?i=%d HTTP/1.1\r\nHost: t\r\n\r\n" % i)
-            await asyncio.sleep(0.002)
-        await asyncio.sleep(0.05)
+            await asyncio.sleep(0.002)  # pacing: separate writes, so the server reads them one by one
         # MAX_QUEUED requests wait behind the running one: the server stops reading more.
-        assert len(conn.queue) >= MAX_QUEUED and not conn.transport.is_reading()
+        await eventually(
+            lambda: len(conn.queue) >= MAX_QUEUED and not conn.transport.is_reading(), what=f"{MAX_QUEUED} queued and reading paused", timeout=5
+        )
         s.app.release.set()
         assert (await read_answer(r)).json() == {"released": True}
         answers = [await read_answer(r) for _ in range(n)]
         assert [int(a.json()["query"]["i"]) for a in answers] == list(range(n))
-        assert conn.transport.is_reading()  # and reads again once they are answered
+        await eventually(conn.transport.is_reading, what="reading again once they are answered", timeout=5)
         w.write(b"GET /echo?i=last HTTP/1.1\r\nHost: t\r\n\r\n")
         assert (await read_answer(r)).json()["query"] == {"i": "last"}
 
@@ -671,18 +679,18 @@ async def test_close_lets_a_request_in_flight_finish_and_closes_idle_connections
         idle_w.write(b"GET /echo HTTP/1.1\r\nHost: t\r\n\r\n")
         assert (await read_answer(idle_r)).status == 200
         busy_r, busy_w = await s.connect()
-        busy_w.write(b"GET /sleep?id=a&s=0.3 HTTP/1.1\r\nHost: t\r\n\r\n")
-        while not s.app.log:
-            await asyncio.sleep(0.01)
-        t0 = time.monotonic()
+        busy_w.write(b"GET /block HTTP/1.1\r\nHost: t\r\n\r\n")  # in flight until released: no race with a timer
+        await asyncio.wait_for(s.app.started.wait(), 5)
         closing = asyncio.ensure_future(s.server.close(3.0))
-        await expect_closed(idle_r, timeout=0.2)  # at once, well before the request in flight ends
-        assert not closing.done()
+        await expect_closed(idle_r, timeout=2.0)  # at once: while the request in flight still runs
+        assert not closing.done() and not s.app.finished.is_set()
+        t0 = time.monotonic()
+        s.app.release.set()
         a = await read_answer(busy_r)
-        assert a.status == 200 and a.json()["query"]["id"] == "a" and a.headers["connection"] == "close"
+        assert a.status == 200 and a.json() == {"released": True} and a.headers["connection"] == "close"
         await expect_closed(busy_r)
-        await asyncio.wait_for(closing, 1.0)
-        assert time.monotonic() - t0 < 1.0  # it returned when the work was done, not at the grace's end
+        await asyncio.wait_for(closing, 2.5)
+        assert time.monotonic() - t0 < 2.5  # it returned when the work was done, not at the grace's end (3 s)
         with pytest.raises(OSError):  # ConnectionRefusedError: nobody listens any more
             await asyncio.open_connection(HOST, s.port)
 
@@ -732,10 +740,18 @@ async def test_stream_to_a_slow_reader_waits_instead_of_buffering():
         r, w = await s.connect(sock=sock, limit=16 * 1024)  # and the StreamReader's share
         w.write(b"GET /big?total=%d&chunk=%d HTTP/1.1\r\nHost: t\r\n\r\n" % (total, piece))
         await asyncio.wait_for(s.app.started.wait(), 2)
-        await asyncio.sleep(0.3)  # the client reads nothing
+
+        # The client reads nothing: the handler ends up inside a write, with the transport
+        # past its high-water mark (paused) — waited for as that, not for 0.3 s.
+        def stalled():
+            t = s.app.big_conn.transport
+            return s.app.writing and t.get_write_buffer_size() >= t.get_write_buffer_limits()[1]
+
+        await eventually(stalled, what="the handler's write waiting on a paused transport", timeout=10)
         stalled_at = s.app.written
-        await asyncio.sleep(0.2)
-        assert not s.app.finished.is_set()
+        for _ in range(20):  # let everything runnable run: the write still waits
+            await asyncio.sleep(0)
+        assert not s.app.finished.is_set() and s.app.writing
         assert s.app.written == stalled_at < total // 2, (stalled_at, s.app.written)  # its writes wait
         assert s.app.max_buffered <= 2 * piece + 64 * 1024, s.app.max_buffered  # the high-water mark, not the stream
         a = await read_answer(r, timeout=20)  # now read: it all comes, in order, and the stream ends
