@@ -97,8 +97,9 @@ async def test_requests_waiting_on_a_replica_that_turns_degraded_are_answered_by
 async def test_a_stream_under_way_ends_with_an_error_event_when_its_replica_stalls_or_fails(stack):
     """(c) A stream that already sent chunks cannot move: it ends with an OpenAI
     error event, then [DONE], then a properly ended chunked body — never a hang.
-    Hung (SIGSTOP, record degraded): after stall_after of silence. Failed: at once,
-    although its engine still streams."""
+    Stalled silently (SIGUSR1: no token, /health still 200, the record still
+    ready): after stall_after of silence. Failed: at once, although its engine
+    still streams."""
     (a, b), gw, _ = await stack.start([("a", "alpha", 20.0), ("b", "beta", 20.0)], stall_after=1)
     board = stack.board
     await board.put(record("alpha-a", "alpha", a.endpoint))
@@ -111,8 +112,7 @@ async def test_a_stream_under_way_ends_with_an_error_event_when_its_replica_stal
         resp = await http.post(url, json={**body, "model": "alpha"})
         assert resp.status == 200 and resp.headers["x-llmgw-replica"] == "alpha-a"
         await read_events(resp, 3)
-        stop(a)
-        await board.put(record("alpha-a", "alpha", state="degraded"))
+        a.proc.send_signal(signal.SIGUSR1)
         rest = await asyncio.wait_for(resp.content.read(), 10)  # to the chunked body's end
         events = [e.strip() for e in rest.split(b"\n\n") if e.strip()]
         assert events[-1] == b"data: [DONE]", events[-2:]
@@ -120,6 +120,8 @@ async def test_a_stream_under_way_ends_with_an_error_event_when_its_replica_stal
         assert error["code"] == "replica_unavailable" and error["type"] == "server_error", error
         assert "alpha-a" in error["message"] and "no byte" in error["message"], error
         assert gw_metric(gw, "llmgw_gateway_stream_errors_total", model="alpha", reason="stalled") == 1
+        async with http.get(f"{a.endpoint}/health") as health:
+            assert health.status == 200  # a gray failure: the engine still says it is fine
 
         resp = await http.post(url, json={**body, "model": "beta"})
         await read_events(resp, 2)
