@@ -13,6 +13,8 @@ from aiohttp import web
 
 from llmgw.services.gateway.upstream import Broken, ConnectFailed, ReadTimeout, UpstreamClient
 
+from .waiting import eventually
+
 pytestmark = pytest.mark.timeout(30)
 
 HOST = "127.0.0.1"
@@ -173,9 +175,9 @@ async def test_idle_connections_are_not_reused_after_keepalive_and_are_closed(en
         await conn.read()
         conn.release()
         first = engine.seen[-1]["peer"]
-        await asyncio.sleep(0.35)
-        assert sum(len(p.idle) for p in c._pools.values()) == 0  # swept
-        assert conn.transport.is_closing()
+        # past its keepalive the sweeper drops it from the pool and closes it (waited for, not slept for)
+        swept = lambda: (sum(len(p.idle) for p in c._pools.values()), conn.transport.is_closing())  # noqa: E731
+        await eventually(swept, (0, True), what="the idle connection swept and closed", timeout=5)
         conn = await c.post(engine.endpoint, "/v1/chat/completions", b"{}")
         await conn.read()
         conn.release()

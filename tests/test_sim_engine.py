@@ -25,6 +25,8 @@ import pytest
 from llmgw.shared.natsserver import free_port
 from llmgw.shared.procnet import listening_sockets
 
+from .waiting import eventually_sync
+
 pytestmark = pytest.mark.timeout(60)
 
 LEADER = "127.0.1.1"
@@ -36,13 +38,8 @@ EXIT_PEER_LOST = 3  # services/engines/sim.py
 
 
 def wait_until(predicate, what: str, timeout: float = 15.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(interval)
-    raise AssertionError(f"gave up waiting for {what} after {timeout:g}s")
+    """Until ``predicate()`` is truthy; fail naming ``what`` and the last value seen."""
+    return eventually_sync(predicate, what=what, timeout=timeout, interval=interval)
 
 
 class Engine:
