@@ -546,3 +546,18 @@ def test_console_node_detail_shows_the_auto_cordon_reason_and_engine_detail():
     assert v.admin_reason == "auto: 3 replica failures in 10m: x"
     (m,) = v.members
     assert (m.engine_state, m.engine_detail) == (E.STALLED, "canary sent 12:00:01 got no token in 3s")
+
+
+def test_breaker_counts_cordons_decided_in_the_same_cycle():
+    # node01 and node02 reach the threshold in one cycle: only one is cordoned.
+    w = single_node_world(nodes=4, replicas=2, config=cordon_config())
+    w.step()
+    assert sorted(r.members[0].node_id for r in w.replicas.values()) == ["node01", "node02"]
+    for _ in range(3):
+        for rid in [r.id for r in w.replicas.values() if r.state == RS.LAUNCHING]:
+            w.all_members(rid, E.EXITED)
+        w.step()
+        if w.plan.cordons:
+            break
+    assert [c.node_id for c in w.plan.cordons] == ["node01"]
+    assert [e.subject for e in w.plan.events if e.what == "auto-cordon-withheld"] == ["node02"]
