@@ -24,6 +24,8 @@ from llmgw.shared import bus
 from llmgw.shared.config import load_service_config
 from llmgw.shared.procnet import listening_on
 
+from .waiting import eventually_sync
+
 HB = 0.5
 LOST_AFTER = 3.0
 LOAD = 1.0
@@ -98,7 +100,8 @@ def test_seed_failover_story(cluster):
     # the ib-a replica failed and was reaped; node01's leader is gone
     assert story.failed is not None and story.failed.fabric == "ib-a"
     assert story.gone_at is not None
-    assert listening_on(nodes["node01"]["mgmt_addr"]) == []
+    # its socket closes as the engine exits, which need not come before the record is gone: waited for
+    eventually_sync(lambda: listening_on(nodes["node01"]["mgmt_addr"]), [], what="node01's leader socket closed", timeout=10)
     # the replacement is whole on ib-b, on the GPUs the first ib-b replica does not use
     rep = story.replacement
     assert rep is not None and rep.fabric == "ib-b" and rep.state == "ready"
