@@ -561,3 +561,24 @@ def test_breaker_counts_cordons_decided_in_the_same_cycle():
             break
     assert [c.node_id for c in w.plan.cordons] == ["node01"]
     assert [e.subject for e in w.plan.events if e.what == "auto-cordon-withheld"] == ["node02"]
+
+
+def test_console_story_of_a_hung_replica_starts_when_it_degraded():
+    from tui.story import StoryBook
+
+    w = ready_world(ReconcileConfig(hang_timeout=30.0))
+    book = StoryBook()
+    w.member("sim-g1", "node01", E.STALLED, "canary got no token in 3s")
+    told = []
+    for _ in range(40):
+        w.step()
+        for ev in w.plan.events:
+            told.append(book.add(ev))
+        for r in list(w.replicas.values()):
+            if r.state == RS.REAPING:
+                w.all_members(r.id, E.EXITED)
+            elif r.id != "sim-g1" and r.state == RS.LAUNCHING:
+                w.all_members(r.id, E.READY)
+    (story,) = [s for s in told if s is not None]
+    assert story.steps[:2] == ["sim-g1 degraded", "sim-g1 failed"]
+    assert story.steps[-1] == "ready (31.0 s)"

@@ -7,7 +7,9 @@ buckets, so the history replayed at start tells the same stories as live events.
 
 A story opens when a replica fails. Its cause is a node declared lost shortly
 before, when the failure names that node (the scheduler's reason is
-"node node02 lost"); otherwise the failure's own reason. The first replica of
+"node node02 lost"); else the replica's own degradation, when it was degraded
+(its leader stopped making progress) until it failed; otherwise the failure's
+own reason. The first replica of
 the same deployment created after the failure is its replacement. The story
 ends when the replacement is ready; its duration counts from the cause.
 """
@@ -18,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 
 from llmgw.shared.schemas import Event
+from llmgw.shared.states import ReplicaState
 
 # A lost node explains a failure only if the failure follows soon after.
 CAUSE_WINDOW = 300.0
@@ -65,6 +68,7 @@ class Rebuild:
 class StoryBook:
     def __init__(self, keep: int = 50) -> None:
         self.lost: dict[str, float] = {}  # node -> when it was declared lost
+        self.degraded: dict[str, float] = {}  # replica -> when it became degraded
         self.open: list[Rebuild] = []
         self.told: list[Rebuild] = []
         self.keep = keep
@@ -91,6 +95,11 @@ class StoryBook:
             return None
         if ev.kind != "replica":
             return None
+        if ev.what == ReplicaState.DEGRADED:
+            self.degraded[ev.subject] = ev.time
+            return None
+        if ev.what in (ReplicaState.READY, ReplicaState.GONE) and ev.data.get("from") != "":
+            self.degraded.pop(ev.subject, None)
         if ev.what == "failed":
             self._failed(ev)
         elif ev.what == "reaping":
@@ -119,6 +128,8 @@ class StoryBook:
             if 0 <= ev.time - at <= CAUSE_WINDOW and _names(ev.detail, node):
                 cause, started = f"{node} lost", at
                 break
+        if not cause and ev.subject in self.degraded:
+            cause, started = f"{ev.subject} degraded", self.degraded.pop(ev.subject)
         steps = [cause, f"{ev.subject} failed"] if cause else [f"{ev.subject} failed ({ev.detail})" if ev.detail else f"{ev.subject} failed"]
         self.open.append(Rebuild(deployment=_deployment(ev), failed=ev.subject, started=started, steps=steps))
 
