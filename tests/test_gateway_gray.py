@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 
 import aiohttp
@@ -301,3 +302,23 @@ def test_router_counts_survive_a_replica_leaving_ready_and_ejection_does_not_ext
     assert r.eject(b, "stalled") and b.cool_until == 110.0
     now[0] = 105.0
     assert not r.eject(b, "connect") and b.cool_until == 110.0 and b.ejected == "stalled"
+
+
+@pytest.mark.parametrize(
+    "endpoint, why",
+    [
+        ("http://[::1:8000", "Invalid IPv6 URL"),
+        ("http://127.0.0.1:99999", "Port out of range"),
+        ("http://127.0.0.1:x", "could not be cast to integer"),
+        ("http://日本:80", "'latin-1' codec"),
+        ("ftp://a", "not an http(s) endpoint"),
+    ],
+)
+async def test_every_unusable_endpoint_is_a_bad_endpoint_not_a_crash(endpoint, why):
+    from llmgw.services.gateway.upstream import BadEndpoint, ConnectFailed, UpstreamClient
+
+    client = UpstreamClient(connect_timeout=1, read_timeout=1)
+    with pytest.raises(BadEndpoint, match=re.escape(why)) as err:
+        await client.post(endpoint, "/v1/completions", b"{}")
+    assert isinstance(err.value, ConnectFailed)  # nothing was sent anywhere
+    await client.close()

@@ -412,6 +412,11 @@ class UpstreamClient:
             try:
                 u = urlsplit(endpoint)
                 port = u.port  # a ValueError for a port that is not a number 0-65535
+                host = u.netloc.rpartition("@")[2]
+                head = (
+                    f"POST {u.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {host}\r\n"
+                    "Content-Type: application/json\r\nAccept-Encoding: identity\r\nContent-Length: "
+                ).encode("latin-1")  # a UnicodeEncodeError (a ValueError) for a host latin-1 cannot spell
             except ValueError as e:
                 raise BadEndpoint(OSError(f"cannot parse the endpoint {endpoint!r}: {e}")) from None
             if u.scheme not in ("http", "https") or not u.hostname:
@@ -424,11 +429,6 @@ class UpstreamClient:
                 if tls and self._tls is None:
                     self._tls = ssl.create_default_context()
                 pool = self._pools[pkey] = _Pool(self, u.hostname, port, self._tls if tls else None)
-            host = u.netloc.rpartition("@")[2]
-            head = (
-                f"POST {u.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {host}\r\n"
-                "Content-Type: application/json\r\nAccept-Encoding: identity\r\nContent-Length: "
-            ).encode("latin-1")
             if len(self._targets) > 4096:
                 self._targets.clear()
             t = self._targets[key] = _Target(pool, head)
