@@ -40,7 +40,7 @@ def node(tmp_path, nats_server):
     n.configure(nats_server.url)
     # The supervisor section is the file's last: the probe settings go with it.
     with open(n.config, "a") as f:
-        f.write(f"  probe_interval: {PROBE_INTERVAL:g}s\n  probe_timeout: 500ms\n  stall_after: {STALL_AFTER:g}s\n")
+        f.write(f"  probe_interval: {PROBE_INTERVAL:g}s\n  probe_timeout: 1s\n  stall_after: {STALL_AFTER:g}s\n")
     yield n
     for a in n.agents:
         a.kill()
@@ -115,7 +115,7 @@ async def test_a_frozen_leader_and_a_silently_stalled_one_are_stalled_until_toke
     mark = len(tap.statuses)
     os.kill(pid, signal.SIGUSR1)
     stalled = await eventually(lambda: fact_in(tap, "r1", 0, EngineState.STALLED, mark), "the silently stalled leader reported stalled")
-    assert re.fullmatch(r"canary sent \d\d:\d\d:\d\d got no token in 500ms", stalled.detail), stalled.detail
+    assert re.fullmatch(r"canary sent \d\d:\d\d:\d\d got no token in 1s", stalled.detail), stalled.detail
     assert await asyncio.to_thread(http_status, leader_url(cmd) + "/health") == 200
     mark = len(tap.statuses)
     os.kill(pid, signal.SIGUSR2)

@@ -751,6 +751,8 @@ class Supervisor:
         while True:
             try:
                 self.scan_logs()
+                # Also here, so canaries go out on time with a long health_interval.
+                self._probe_progress()
             except Exception:  # a bug here must not stop the watching of every engine
                 log.exception("reading engine logs failed; trying again")
             await asyncio.sleep(LOG_SCAN_INTERVAL)
