@@ -118,7 +118,7 @@ class Scheduler(ServiceRuntime):
         self.spec_writes: dict[str, tuple[float, DeploymentSpec]] = {}
         # commands sent from handlers, which must never wait on a node
         self.background: set[asyncio.Task] = set()
-        self.stopping: set[tuple[str, str, int]] = set()
+        self.stops_in_flight: set[tuple[str, str, int]] = set()
         self.wake = asyncio.Event()
         self.acting = False
         for m in (self.nodes, self.deployments, self.replicas):
@@ -150,10 +150,10 @@ class Scheduler(ServiceRuntime):
             # engines, and those must stop too. Sent in the background: this
             # handler serves every node's reports and must not wait on one node.
             stops = fence({node: report.engines}, self.known_replicas({f.replica_id for f in report.engines}))
-            stops = [st for st in stops if (st.node_id, st.replica_id, st.generation) not in self.stopping]
+            stops = [st for st in stops if (st.node_id, st.replica_id, st.generation) not in self.stops_in_flight]
             if stops:
-                self.stopping.update((st.node_id, st.replica_id, st.generation) for st in stops)
-                self._background(self._send_stops(stops), done=lambda: self.stopping.difference_update((st.node_id, st.replica_id, st.generation) for st in stops))
+                self.stops_in_flight.update((st.node_id, st.replica_id, st.generation) for st in stops)
+                self._background(self._send_stops(stops), done=lambda: self.stops_in_flight.difference_update((st.node_id, st.replica_id, st.generation) for st in stops))
         self.wake.set()
 
     def _background(self, coro, done=None) -> asyncio.Task:
