@@ -217,3 +217,21 @@ async def test_canaries_only_for_idle_leaders_and_gateway_traffic_is_evidence(no
     await report(in_flight=1, silent_for=STALL_AFTER + 5, grow=0)
     await eventually(lambda: fact_in(tap, "r1", 0, EngineState.STALLED, mark), "a good report acted on after the bad ones")
     assert agent.proc.poll() is None
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "served"),
+    [
+        ((), "sim-7b"),
+        (("--served-model-name", "chat"), "chat"),
+        (("--served_model_name=chat-2",), "chat-2"),
+        (("--served-model-name", "first", "second"), "first"),  # vLLM's list: the first name
+        (("--served-model-name",), "sim-7b"),  # no value: the model
+    ],
+)
+def test_the_canary_asks_for_the_name_the_leader_serves(engine_args, served):
+    from llmgw.services.agent.adapters import served_model
+
+    cmd = make_launch("r1")
+    cmd.engine_args = list(engine_args)
+    assert served_model(cmd) == served
