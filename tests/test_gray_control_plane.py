@@ -144,3 +144,19 @@ async def test_crash_loop_backs_off_and_auto_cordon_stays_within_the_share(clust
         await sub.unsubscribe()
         await nodes.stop()
         await deployments.stop()
+
+
+async def test_the_scheduler_identity_may_ask_the_registry_to_cordon_and_nothing_else(cluster, connector):
+    await cluster.start_service(Registry, "registry")
+    sched = await connector.as_new("scheduler-x", "scheduler")
+    # Allowed: the registry answers (here: no such node, a clear error, and it keeps running).
+    reply = await sched.request(S.api("registry", "cordon"), encode(NodeRequest(node_id="node09", reason="r", auto=True)), timeout=5)
+    assert reply.headers.get("Nats-Service-Error-Code") and b"no node 'node09'" in reply.data
+    # A malformed request gets a specific error too.
+    reply = await sched.request(S.api("registry", "cordon"), b'{"node_id": 7}', timeout=5)
+    assert reply.headers.get("Nats-Service-Error-Code") and b"node_id" in reply.data
+    # Not allowed: the server drops the request, nobody answers.
+    for verb in ("uncordon", "drain"):
+        with pytest.raises(Exception) as e:
+            await sched.request(S.api("registry", verb), encode(NodeRequest(node_id="node09")), timeout=1)
+        assert type(e.value).__name__ in ("TimeoutError", "NoRespondersError")
