@@ -726,6 +726,7 @@ def parse_args(argv=None):
     ap.add_argument("--probe-interval", default="1s", help="agents' canary interval, passed to 'llmgw up' when it offers it (default 1s)")
     ap.add_argument("--stall-after", default="2s", help="no byte this long with requests in flight is a stall; passed on when offered (default 2s)")
     ap.add_argument("--hang-timeout", default="10s", help="degraded this long fails a replica; passed on when offered (default 10s)")
+    ap.add_argument("--up-attempts", type=int, default=3, help="tries of 'llmgw up' before giving up (default 3)")
     ap.add_argument("--up-args", default="", help="further 'llmgw up' arguments, space-separated")
     ap.add_argument("--json", help="write the raw figures (and every request) here")
     args = ap.parse_args(argv)
@@ -751,7 +752,18 @@ async def up_cluster(args, d: Path) -> None:
             offered.append(f"{opt} {value}")
     argv += args.up_args.split()
     print(f"starting: llmgw up --dir {d} --detach --heartbeat-interval {args.heartbeat_interval} --node-lost-after {args.node_lost_after} --engine-load-time {args.engine_load_time} {' '.join(offered)} {args.up_args}".rstrip(), flush=True)
-    await run_cmd(*argv, timeout=240)
+    for attempt in range(1, args.up_attempts + 1):
+        try:
+            await run_cmd(*argv, timeout=240)
+            return
+        except RuntimeError as e:
+            # On a machine shared with other clusters, another's teardown may SIGKILL a
+            # node of ours mid-start ('llmgw down' and 'sim kill-node' find a node's
+            # processes by LLMGW_SIM_NODE alone): 'up' then stops and says so. Try again.
+            if attempt == args.up_attempts:
+                raise
+            print(f"llmgw up failed (attempt {attempt}/{args.up_attempts}): {str(e).splitlines()[-1]}; again", flush=True)
+            await run_cmd(*LLMGW, "down", "--dir", str(d), check=False)
 
 
 async def main(args) -> int:
