@@ -462,6 +462,8 @@ class Result:
     slow: int = 0
     replica_events: list = field(default_factory=list)
     note: str = ""
+    sick_replica: str = ""  # what the fault made sick (set when it is injected)
+    sick_node: str = ""
 
 
 class Bench:
@@ -516,25 +518,24 @@ class Bench:
     async def run(self, name: str) -> Result:
         res = Result(fault=name)
         before = {r.id for r in self.w.of(self.deployment)}
-        sick_replica = None
-        sick_node = None
         fault = getattr(self, "fault_" + name.replace("-", "_"))
         try:
-            sick_replica, sick_node = await fault(res, before)
+            await fault(res, before)
         except Unsupported as e:
             res.note = f"not run: {e}"
             self.say(f"{name}: {res.note}")
             return res
         except Exception as e:
+            res.t0 = res.t0 or time.time()
             res.note = f"failed: {e}"
             self.say(f"{name}: {res.note}")
         await self.heal(res)
         res.end = time.time()
-        self.measure(res, before, sick_replica, sick_node)
+        self.measure(res, before)
         return res
 
-    def measure(self, res: Result, before: set[str], sick_replica: str | None, sick_node: str | None) -> None:
-        t0 = res.t0
+    def measure(self, res: Result, before: set[str]) -> None:
+        t0, sick_replica, sick_node = res.t0, res.sick_replica, res.sick_node
         about = {s for s in (sick_replica, sick_node) if s}
         for ev in self.w.events:
             if ev.time >= t0 and ev.subject in about:
@@ -561,11 +562,12 @@ class Bench:
             to_sick = [r.start - t0 for r in window if r.start >= t0 and r.replica == sick_replica]
             res.last_to_sick = max(to_sick) if to_sick else None
 
-    # -- the faults: each injects, waits for its own end, undoes what it must;
-    #    returns (sick replica, sick node) --------------------------------------
+    # -- the faults: each injects, waits for its own end, undoes what it must ----
 
-    def begin(self, res: Result, victim: str, how: str) -> None:
+    def begin(self, res: Result, victim: str, how: str, replica: str = "", node: str = "") -> None:
+        """The fault is in: t=0, and what it made sick (a replica whose requests must move, its node)."""
         res.victim, res.how, res.t0 = victim, how, time.time()
+        res.sick_replica, res.sick_node = replica, node
         self.say(f"{res.fault}: {how} ({victim})")
 
     async def wait_replacement(self, res: Result, before: set[str], sick: str) -> None:
@@ -575,12 +577,17 @@ class Bench:
     async def fault_node_kill(self, res, before):
         r = self.target()
         node = r.members[0].node_id
-        self.begin(res, f"{node}, leader of {r.id}", f"llmgw sim kill-node {node}")
         await self.c.sim("kill-node", node)
-        res.t0 = time.time()  # the verb kills just before it exits; its start-up must not count
+        # t=0 when the verb returned: it kills just before it exits; its start-up must not count.
+        self.begin(res, f"{node}, leader of {r.id}", f"llmgw sim kill-node {node}", r.id, node)
         await self.wait_replacement(res, before, r.id)
-        await self.c.sim("start-node", node)
-        return r.id, node
+        try:
+            await self.c.sim("start-node", node)
+        except RuntimeError as e:
+            # 'start-node' refuses while any process on this machine carries the node's marker,
+            # another cluster's included: start the agent as it would.
+            res.note = (res.note + "; " if res.note else "") + f"start-node refused ({str(e).splitlines()[-1][:120]}); agent started directly"
+            self.start_agent(node)
 
     async def _kill_engine(self, res, before, rank: int):
         r = self.target()
@@ -589,10 +596,9 @@ class Bench:
             raise Unsupported(f"{r.id} has no rank {rank}")
         if not m.pid:
             raise RuntimeError(f"{r.id} rank {rank} has no pid recorded")
-        self.begin(res, f"{r.id} rank {rank} on {m.node_id}", f"SIGKILL to engine pid {m.pid}")
         signal_pid(m.pid, signal.SIGKILL)
+        self.begin(res, f"{r.id} rank {rank} on {m.node_id}", f"SIGKILL to engine pid {m.pid}", r.id)
         await self.wait_replacement(res, before, r.id)
-        return r.id, None
 
     async def fault_leader_kill(self, res, before):
         return await self._kill_engine(res, before, 0)
@@ -606,14 +612,13 @@ class Bench:
         if m is None:
             raise Unsupported(f"{r.id} has no rank {rank}")
         how = await self.c.hang(r, m)
-        self.begin(res, f"{r.id} rank {rank} on {m.node_id}", how)
+        self.begin(res, f"{r.id} rank {rank} on {m.node_id}", how, r.id)
         failed = await self.until(lambda: self.gone(r.id), self.args.fault_timeout)
         await self.c.resume(r, m)
         if not failed:
             res.note = f"{r.id} not failed in {self.args.fault_timeout:g}s; resumed"
         else:
             await self.until(lambda: self.new_ready(before), self.args.fault_timeout)
-        return r.id, None
 
     async def fault_leader_hang(self, res, before):
         return await self._hang(res, before, 0)
@@ -625,20 +630,18 @@ class Bench:
         r = self.target()
         leader = next(m for m in r.members if m.rank == 0)
         if "stall-replica" in self.c.verbs:
-            self.begin(res, r.id, f"llmgw sim stall-replica {r.id}")
             await self.c.sim("stall-replica", r.id)
-            res.t0 = time.time()
+            self.begin(res, r.id, f"llmgw sim stall-replica {r.id}", r.id)
         else:
             # Without a handler SIGUSR1 would kill the engine: that is leader-kill, not a stall.
             if not leader.pid or not catches(leader.pid, signal.SIGUSR1):
                 raise Unsupported("this build's sim engine has no stall (no 'llmgw sim stall-replica', no SIGUSR1 handler)")
-            self.begin(res, r.id, f"SIGUSR1 to leader pid {leader.pid}")
             signal_pid(leader.pid, signal.SIGUSR1)
+            self.begin(res, r.id, f"SIGUSR1 to leader pid {leader.pid}", r.id)
         if not await self.until(lambda: self.gone(r.id), self.args.fault_timeout):
             res.note = f"{r.id} not failed in {self.args.fault_timeout:g}s; its leader was killed so the run could go on"
             signal_pid(leader.pid, signal.SIGKILL)
         await self.until(lambda: self.new_ready(before), self.args.fault_timeout)
-        return r.id, None
 
     async def fault_agent_kill(self, res, before):
         r = self.target()
@@ -646,26 +649,29 @@ class Bench:
         pid = self.c.live_pid(f"agent-{node}")
         if pid is None:
             raise RuntimeError(f"no live agent of {node} in pids.json")
-        self.begin(res, f"agent of {node} (leader of {r.id})", f"SIGKILL to agent pid {pid}, restarted after {self.args.outage:g}s")
         signal_pid(pid, signal.SIGKILL)
+        # Its replica is not sick (requests to it are right); its node is what events may be about.
+        self.begin(res, f"agent of {node} (leader of {r.id})", f"SIGKILL to agent pid {pid}, restarted after {self.args.outage:g}s", node=node)
         await asyncio.sleep(self.args.outage)
+        self.start_agent(node)
+
+    def start_agent(self, node: str) -> None:
+        """Start a node's agent as 'llmgw up' and 'sim start-node' do (it adopts the engines still running)."""
         from llmgw.services.simcluster import SIM_ENV
 
         self.c.spawn(f"agent-{node}", [*LLMGW, "agent", "--config", self.c.agent_configs[node]], env={SIM_ENV: node})
-        return None, node  # its replica is not sick: requests to it are right
 
     async def fault_nats_restart(self, res, before):
         pid = self.c.live_pid("nats-server")
         if pid is None:
             raise RuntimeError("no live nats-server in pids.json")
         conf = self.c.dir / "nats.conf"
-        self.begin(res, "nats-server", f"SIGKILL to nats-server pid {pid}, restarted on {conf.name} after {self.args.outage:g}s")
         signal_pid(pid, signal.SIGKILL, group=True)
+        self.begin(res, "nats-server", f"SIGKILL to nats-server pid {pid}, restarted on {conf.name} after {self.args.outage:g}s")
         await self.until(lambda: start_time(pid) is None, 5)
         await asyncio.sleep(self.args.outage)
         self.c.spawn("nats-server", [*LLMGW, "nats", "--config", str(conf)])
         await self.w.reopen()
-        return None, None
 
 
 class Unsupported(Exception):

@@ -56,7 +56,8 @@ def test_leader_kill_is_measured_and_the_cluster_is_stopped(tmp_path):
     data = json.loads(figures.read_text())
     (res,) = data["results"]
     assert res["fault"] == "leader-kill" and res["healed"] is True, res
-    sick = res["victim"].split()[0]  # "demo-g1 rank 0 on node01"
+    sick = res["sick_replica"]
+    assert sick and res["victim"].startswith(f"{sick} rank 0 on node"), res
     assert res["detected_by"].startswith(f"replica {sick} failed"), res
     assert res["detected"] is not None and res["replacement"] is not None
     assert 0 <= res["detected"] < res["replacement"], res
