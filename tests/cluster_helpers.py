@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 from llmgw.services import simcluster
@@ -31,10 +33,17 @@ SCHED = dict(reconcile_interval=0.3, leader_ttl=0.6, command_timeout=2.0)
 TIMINGS = simcluster.Timings(heartbeat_interval=HB, stop_timeout=1.0, health_interval=0.1, reconnect_base=0.1, reconnect_max=0.5)
 
 
+# Marks this cluster's agents and (inherited) engines, so that killing "node02" kills this
+# test's node02 and not a simulated node02 of another run on the same machine
+# (simcluster.kill_node matches every process carrying LLMGW_SIM_NODE=node02).
+CLUSTER_ENV = "LLMGW_TEST_CLUSTER"
+
+
 class Cluster:
     def __init__(self, server: NatsServer, root: Path):
         self.server = server
         self.root = root
+        self.marker = f"{CLUSTER_ENV}={uuid.uuid4().hex}".encode()
         self.services: list = []
         self.agents: dict[str, subprocess.Popen] = {}
         self.spawned: list[subprocess.Popen] = []
@@ -65,7 +74,7 @@ class Cluster:
             [sys.executable, "-m", "llmgw.services", "agent", "--config", str(node.config)],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, simcluster.SIM_ENV: node_id},
+            env={**os.environ, simcluster.SIM_ENV: node_id, CLUSTER_ENV: self.marker.split(b"=", 1)[1].decode()},
             start_new_session=True,
         )
         log.close()
@@ -96,6 +105,20 @@ class Cluster:
     def ids(self, deployment: str) -> list[str]:
         return sorted(r.id for r in self.live(deployment))
 
+    def kill_node(self, node_id: str) -> list[int]:
+        """SIGKILL this cluster's agent and engines of ``node_id`` at once, as a machine dies."""
+        pids = []
+        for pid in simcluster.processes_of(node_id):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if self.marker not in f.read().split(b"\0"):
+                        continue
+                os.kill(pid, signal.SIGKILL)
+                pids.append(pid)
+            except (OSError, ProcessLookupError):
+                pass
+        return pids
+
     def live(self, deployment: str) -> list[Replica]:
         return [r for r in self.replicas.items.values() if r.deployment == deployment and r.state != "gone"]
 
@@ -112,7 +135,7 @@ class Cluster:
             except Exception:
                 pass
         for node_id in self.nodes:
-            simcluster.kill_node(node_id)
+            self.kill_node(node_id)
         for p in self.spawned:
             try:
                 p.wait(2)

@@ -118,7 +118,7 @@ async def test_standby_scheduler_finishes_a_rebuild_without_duplicates(cluster, 
     leader = next(s for s in scheds if s.leadership.is_leader)
     standby = next(s for s in scheds if s is not leader)
     victim = next(r for r in cluster.ready("demo") if r.fabric == "ib-a").members[1].node_id
-    simcluster.kill_node(victim)
+    cluster.kill_node(victim)
     # mid-rebuild: the replacement has been placed and is launching / loading
     await cluster.wait(lambda: [r for r in cluster.live("demo") if r.generation > 2 and r.state in ("launching", "waiting-for-workers")], what="replacement launching")
     await crash(leader)
