@@ -57,7 +57,9 @@ wrote them, on the same machine):
 * detected: the first event about the sick replica or its node;
 * last to sick: the start of the last request that began after the fault and
   was answered by the sick replica (``x-llmgw-replica``); "-" when none did;
-* replacement: the ``ready`` event of a new replica of the deployment;
+* replacement: the ``ready`` event of the first new replica of the
+  deployment that is still ready at the heal (one that was ready and failed
+  again is reported as a false start);
 * requests: those answered (or given up) between the fault and the heal,
   and of them, counted apart, the errors: non-2xx answers, connection errors and cut streams,
   requests with no answer in ``--request-timeout`` (a client-visible hang),
@@ -542,10 +544,15 @@ class Bench:
                 res.detected = ev.time - t0
                 res.detected_by = f"{ev.kind} {ev.subject} {ev.what}" + (f": {ev.detail}" if ev.detail else "")
                 break
-        for ev in self.w.events:
-            if ev.time >= t0 and ev.kind == "replica" and ev.what == "ready" and ev.subject.startswith(self.deployment + "-") and ev.subject not in before:
-                res.replacement = ev.time - t0
-                break
+        # The replacement: the first new replica to become ready and still be ready at the
+        # heal (one that turned ready and failed again is a false start, not a replacement).
+        lasting = {r.id for r in self.w.ready(self.deployment)} - before
+        readies = [ev for ev in self.w.events if ev.time >= t0 and ev.kind == "replica" and ev.what == "ready" and ev.subject.startswith(self.deployment + "-") and ev.subject not in before]
+        kept = [ev for ev in readies if ev.subject in lasting] or readies
+        if kept:
+            res.replacement = kept[0].time - t0
+        if len({ev.subject for ev in readies}) > len({ev.subject for ev in kept}):
+            res.note = (res.note + "; " if res.note else "") + "false start: " + ", ".join(sorted({ev.subject for ev in readies} - lasting)) + " was ready, then failed"
         # Another cluster's teardown on this machine may kill "our" nodes: 'llmgw sim kill-node' and
         # 'llmgw down' find a node's processes by LLMGW_SIM_NODE alone. Such a run is not this fault's.
         outside = sorted({ev.subject for ev in self.w.events if t0 <= ev.time <= res.end and ev.kind == "node" and ev.what == "lost" and ev.subject != sick_node})
