@@ -52,6 +52,15 @@ class Gpu(Base, kw_only=True):
     # None when the driver reports "[N/A]" (seen on some MIG and vGPU setups).
     memory_mib: int | None = None
     pci_bus_id: str = ""
+    # Health as the agent last read it (issue #14): an unhealthy GPU fails the
+    # replica holding it and takes no new work; problem says why, in the
+    # driver's words ("XID 79: GPU has fallen off the bus", "2 uncorrectable
+    # ECC errors"). foreign_* is memory held by processes llmgw did not start:
+    # such a GPU is not offered to placement (it is not "unhealthy").
+    healthy: bool = True
+    problem: str = ""
+    foreign_mib: int = 0
+    foreign_pids: list[int] = []
 
 
 class HcaPort(Base, kw_only=True):
