@@ -7,6 +7,18 @@ subject to its certificate, so ``llmgw.node.node02.inventory`` can only come
 from ``CN=node02,OU=node``; the registry still checks that the payload claims
 the same node, because a bug in an agent must not move one node's GPUs onto
 another's record. A rejected inventory leaves the previous record in place.
+
+A node's management address is not the node's to choose (issue #12): clients'
+prompts go to ``http://<mgmt_addr>:<port>``. The address is recorded when the
+node is onboarded (``set-addr``, called by ``llmgw ctl node set-addr``,
+``llmgw up`` and ``deploy/onboard-node.sh``) and kept on the record as
+``recorded_addr``; an inventory claiming another address is refused whole and
+counted, with an event. A node with no recorded address (onboarded before
+this) keeps today's behaviour: its inventory's address is taken, with one
+warning per registry run, and ``llmgw ctl nodes`` shows it as unverified.
+Inventories of a node the health monitor quarantined (two agents answering
+for one identity) are refused too: which of the two is the real one is an
+operator's call.
 """
 
 from __future__ import annotations
@@ -19,13 +31,14 @@ from llmgw.shared import subjects as S
 from llmgw.shared.errors import LlmgwError, WireError
 from llmgw.shared.pki import subject_dn
 from llmgw.shared.kvmirror import KvMirror, open_bucket
-from llmgw.shared.names import is_valid_name
-from llmgw.shared.schemas import Inventory, Lease, NodeRecord, NodeRequest, decode, encode, now
+from llmgw.shared.names import host_problem, is_valid_name
+from llmgw.shared.schemas import Inventory, Lease, NodeAddrRequest, NodeRecord, NodeRequest, decode, encode, now
 
 from .runtime import ServiceRuntime, run_service
 
 INVENTORIES = Counter("llmgw_registry_inventories_total", "Inventories received, by result", ["result"])
 NODES = Gauge("llmgw_registry_nodes", "Node records, by admin state", ["admin"])
+ADDR_REFUSED = Counter("llmgw_registry_addr_refused_total", "Inventories refused for claiming an address other than the recorded one")
 
 
 class UnknownNode(LlmgwError):
@@ -48,8 +61,13 @@ class Registry(ServiceRuntime):
         # node -> boot id of the inventory last stored (what the record says)
         self.boots: dict[str, str] = {}
         self.pulling: set[str] = set()
+        # nodes warned about (once per run) for having no recorded address;
+        # (node, claimed, recorded, boot) already announced as refused (one event, not one per re-send)
+        self.unverified_warned: set[str] = set()
+        self.refusals_told: set[tuple[str, str, str, str]] = set()
+        self.leases: KvMirror | None = None
         await self.nc.subscribe(S.ALL_INVENTORIES, cb=self.on_inventory, queue="llmgw-registry")
-        await self.add_api({"cordon": self.api_cordon, "uncordon": self.api_uncordon, "drain": self.api_drain})
+        await self.add_api({"cordon": self.api_cordon, "uncordon": self.api_uncordon, "drain": self.api_drain, "set-addr": self.api_set_addr})
         await self._load_admin()
         await self._count()
         self.spawn(self._watch_leases())
@@ -86,9 +104,10 @@ class Registry(ServiceRuntime):
             if inv.node_id != node:
                 INVENTORIES.labels("inconsistent").inc()
                 return
-            INVENTORIES.labels("pulled").inc()
             self.log.info("asked %s for the inventory it sent before we listened", node)
-            await self._apply_inventory(inv)
+            if await self._acceptable(inv):
+                INVENTORIES.labels("pulled").inc()
+                await self._apply_inventory(inv)
         except Exception as e:
             self.log.warning("could not get the inventory of %s: %s", node, e or type(e).__name__)
         finally:
@@ -105,16 +124,58 @@ class Registry(ServiceRuntime):
         if inv is None:
             return  # the previous record stays
         node = inv.node_id
-        if len({g.index for g in inv.gpus}) != len(inv.gpus):
-            INVENTORIES.labels("inconsistent").inc()
-            self.log.warning("inventory from %s lists a GPU index twice; rejected, previous record kept", node)
-            return
         try:
+            if not await self._acceptable(inv):
+                return
             await self._apply_inventory(inv)
             INVENTORIES.labels("accepted").inc()
         except Exception as e:
             INVENTORIES.labels("error").inc()
             self.log.warning("inventory from %s not stored: %s", node, e)
+
+    async def _acceptable(self, inv: Inventory) -> bool:
+        """Whether ``inv`` may become the node's record: sane, not quarantined, and
+        at the address recorded for the node. Each refusal is counted and logged;
+        an address claim also becomes one event per (claim, agent incarnation)."""
+        node = inv.node_id
+        if len({g.index for g in inv.gpus}) != len(inv.gpus):
+            INVENTORIES.labels("inconsistent").inc()
+            self.log.warning("inventory from %s lists a GPU index twice; rejected, previous record kept", node)
+            return False
+        problem = host_problem(inv.mgmt_addr)
+        if problem:
+            INVENTORIES.labels("bad_addr").inc()
+            self.log.warning("inventory from %s: mgmt_addr %r %s; rejected, previous record kept", node, inv.mgmt_addr, problem)
+            return False
+        lease = self.leases.items.get(node) if self.leases is not None else None
+        if lease is not None and lease.quarantine:
+            INVENTORIES.labels("quarantined").inc()
+            self.log.warning("inventory from %s (boot %s) ignored: the node is quarantined (%s)", node, inv.boot_id[:8], lease.quarantine)
+            return False
+        try:
+            entry = await self.nodes_kv.get(node)
+            recorded = decode(entry.value, NodeRecord).recorded_addr
+        except KeyNotFoundError:
+            recorded = ""
+        if recorded and inv.mgmt_addr != recorded:
+            INVENTORIES.labels("addr_refused").inc()
+            ADDR_REFUSED.inc()
+            detail = f"{node}'s inventory claims mgmt_addr {inv.mgmt_addr} but its recorded address is {recorded}; refused"
+            self.log.warning("%s (boot %s)", detail, inv.boot_id[:8])
+            key = (node, inv.mgmt_addr, recorded, inv.boot_id)
+            if key not in self.refusals_told:
+                if len(self.refusals_told) > 10_000:
+                    self.refusals_told.clear()  # bounded: at worst an event is repeated
+                self.refusals_told.add(key)
+                await self.events.emit("node", node, "addr-refused", detail, claimed=inv.mgmt_addr, recorded=recorded)
+            return False
+        if not recorded and node not in self.unverified_warned:
+            self.unverified_warned.add(node)
+            self.log.warning(
+                "%s has no recorded address: its inventory's mgmt_addr %s is taken on its word (unverified); "
+                "record it with 'llmgw ctl node set-addr %s ADDR'", node, inv.mgmt_addr, node,
+            )
+        return True
 
     async def _apply_inventory(self, inv: Inventory) -> None:
         for _ in range(5):  # CAS loop: an admin change may race an inventory
@@ -124,11 +185,13 @@ class Registry(ServiceRuntime):
                 rev = entry.revision
             except KeyNotFoundError:
                 old, rev = None, 0
+            if old is not None and old.recorded_addr and inv.mgmt_addr != old.recorded_addr:
+                return  # recorded meanwhile (set-addr raced the inventory): _acceptable refuses it next time
             record = NodeRecord(
                 node_id=inv.node_id,
                 identity=subject_dn("node", inv.node_id),
                 hostname=inv.hostname,
-                mgmt_addr=inv.mgmt_addr,
+                mgmt_addr=old.recorded_addr if old is not None and old.recorded_addr else inv.mgmt_addr,
                 mgmt_interface=inv.mgmt_interface,
                 boot_id=inv.boot_id,
                 gpus=inv.gpus,
@@ -137,8 +200,9 @@ class Registry(ServiceRuntime):
                 admin=old.admin if old else "active",
                 admin_reason=old.admin_reason if old else "",
                 admin_by=old.admin_by if old else "",
-                registered_at=old.registered_at if old else now(),
+                registered_at=old.registered_at if old and old.registered_at else now(),
                 updated_at=now(),
+                recorded_addr=old.recorded_addr if old else "",
             )
             if old is not None and _same_facts(old, record):
                 self.boots[inv.node_id] = inv.boot_id
@@ -151,7 +215,7 @@ class Registry(ServiceRuntime):
             except KeyWrongLastSequenceError:
                 continue  # an admin change or another registry won the race: re-read
             self.boots[inv.node_id] = inv.boot_id
-            if old is None:
+            if old is None or not old.boot_id:  # never joined (or only onboarded: set-addr)
                 await self.events.emit("node", inv.node_id, "joined", f"{len(inv.gpus)} GPUs, fabrics {', '.join(f.name for f in inv.fabrics) or 'none'}")
             else:
                 await self.events.emit("node", inv.node_id, "inventory", _describe_change(old, record))
@@ -223,6 +287,49 @@ class Registry(ServiceRuntime):
 
     async def api_drain(self, data: bytes) -> NodeRecord:
         return await self._set_admin(data, "draining", "draining")
+
+    async def api_set_addr(self, data: bytes) -> NodeRecord:
+        """Record the management address an operator vouches for (onboarding).
+
+        A node without a record yet gets an onboarding-only record (no boot id,
+        no GPUs): its first inventory fills it in. Setting the address a record
+        already shows is a no-op, so ``llmgw up`` and the onboarding script may
+        repeat it.
+        """
+        req = decode(data, NodeAddrRequest)
+        if not is_valid_name(req.node_id):
+            raise BadAdminRequest(f"node_id: {req.node_id!r} is not a node name")
+        problem = host_problem(req.addr)
+        if problem:
+            raise BadAdminRequest(f"addr: {req.addr!r} {problem}")
+        for _ in range(5):
+            try:
+                entry = await self.nodes_kv.get(req.node_id)
+                old, rev = decode(entry.value, NodeRecord), entry.revision
+            except KeyNotFoundError:
+                old, rev = None, 0
+            if old is not None and old.recorded_addr == req.addr and old.mgmt_addr == req.addr:
+                return old
+            if old is None:
+                new = NodeRecord(node_id=req.node_id, identity=subject_dn("node", req.node_id), mgmt_addr=req.addr, recorded_addr=req.addr, updated_at=now())
+            else:
+                new = msgspec.structs.replace(old, mgmt_addr=req.addr, recorded_addr=req.addr, updated_at=now())
+            try:
+                if rev:
+                    await self.nodes_kv.update(req.node_id, encode(new), last=rev)
+                else:
+                    await self.nodes_kv.create(req.node_id, encode(new))
+            except KeyWrongLastSequenceError:
+                continue
+            before = old.recorded_addr or (f"{old.mgmt_addr} (unverified)" if old.mgmt_addr else "none") if old else "none"
+            detail = f"management address recorded by an operator: {req.addr} (was {before})"
+            self.unverified_warned.discard(req.node_id)
+            await self.events.emit("node", req.node_id, "addr-recorded", detail)
+            self.log.info("node %s: %s", req.node_id, detail)
+            if old is None:
+                await self._count(req.node_id, new.admin)
+            return new
+        raise LlmgwError(f"node {req.node_id} is changing too fast; try again")
 
 
 def _same_facts(a: NodeRecord, b: NodeRecord) -> bool:

@@ -35,3 +35,52 @@ def check_role(role: str) -> str:
     if role not in ROLES:
         raise InvalidName(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")
     return role
+
+
+_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+MAX_HOST = 253
+
+
+def host_problem(addr: object) -> str:
+    """Why ``addr`` is not a bare host (an IP address or a DNS name), or "" if it is.
+
+    A management address becomes ``http://<addr>:<port>`` and ``<addr>:<port>``
+    (NCCL's rendezvous), so it must carry no port, scheme, path, user or
+    brackets: one validator, used wherever an address enters (configuration,
+    the command line, an inventory, the registry's API).
+    """
+    import ipaddress
+
+    if not isinstance(addr, str) or not addr:
+        return "empty"
+    if len(addr) > MAX_HOST:
+        return f"longer than {MAX_HOST} characters"
+    if "://" in addr:
+        return "has a scheme (give the bare host, e.g. 10.0.0.7)"
+    for ch, what in (("/", "a path"), ("@", "a user part"), ("[", "brackets"), ("]", "brackets"), ("%", "a zone")):
+        if ch in addr:
+            return f"has {what}"
+    try:
+        ipaddress.ip_address(addr)
+        return ""
+    except ValueError:
+        pass
+    if ":" in addr:
+        return "has a port (give the bare host; ports are the scheduler's)"
+    if addr.replace(".", "").isdigit():
+        return "is not a valid IPv4 address"
+    if not _HOSTNAME.fullmatch(addr):
+        return "is neither an IP address nor a DNS name (letters, digits, '-' and '.')"
+    return ""
+
+
+def check_host(addr: str, what: str = "address") -> str:
+    """Return ``addr`` if it is a bare host (IP or DNS name), else raise InvalidName."""
+    problem = host_problem(addr)
+    if problem:
+        raise InvalidName(f"invalid {what} {addr!r}: {problem}")
+    return addr
+
+
+def is_valid_host(addr: object) -> bool:
+    return host_problem(addr) == ""

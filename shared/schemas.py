@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -30,6 +30,29 @@ from .states import EngineState, ReplicaState
 
 # NATS' default max_payload; nothing llmgw sends legitimately comes close.
 MAX_PAYLOAD = 1024 * 1024
+
+# -- Sanity bounds on what a node may claim (issue #12) ---------------------------
+# A node's certificate proves who it is, not that what it says is sane: a message
+# outside these bounds is refused whole by ``decode`` (a ``WireError``, logged and
+# counted by the receiving service), never stored. The bounds are generous for
+# real hardware and tight enough that one node cannot claim 10,000 GPUs, a GPU
+# index of 2**70, or a heartbeat sequence that outruns every real one.
+MAX_GPUS = 64  # GPUs per node (an 8-GPU HGX board is the common case)
+MAX_HCAS = 64  # HCAs per node, and per fabric
+MAX_FABRICS = 16
+MAX_PORTS_PER_HCA = 16
+MAX_ENGINES = 1024  # engine facts in one status report
+MAX_SEQ = 2**53 - 1  # exact in a double: JSON readers elsewhere (jq, JS) keep it
+MAX_ID = 128  # node ids are 63 (shared/names.py); replica ids are deployment + "-g<N>"
+MAX_TEXT = 4096  # operator-facing words from a node (details, problems)
+
+Short = Annotated[str, msgspec.Meta(max_length=MAX_ID)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+Host = Annotated[str, msgspec.Meta(max_length=253)]  # and shared.names.check_host where it is used
+GpuIndex = Annotated[int, msgspec.Meta(ge=0, le=MAX_GPUS - 1)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+HcaName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+Seq = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
 
 
 class Base(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -46,12 +69,12 @@ def now() -> float:
 
 
 class Gpu(Base, kw_only=True):
-    index: int
-    uuid: str
-    name: str
+    index: GpuIndex
+    uuid: Short
+    name: Annotated[str, msgspec.Meta(max_length=256)]
     # None when the driver reports "[N/A]" (seen on some MIG and vGPU setups).
-    memory_mib: int | None = None
-    pci_bus_id: str = ""
+    memory_mib: Annotated[int, msgspec.Meta(ge=0, le=2**31)] | None = None
+    pci_bus_id: Annotated[str, msgspec.Meta(max_length=64)] = ""
     # Health as the agent last read it (issue #14): an unhealthy GPU fails the
     # replica holding it and takes no new work; problem says why, in the
     # driver's words ("XID 79: GPU has fallen off the bus", "2 uncorrectable
@@ -64,40 +87,42 @@ class Gpu(Base, kw_only=True):
 
 
 class HcaPort(Base, kw_only=True):
-    port: int
-    state: str  # "ACTIVE", "DOWN", … (the word after "4: ")
-    phys_state: str = ""  # "LinkUp", …
-    rate: str = ""  # "200 Gb/sec (4X HDR)"
-    link_layer: str = ""  # "InfiniBand" | "Ethernet"
+    port: Annotated[int, msgspec.Meta(ge=0, le=255)]
+    state: Short  # "ACTIVE", "DOWN", … (the word after "4: ")
+    phys_state: Short = ""  # "LinkUp", …
+    rate: Short = ""  # "200 Gb/sec (4X HDR)"
+    link_layer: Short = ""  # "InfiniBand" | "Ethernet"
 
 
 class Hca(Base, kw_only=True):
-    name: str
-    ports: list[HcaPort] = []
+    name: HcaName
+    ports: Annotated[list[HcaPort], msgspec.Meta(max_length=MAX_PORTS_PER_HCA)] = []
     # A configured HCA is usable when it exists and has an ACTIVE port.
     usable: bool = False
-    problem: str = ""
+    problem: Text = ""
 
 
 class FabricMembership(Base, kw_only=True):
     """A fabric this node is configured to sit on, and whether it can use it now."""
 
-    name: str
-    hcas: list[str] = []
+    name: Short
+    hcas: Annotated[list[HcaName], msgspec.Meta(max_length=MAX_HCAS)] = []
     usable: bool = True
-    problem: str = ""
+    problem: Text = ""
 
 
 class Inventory(Base, kw_only=True):
-    node_id: str
-    boot_id: str
-    hostname: str = ""
-    agent_version: str = ""
-    mgmt_addr: str
-    mgmt_interface: str = ""
-    gpus: list[Gpu] = []
-    fabrics: list[FabricMembership] = []
-    hcas: list[Hca] = []
+    node_id: Short
+    boot_id: Short
+    hostname: Host = ""
+    agent_version: Short = ""
+    # What the node says; the registry keeps the address recorded at onboarding
+    # (``NodeRecord.recorded_addr``) and refuses an inventory that claims another.
+    mgmt_addr: Host
+    mgmt_interface: Short = ""
+    gpus: Annotated[list[Gpu], msgspec.Meta(max_length=MAX_GPUS)] = []
+    fabrics: Annotated[list[FabricMembership], msgspec.Meta(max_length=MAX_FABRICS)] = []
+    hcas: Annotated[list[Hca], msgspec.Meta(max_length=MAX_HCAS)] = []
     sent_at: float = 0.0
 
 
@@ -107,9 +132,11 @@ class Inventory(Base, kw_only=True):
 
 
 class Heartbeat(Base, kw_only=True):
-    node_id: str
-    boot_id: str
-    seq: int
+    node_id: Short
+    boot_id: Short
+    # 1, 2, 3, … per agent incarnation (boot id). The health monitor also
+    # refuses a jump no real agent could make (``leases.LeaseBook``).
+    seq: Seq
     sent_at: float = 0.0
 
 
@@ -126,21 +153,23 @@ ReportedEngineState = Literal["starting", "joined", "ready", "stalled", "peer-lo
 class EngineFact(Base, kw_only=True):
     """What an agent knows about one engine process it supervises."""
 
-    replica_id: str
-    generation: int
-    deployment: str = ""
-    rank: int = 0
+    replica_id: Short
+    generation: Seq
+    deployment: Short = ""
+    rank: Annotated[int, msgspec.Meta(ge=0, le=4095)] = 0
     serves_http: bool = False
-    pid: int = 0
+    pid: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     state: ReportedEngineState = "starting"
     # What the agent saw that put the engine in this state, in words for an
     # operator ("canary sent 12:00:01 got no token in 3s", "log: rank 1 lost").
-    detail: str = ""
-    exit_code: int | None = None
-    gpus: list[int] = []
-    http_port: int = 0
-    rendezvous_port: int = 0
-    log_tail: list[str] = []
+    detail: Text = ""
+    exit_code: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31)] | None = None
+    gpus: Annotated[list[GpuIndex], msgspec.Meta(max_length=MAX_GPUS)] = []
+    http_port: Port = 0
+    rendezvous_port: Port = 0
+    # The agent's supervisor.log_lines (512) lines of at most 2,000 characters;
+    # the payload limit bounds the whole.
+    log_tail: Annotated[list[str], msgspec.Meta(max_length=4096)] = []
     since: float = 0.0
 
 
@@ -151,10 +180,10 @@ class StatusReport(Base, kw_only=True):
     (re)connect and on request), false when it carries only what changed.
     """
 
-    node_id: str
-    boot_id: str
+    node_id: Short
+    boot_id: Short
     full: bool = False
-    engines: list[EngineFact] = []
+    engines: Annotated[list[EngineFact], msgspec.Meta(max_length=MAX_ENGINES)] = []
     sent_at: float = 0.0
 
 
@@ -269,6 +298,12 @@ class NodeRecord(Base, kw_only=True):
     admin_by: AdminBy = ""
     registered_at: float = 0.0
     updated_at: float = 0.0
+    # The management address an operator recorded at onboarding (``llmgw ctl
+    # node set-addr``, ``llmgw up``, ``deploy/onboard-node.sh``). When set,
+    # ``mgmt_addr`` is always this, whatever the node's inventory claims (an
+    # inventory claiming another is refused); "" on a node onboarded before
+    # addresses were recorded: its inventory's word is taken ("unverified").
+    recorded_addr: str = ""
 
 
 LeaseState = Literal["ready", "suspect", "lost"]
@@ -286,6 +321,15 @@ class Lease(Base, kw_only=True):
     last_seq: int = 0
     last_renew: float
     since: float
+    # When the monitor first heard this boot id (its clock): a new agent
+    # incarnation's reports are trusted for teardown only once it has held the
+    # lease a few heartbeats without another agent answering for the node.
+    boot_since: float = 0.0
+    # Non-empty: two agents answer for this node (boot ids heartbeating in
+    # alternation); why, in words. Nothing is launched on it and its status
+    # reports tear nothing down until an operator releases it
+    # (``llmgw ctl node release``).
+    quarantine: str = ""
 
 
 class DeploymentSpec(Base, kw_only=True):
@@ -395,6 +439,13 @@ class NodeRequest(Base, kw_only=True):
     node_id: str
     reason: str = ""
     auto: bool = False
+
+
+class NodeAddrRequest(Base, kw_only=True):
+    """The registry's ``set-addr``: the management address an operator vouches for."""
+
+    node_id: str
+    addr: str
 
 
 # --------------------------------------------------------------------------

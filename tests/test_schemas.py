@@ -29,6 +29,8 @@ def _value(tp, name):
 
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if origin is typing.Annotated:  # a bounded field (shared/schemas.py): the sample fits the bounds
+        return _value(args[0], name)
     if tp is int:
         return 7
     if tp is float:
