@@ -129,7 +129,16 @@ class GpuCapacity:
             return Verdict(False, R.NOT_ENOUGH_GPUS, f"has {len(node.gpus)} GPUs, needs {need}")
         free = node.free_gpu_count()
         if free < need:
-            return Verdict(False, R.NOT_ENOUGH_FREE_GPUS, f"{free} of {len(node.gpus)} GPUs free, needs {need}")
+            text = f"{free} of {len(node.gpus)} GPUs free, needs {need}"
+            idle = node.idle_blocked()
+            if not idle:
+                return Verdict(False, R.NOT_ENOUGH_FREE_GPUS, text)
+            # Healthy and unused they would fit: say which GPU keeps it out, and why.
+            out = "; ".join(f"GPU {i} {node.blocked[i]}" for i in idle)
+            if free + len(idle) < need:
+                return Verdict(False, R.NOT_ENOUGH_FREE_GPUS, f"{text}; out of service: {out}")
+            reason = R.GPU_UNHEALTHY if any(i in node.unhealthy for i in idle) else R.GPU_FOREIGN
+            return Verdict(False, reason, f"{text}; out of service: {out}")
         return OK
 
 

@@ -310,4 +310,5 @@ def explain(deployment: DeploymentSpec, view: ClusterView) -> Explanation:
 
 def _fit_detail(node: NodeView) -> str:
     fabrics = ", ".join(node.usable_fabrics) or "no usable fabric"
-    return f"{node.free_gpu_count()} of {len(node.gpus)} GPUs free; {fabrics}"
+    out = f"; out of service: {node.blocked_text()}" if node.blocked else ""
+    return f"{node.free_gpu_count()} of {len(node.gpus)} GPUs free; {fabrics}{out}"

@@ -18,6 +18,8 @@ NOT_ENOUGH_FREE_GPUS = "not_enough_free_gpus"
 NO_FREE_PORTS = "no_free_ports"  # the node's port range is used up
 FABRIC_TOO_SMALL = "fabric_too_small"  # node fits, but its fabric has too few nodes that fit
 NO_NODES = "no_nodes"  # the cluster has no node at all
+GPU_UNHEALTHY = "gpu_unhealthy"  # enough free GPUs only counting ones the agent reports unhealthy (XID, ECC, lost)
+GPU_FOREIGN = "gpu_foreign"  # enough free GPUs only counting ones held by processes llmgw did not start
 
 DESCRIPTIONS: dict[str, str] = {
     NO_RECORD: "no node record (inventory not registered)",
@@ -33,4 +35,6 @@ DESCRIPTIONS: dict[str, str] = {
     NO_FREE_PORTS: "no free ports",
     FABRIC_TOO_SMALL: "its fabric has too few nodes that fit",
     NO_NODES: "no nodes",
+    GPU_UNHEALTHY: "not enough healthy free GPUs",
+    GPU_FOREIGN: "free GPUs held by processes llmgw did not start",
 }

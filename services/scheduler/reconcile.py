@@ -88,6 +88,19 @@ The cases (after LWS' numbered case analysis):
    cluster, for a node on no fabric) auto-cordoned: the circuit breaker, which
    withholds it with a ``node`` event. Either way its history is used up
    (``Plan.settled``), so an operator's uncordon starts it afresh.
+11. Hardware on a live node (issue #14), from the node's inventory as its
+   agent re-reads it every ``discovery.interval``: an active multi-node
+   replica with a member on a node where the replica's fabric is no longer
+   usable (an HCA has no ACTIVE port: its collectives will hang) is
+   ``failed`` at once, not after a lease; an active replica holding a GPU its
+   node reports unhealthy (XID, uncorrectable ECC, "GPU is lost") or no
+   longer lists is ``failed`` at once. The reason says what the hardware
+   reported. Single-node replicas on a node whose fabric went down are left
+   alone. Such a failure implicates the node (case 10) but is not a crash
+   loop of the deployment (case 9): the replacement is placed at once, and
+   placement keeps it off the bad fabric (``fabric_unusable``) and the bad
+   GPU (``gpu_unhealthy``); a GPU busy with a foreign process is not offered
+   either (``gpu_foreign``), though what already runs on it is left alone.
 
 Every state transition is a ``replica`` event whose ``what`` is the new state.
 """
@@ -291,6 +304,9 @@ class _Cycle:
         down = [(m.node_id, why) for m in replica.members if (why := self.node_down(m.node_id))]
         if down:
             return "; ".join(why for _, why in down), _unique(n for n, _ in down)
+        broken_hw = self.hardware(replica)  # case 11
+        if broken_hw:
+            return "; ".join(why for _, why in broken_hw), _unique(n for n, _ in broken_hw)
         ended = [m for m in replica.members if m.engine_state in ENDED_ENGINE]
         if ended:
             why = "; ".join(f"member rank {m.rank} on {m.node_id} {m.engine_state}" for m in ended)
@@ -318,9 +334,33 @@ class _Cycle:
             return why, _unique(m.node_id for m in replica.members)
         return "", []
 
+    def hardware(self, replica: Replica) -> list[tuple[str, str]]:
+        """Case 11: (node, what its hardware reported) for each member its node's inventory breaks."""
+        out: list[tuple[str, str]] = []
+        multi = len(replica.members) > 1 and bool(replica.fabric)
+        for m in replica.members:
+            rec = self.nodes.get(m.node_id)
+            if rec is None:
+                continue
+            if multi:
+                fabric = next((f for f in rec.fabrics if f.name == replica.fabric), None)
+                if fabric is None:
+                    out.append((m.node_id, f"fabric {replica.fabric} no longer configured on {m.node_id}"))
+                elif not fabric.usable:
+                    out.append((m.node_id, f"fabric {replica.fabric} unusable on {m.node_id}: {fabric.problem or 'no ACTIVE HCA port'}"))
+            if m.gpus and rec.gpus:  # a record with no GPUs listed at all is no GPU news
+                by_index = {g.index: g for g in rec.gpus}
+                for i in m.gpus:
+                    g = by_index.get(i)
+                    if g is None:
+                        out.append((m.node_id, f"GPU {i} on {m.node_id} no longer listed by its agent"))
+                    elif not g.healthy:
+                        out.append((m.node_id, f"GPU {i} on {m.node_id} unhealthy: {g.problem or 'reported unhealthy by its agent'}"))
+        return out
+
     def failed(self, replica: Replica, why: str, implicated: list[str]) -> None:
         """Evidence from a failure: towards the deployment's backoff and the nodes' records."""
-        if replica.state in _STARTING:
+        if replica.state in _STARTING and not self.hardware(replica):  # case 11 is no crash loop
             self.early_failures[replica.deployment].append(f"{replica.id}: {why}")
         for node_id in implicated:
             self.plan.implicated.append(NodeFailure(node_id, self.now, f"{replica.id} {why}"))

@@ -62,6 +62,10 @@ class NodeView:
     fabrics: dict[str, FabricMembership]  # configured fabrics by name
     used_gpus: set[int] = field(default_factory=set)
     used_ports: set[int] = field(default_factory=set)
+    # GPUs the agent reports out of service (issue #14), index -> why: unhealthy
+    # (XID, ECC, lost) or busy with a process llmgw did not start. Never free.
+    blocked: dict[int, str] = field(default_factory=dict)
+    unhealthy: frozenset[int] = frozenset()
 
     @property
     def admin(self) -> str:
@@ -81,13 +85,32 @@ class NodeView:
         return next(iter(self.fabrics), None)
 
     def free_gpus(self) -> list[int]:
-        return [i for i in self.gpus if i not in self.used_gpus]
+        return [i for i in self.gpus if i not in self.used_gpus and i not in self.blocked]
 
     def free_gpu_count(self) -> int:
-        return sum(1 for i in self.gpus if i not in self.used_gpus)
+        return sum(1 for i in self.gpus if i not in self.used_gpus and i not in self.blocked)
+
+    def idle_blocked(self) -> list[int]:
+        """Out-of-service GPUs no replica holds: what would be free if they were healthy."""
+        return [i for i in sorted(self.blocked) if i not in self.used_gpus]
+
+    def blocked_text(self) -> str:
+        return "; ".join(f"GPU {i} {self.blocked[i]}" for i in sorted(self.blocked))
 
     def free_port_count(self, ports: PortRange) -> int:
         return ports.count - sum(1 for p in self.used_ports if p in ports)
+
+
+def gpu_blocks(record: NodeRecord) -> dict[int, str]:
+    """The GPUs of ``record`` placement must not offer, index -> why (issue #14)."""
+    out: dict[int, str] = {}
+    for g in record.gpus:
+        if not g.healthy:
+            out[g.index] = f"unhealthy: {g.problem or 'reported unhealthy by its agent'}"
+        elif g.foreign_mib > 0 or g.foreign_pids:
+            pids = ", ".join(str(p) for p in g.foreign_pids) or "unknown pids"
+            out[g.index] = f"busy: {g.foreign_mib} MiB held by process(es) llmgw did not start (pid {pids})"
+    return out
 
 
 class CapacityIndex:
@@ -169,6 +192,8 @@ class ClusterView:
                 lease=lease.state if lease is not None else None,
                 gpus=tuple(sorted(g.index for g in record.gpus)) if record else (),
                 fabrics={f.name: f for f in record.fabrics} if record else {},
+                blocked=gpu_blocks(record) if record else {},
+                unhealthy=frozenset(g.index for g in record.gpus if not g.healthy) if record else frozenset(),
             )
         view = cls(views, ports, Counter())
         for replica in replicas:
