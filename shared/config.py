@@ -297,8 +297,28 @@ class GatewaySection:
     stall_after: float = field(default=5.0, metadata=DURATION)
     # How often traffic evidence goes to the agents of busy replicas' leaders.
     traffic_interval: float = field(default=1.0, metadata=DURATION)
+    # Bounds on what clients (and replicas) can make the gateway hold (docs/operations.md).
+    # Client connections open at once; more are answered 503 and closed.
+    max_connections: int = 4096
+    # A request's head and body must arrive within this of its first byte, however it trickles (408).
+    request_read_timeout: float = field(default=30.0, metadata=DURATION)
+    # Request bodies held at once, all connections together (503 beyond).
+    max_buffered_body_bytes: int = 256 * 1024 * 1024
+    # A non-streamed answer from a replica larger than this is refused (502).
+    max_response_bytes: int = 64 * 1024 * 1024
+    # JSON bodies nested deeper than this are refused (400).
+    max_json_depth: int = 64
 
     def __post_init__(self):
+        for name in ("max_connections", "max_buffered_body_bytes", "max_response_bytes", "max_json_depth"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"gateway.{name}: must be at least 1")
+        if self.request_read_timeout <= 0:
+            raise ConfigError("gateway.request_read_timeout: must be positive")
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ConfigError(
+                f"gateway.max_buffered_body_bytes ({self.max_buffered_body_bytes}) is smaller than max_body_bytes ({self.max_body_bytes}): one body could never be held"
+            )
         if self.max_body_bytes < 1:
             raise ConfigError("gateway.max_body_bytes: must be at least 1")
         if self.upstream_timeout <= 0 or self.connect_timeout <= 0:

@@ -57,14 +57,25 @@ def gateway_timeout(message: str) -> Response:
     return error_response(504, message, code="upstream_timeout")
 
 
+def out_of_descriptors() -> Response:
+    """EMFILE/ENFILE opening a connection to a replica: the gateway's own shortage, not the replica's."""
+    return error_response(503, "gateway out of file descriptors; try again shortly", code="gateway_overloaded", headers={"Retry-After": "1"})
+
+
+def response_too_large(replica: str, limit: int) -> Response:
+    return error_response(502, f"the answer of replica {replica} is larger than this gateway passes on ({limit} bytes; gateway.max_response_bytes)", code="upstream_response_too_large")
+
+
 _REFUSAL_CODES = {
     400: "malformed_request",
+    408: "request_timeout",
     413: "request_too_large",
     414: "uri_too_long",
     417: "expectation_failed",
     431: "headers_too_large",
     500: "internal_error",
     501: "not_implemented",
+    503: "gateway_overloaded",
 }
 
 

@@ -27,6 +27,26 @@ proxy in front of engines needs from HTTP is small and is all here:
   ``idle_timeout``; ``close(grace)`` stops accepting, lets requests in flight
   finish for ``grace`` seconds, then cancels them.
 
+Bounds on what clients can make it hold (issue #12; docs/architecture.md,
+"Threat model — the gateway"):
+
+* ``max_connections`` open at once: one more is answered 503 and closed (its
+  request bytes read and dropped for a moment first, so the answer is not lost
+  to a reset), without entering ``connections``;
+* ``request_read_timeout``: a request's head and body must arrive within it
+  of the request's first byte — a deadline, not an idle timer, so a client
+  trickling a byte at a time is closed at it all the same (408 when nothing
+  else is due on the connection);
+* ``max_buffered_body_bytes``: request bodies held at once, every connection
+  together, from their first byte until their handler returns (or their
+  connection closes, when they are dropped at once): a body that would go over
+  it is answered 503 and its connection closed;
+* accepting at EMFILE/ENFILE: asyncio's loop retries after a second and logs
+  each failure — here logged at most once per ``LOG_EVERY`` seconds (uvloop,
+  the gateway's loop, accepts with libuv's spare descriptor and closes at once:
+  the client sees a prompt close, never a hang). A 503 needs a descriptor to be
+  sent on, so the real bound is ``max_connections`` sized under the limit.
+
 Error bodies of the server's own refusals come from ``on_error`` (the gateway
 answers in OpenAI's error shape).
 """
@@ -54,6 +74,30 @@ MAX_URL = 8 * 1024
 MAX_QUEUED = 8  # pipelined requests held before reading pauses
 DISCARD_TIME = 1.0  # how long an over-limit body is read and dropped before closing
 _HIGH_WATER = 64 * 1024  # transport write buffer high-water mark (streams wait for drain above it)
+REFUSE_LINGER = 0.25  # how long a connection over max_connections is read and dropped before closing
+MAX_LINGERING = 64  # more refused connections than this at once are closed without the linger
+LOG_EVERY = 10.0  # seconds between two log lines of the same throttled kind
+
+
+class Throttled:
+    """A warning logged at most once per ``every`` seconds, with how many were not."""
+
+    def __init__(self, logger: logging.Logger, every: float = LOG_EVERY):
+        self.logger = logger
+        self.every = every
+        self.last = -every
+        self.skipped = 0
+
+    def warning(self, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every:
+            self.skipped += 1
+            return
+        skipped, self.skipped, self.last = self.skipped, 0, now
+        if skipped:
+            msg += " (and %d more like it since the last line)"
+            args = (*args, skipped)
+        self.logger.warning(msg, *args)
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _STATUS_LINES: dict[int, bytes] = {}
@@ -227,6 +271,10 @@ class HttpConnection(asyncio.Protocol):
         self.last_active = 0.0
         self.closing = False  # answer what is in flight, then close
         self.discarding: asyncio.TimerHandle | None = None
+        self.refused = False  # over max_connections: answered 503, its bytes are dropped
+        self.reading_since = 0.0  # loop time a request's first byte came; 0: none being read
+        self.held = 0  # body bytes of this connection counted in server.buffered
+        self._body_held = 0  # of which: the body being read now
         # The request being parsed
         self._url = b""
         self._headers: dict = {}
@@ -242,11 +290,32 @@ class HttpConnection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------
     def connection_made(self, transport):
         self.transport = transport
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            self._refuse_connection()
+            return
         transport.set_write_buffer_limits(high=_HIGH_WATER)
         self.last_active = self.loop.time()
-        self.server.connections.add(self)
+        server.connections.add(self)
+
+    def _refuse_connection(self) -> None:
+        """Over max_connections: 503, then the client's request bytes are dropped for a
+        moment (a close with unread bytes is a reset that can destroy the answer)."""
+        server = self.server
+        self.refused = True
+        server.refused("connection_limit", "gateway at its connection limit (%d): new connections answered 503", server.max_connections)
+        req = Request(self, "GET", b"/", {}, b"1.1", False)
+        resp = server.error_body(503, f"the gateway has its maximum of {server.max_connections} client connections open; try again shortly")
+        self.write_head(req, 503, resp.head + b"Retry-After: 1\r\n", resp.body)
+        if server.lingering >= MAX_LINGERING:
+            self._close()
+            return
+        server.lingering += 1
+        self.discarding = self.loop.call_later(REFUSE_LINGER, self._close)
 
     def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
         self.last_active = self.loop.time()
         head = self._heads if self._in_head else -1
         try:
@@ -280,11 +349,26 @@ class HttpConnection(asyncio.Protocol):
         return None
 
     def connection_lost(self, exc):
-        self.server.connections.discard(self)
+        server = self.server
+        if self.refused:
+            if self.discarding is not None:
+                server.lingering -= 1
+                self.discarding.cancel()
+            self.transport = None
+            return
+        server.connections.discard(self)
         self.transport = None
         if self.task is not None:
             self.task.cancel()  # the client left: its handler stops, which closes upstream
         self.queue.clear()
+        # Every body of this connection is let go now (the running handler's too: it is
+        # cancelled), so nothing it held counts against the other clients.
+        self._body = []
+        self._body_held = 0
+        self._parsing = None
+        if self.held:
+            server.buffered -= self.held
+            self.held = 0
         if self.drain_waiter is not None and not self.drain_waiter.done():
             self.drain_waiter.set_exception(ConnectionResetError("the client closed the connection"))
         if self.discarding is not None:
@@ -310,6 +394,9 @@ class HttpConnection(asyncio.Protocol):
 
     # -- httptools callbacks ---------------------------------------------------------
     def on_message_begin(self):
+        self.reading_since = self.loop.time()
+        if self._body_held:
+            self._drop_body()
         self._url = b""
         self._headers = {}
         self._head_bytes = 0
@@ -366,14 +453,32 @@ class HttpConnection(asyncio.Protocol):
         req = self._parsing
         if req is None or req.too_large:
             return  # a refused body: read and dropped
-        self._body_len += len(body)
-        if self._body_len > self.server.max_body_bytes:
-            self._body = []
+        n = len(body)
+        self._body_len += n
+        server = self.server
+        if self._body_len > server.max_body_bytes:
+            self._drop_body()
             self._too_large(req)
             return
+        if server.buffered + n > server.max_buffered_body_bytes:
+            self._drop_body()
+            server.refused("body_buffer_full", "request bodies held reached max_buffered_body_bytes (%d): bodies answered 503", server.max_buffered_body_bytes)
+            self._refuse(503, f"the gateway holds its maximum of request bodies ({server.max_buffered_body_bytes} bytes); try again shortly")
+        server.buffered += n
+        self.held += n
+        self._body_held += n
         self._body.append(body)
 
+    def _drop_body(self) -> None:
+        """Let go of the body being read (refused): its bytes no longer count."""
+        self._body = []
+        n = self._body_held
+        self._body_held = 0
+        self.held -= n
+        self.server.buffered -= n
+
     def on_message_complete(self):
+        self.reading_since = 0.0
         req = self._parsing
         self._parsing = None
         self._continue_due = False  # the body came without it
@@ -385,6 +490,7 @@ class HttpConnection(asyncio.Protocol):
         body = self._body
         req.body = body[0] if len(body) == 1 else b"".join(body)
         self._body = []
+        self._body_held = 0  # still counted (held) until its handler returns
         self._dispatch(req)
 
     # -- requests ------------------------------------------------------------------
@@ -394,6 +500,7 @@ class HttpConnection(asyncio.Protocol):
         req.too_large = True
         req.keep_alive = False
         self.closing = True
+        self.reading_since = 0.0  # what is left is dropped, and closed after DISCARD_TIME
         self._parsing = req
         self._dispatch(req)
         if self.discarding is None:
@@ -429,6 +536,10 @@ class HttpConnection(asyncio.Protocol):
                 resp = req.stream
         finally:
             self.task = None
+            n = len(req.body)
+            if n and self.held >= n:  # (0 once the connection closed: all let go then)
+                self.held -= n
+                self.server.buffered -= n
         self._finish(req, resp)
 
     def _finish(self, req: Request, resp: Response | Stream) -> None:
@@ -491,6 +602,10 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()  # flushes what was written first
 
+    def _read_timed_out(self, timeout: float) -> None:
+        self.server.refused("read_timeout", "a request not received within request_read_timeout (%gs): closed", timeout)
+        self._answer_and_close(408, f"the request was not received within {timeout:g}s")
+
     @property
     def idle(self) -> bool:
         return self.task is None and not self.queue
@@ -516,11 +631,29 @@ class _Refused(Exception):
 
 
 class HttpServer:
-    def __init__(self, handler: Handler, *, max_body_bytes: int, error_body: ErrorBody = plain_error, idle_timeout: float = 75.0):
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_body_bytes: int,
+        error_body: ErrorBody = plain_error,
+        idle_timeout: float = 75.0,
+        max_connections: int = 4096,
+        request_read_timeout: float = 30.0,
+        max_buffered_body_bytes: int = 256 * 1024 * 1024,
+        on_refused: Callable[[str], None] | None = None,
+    ):
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         self.error_body = error_body
         self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        self.request_read_timeout = request_read_timeout
+        self.max_buffered_body_bytes = max_buffered_body_bytes
+        self.on_refused = on_refused  # called with the reason of each refusal (metrics)
+        self.buffered = 0  # request body bytes held, all connections together
+        self.lingering = 0  # refused connections not closed yet
+        self._throttled: dict[str, Throttled] = {}
         self.loop = asyncio.get_running_loop()
         self.connections: set[HttpConnection] = set()
         self.date = _Date()
@@ -531,16 +664,59 @@ class HttpServer:
     async def start(self, host: str, port: int, *, backlog: int = 1024, tls: ssl.SSLContext | None = None) -> int:
         """Listen (HTTPS with ``tls``); returns the bound port (``port`` may be 0)."""
         self._server = await self.loop.create_server(lambda: HttpConnection(self), host, port, backlog=backlog, ssl=tls)
-        self._sweeper = self.loop.call_later(min(self.idle_timeout, 5.0), self._sweep)
+        self._watch_accept_errors()
+        self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
         return self._server.sockets[0].getsockname()[1]
 
+    @property
+    def _sweep_every(self) -> float:
+        return min(self.idle_timeout, self.request_read_timeout / 2, 5.0)
+
+    def refused(self, reason: str, msg: str, *args) -> None:
+        """Count a refusal and log it, at most once per LOG_EVERY seconds per reason."""
+        if self.on_refused is not None:
+            self.on_refused(reason)
+        t = self._throttled.get(reason)
+        if t is None:
+            t = self._throttled[reason] = Throttled(log)
+        t.warning(msg, *args)
+
+    def _watch_accept_errors(self) -> None:
+        """asyncio's loop reports every failed accept (EMFILE: one per queued connection,
+        every second); say it once in a while instead, in the gateway's words."""
+        loop = self.loop
+        previous = loop.get_exception_handler()
+        if getattr(previous, "_llmgw_accept_filter", False):
+            return
+
+        def handler(loop, context):
+            if str(context.get("message", "")).startswith("socket.accept() out of system resource"):
+                exc = context.get("exception")
+                self.refused("out_of_fds", "gateway out of file descriptors accepting a connection (%s): connections wait in the backlog", exc)
+                return
+            if previous is not None:
+                previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+
+        handler._llmgw_accept_filter = True
+        loop.set_exception_handler(handler)
+
     def _sweep(self) -> None:
-        """Close connections that sent no byte and had no answer pending for idle_timeout."""
-        oldest_ok = self.loop.time() - self.idle_timeout
+        """Close connections that sent no byte and had no answer pending for idle_timeout,
+        and those whose request did not all arrive within request_read_timeout."""
+        now = self.loop.time()
+        oldest_ok = now - self.idle_timeout
+        read_timeout = self.request_read_timeout
+        late = now - read_timeout
         for c in list(self.connections):
             if c.idle and c.last_active < oldest_ok:
                 c._close()
-        self._sweeper = self.loop.call_later(min(self.idle_timeout, 5.0), self._sweep)
+            elif 0.0 < c.reading_since < late and not c.read_paused and not c._continue_due:
+                # Not while reading is paused (requests queue behind a handler) or a 100
+                # Continue is owed: then the wait is the server's, not the client's.
+                c._read_timed_out(read_timeout)
+        self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
 
     async def close(self, grace: float) -> None:
         """Stop accepting; close idle connections; let requests in flight finish for ``grace`` seconds."""

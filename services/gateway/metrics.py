@@ -51,6 +51,27 @@ class _RouterCollector:
         yield silent
 
 
+class _ServerCollector:
+    """What the HTTP server holds now, read when scraped (``GatewayMetrics.server``)."""
+
+    def __init__(self, metrics: GatewayMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        server = self.metrics.server
+        if server is None:
+            return
+        conns = GaugeMetricFamily("llmgw_gateway_client_connections", "Client connections open (max: gateway.max_connections)")
+        conns.add_metric([], len(server.connections))
+        held = GaugeMetricFamily("llmgw_gateway_buffered_body_bytes", "Request body bytes held, all connections (max: gateway.max_buffered_body_bytes)")
+        held.add_metric([], server.buffered)
+        yield conns
+        yield held
+
+
 class GatewayMetrics:
     def __init__(self, router: Router):
         self.registry = r = CollectorRegistry(auto_describe=True)
@@ -78,7 +99,16 @@ class GatewayMetrics:
             registry=r,
         )
         self._served = Counter("llmgw_gateway_replica_requests", "Upstream attempts, by replica", ["replica"], registry=r)
+        self._refused = Counter(
+            "llmgw_gateway_bounded",
+            "Connections and requests cut off by a resource bound, by reason (connection_limit: 503; read_timeout: 408 or closed; "
+            "body_buffer_full: 503; response_too_large: 502; out_of_fds: 503 or an accept that failed)",
+            ["reason"],
+            registry=r,
+        )
+        self.server = None  # the HttpServer, once it exists (what it holds is read when scraped)
         r.register(_RouterCollector(router))
+        r.register(_ServerCollector(self))
         # labels() takes a lock and hashes its arguments; the hot path reuses children.
         self._children: dict[tuple, object] = {}
 
@@ -107,6 +137,9 @@ class GatewayMetrics:
 
     def stream_error(self, model: str, reason: str) -> None:
         self._child(self._stream_errors, model, reason).inc()
+
+    def refused(self, reason: str) -> None:
+        self._child(self._refused, reason).inc()
 
     def attempt(self, replica: str) -> None:
         self._child(self._served, replica).inc()

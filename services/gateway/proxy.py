@@ -36,6 +36,16 @@ collective, while ``/health`` may still say 200):
   event. Only streams are evidence: a plain answer arrives whole at its end, so
   a long one is silent by nature; plain requests alone are left to the agent's
   canary (and the control plane's verdict, which reaches ``on_replica``).
+
+What is the gateway's own trouble is not held against a replica: running out
+of file descriptors opening its connection (``OutOfDescriptors``) is answered
+503 "gateway out of file descriptors" with no failure counted, no cool-down,
+no retry, and logged at most once per ``LOG_EVERY`` seconds. A plain answer
+over ``max_response_bytes`` is cut off (its connection closed) and answered
+502, not retried — another replica would answer as much — and not counted
+either; a stream is relayed as read (``upstream.py`` stops reading while the
+client is slow), and one event over ``max_response_bytes`` ends it with an
+error event.
 """
 
 from __future__ import annotations
@@ -49,10 +59,21 @@ from llmgw.shared.states import ReplicaState
 
 from . import errors
 from .access import AccessLog
-from .httpserver import Request, Response, Stream
+from .httpserver import Request, Response, Stream, Throttled
 from .metrics import GatewayMetrics
 from .router import Backend, NoReadyReplica, Router, routable
-from .upstream import Abandoned, BadEndpoint, Broken, ConnectFailed, ConnectTimeout, Connection, ReadTimeout, UpstreamClient
+from .upstream import (
+    Abandoned,
+    BadEndpoint,
+    Broken,
+    ConnectFailed,
+    ConnectTimeout,
+    Connection,
+    OutOfDescriptors,
+    ReadTimeout,
+    TooLarge,
+    UpstreamClient,
+)
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -100,7 +121,9 @@ class Upstream:
         # read_timeout: the longest silence allowed from a replica (before its answer or
         # between chunks); keep-alive 4 s: under uvicorn's 5 s, so we never reuse a socket
         # vLLM is closing. The pool has no limit: engines queue (and report it), not us.
-        self.client = UpstreamClient(connect_timeout=self.cfg.connect_timeout, read_timeout=self.cfg.upstream_timeout, keepalive=4.0)
+        self.client = UpstreamClient(
+            connect_timeout=self.cfg.connect_timeout, read_timeout=self.cfg.upstream_timeout, keepalive=4.0, max_response_bytes=self.cfg.max_response_bytes
+        )
 
     async def close(self) -> None:
         if self.client is not None:
@@ -114,6 +137,8 @@ class Forwarder:
         self.metrics = metrics
         self.access = access
         self.stall_after = stall_after
+        self.out_of_fds_log = Throttled(log)
+        self.too_large_log = Throttled(log)
 
     async def forward(self, request: Request, path: str, body: bytes, model: str, stream: bool = False) -> Response | Stream:
         """Answer ``request`` from a replica of ``model``; raises UnknownModel / NoReadyReplica before any attempt.
@@ -171,6 +196,17 @@ class Forwarder:
                 raise self._ejected(b, "connect", f"replica {b.id} did not accept a connection in time: {_describe(e)}") from None
             except BadEndpoint as e:
                 raise self._ejected(b, "endpoint", f"replica {b.id} has an unusable endpoint: {_describe(e.os_error)}") from None
+            except OutOfDescriptors as e:  # the gateway's shortage: the replica is not blamed, nor another tried
+                self.metrics.refused("out_of_fds")
+                self.out_of_fds_log.warning("gateway out of file descriptors connecting to replica %s: %s; answering 503 (raise LimitNOFILE or lower max_connections)", b.id, e)
+                resp = errors.out_of_descriptors()
+                return resp, resp.status
+            except TooLarge as e:  # the answer is the replica's word, only too long to pass on: not a failure
+                self.metrics.refused("response_too_large")
+                self.metrics.upstream_error(b.id, "too_large")
+                self.too_large_log.warning("replica %s: %s; answered 502", b.id, e)
+                resp = errors.response_too_large(b.id, self.upstream.client.max_response_bytes)
+                return resp, resp.status
             except ReadTimeout:
                 self.metrics.upstream_error(b.id, "timeout")
                 self._count_failure(b)
@@ -232,6 +268,12 @@ class Forwarder:
                 if not chunk:
                     break
                 pending += chunk
+                if len(pending) > self.upstream.client.max_response_bytes:  # one event that never ends
+                    upstream.close()
+                    self.metrics.refused("response_too_large")
+                    message = f"replica {b.id} sent an event over {self.upstream.client.max_response_bytes} bytes (gateway.max_response_bytes)"
+                    await self._end_broken(resp, b, model, "too_large", message, "upstream_response_too_large", count=False)
+                    return resp, 200, False
             if pending:
                 await resp.write(pending)
             await resp.end()

@@ -4,10 +4,19 @@ Checks run cheapest first, and all before any replica is chosen: the API key,
 the body's size (the server flags an over-limit body without reading it), the
 body itself, the model. A request refused here never reaches a replica. Every
 route handles its own errors, so the hot path is one coroutine call deep.
+
+A body nested deeper than ``max_json_depth`` is refused (400) before it is
+decoded: decoders recurse, and a 100,000-deep body made msgspec (and would make
+an engine's JSON parser) raise RecursionError. The check costs two
+``bytes.count`` calls on an ordinary body; only one with more brackets than the
+limit is measured (``json_depth_over``).
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
+import re
 import time
 from typing import Any
 from urllib.parse import unquote
@@ -15,6 +24,8 @@ from urllib.parse import unquote
 import msgspec
 
 from . import errors
+from llmgw.shared.config import GatewaySection
+
 from .auth import ApiKeys
 from .httpserver import HttpServer, Request, Response, Stream
 from .metrics import UNKNOWN_MODEL, GatewayMetrics
@@ -36,18 +47,66 @@ class _Head(msgspec.Struct):
 
 _decode_head = msgspec.json.Decoder(_Head).decode
 
+# A JSON string (escapes included): brackets inside one are text, not nesting.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_SQUARE = bytes.maketrans(b"{}", b"[]")  # depth is depth, whichever brackets make it
+_RUNS = re.compile(rb"\[+|\]+")
+
+
+def json_depth_over(body: bytes, limit: int) -> bool:
+    """Whether ``body``'s brackets (outside strings) nest deeper than ``limit``, at
+    C speed. A pass drops every innermost pair (one level) and is cheap where pairs
+    are many; passes run while each shrinks the text by 1/8 or more. What is left
+    has runs of 4 or more brackets on average, and is scanned run by run: the depth
+    peaks at the end of each run of openers. An ordinary body costs two
+    ``bytes.count``; ``max_body_bytes`` of brackets shaped against this, tens of
+    milliseconds (docs/performance.md)."""
+    if body.count(b"{") + body.count(b"[") <= limit:
+        return False  # the common case: not enough brackets to nest that deep
+    s = _STRING.sub(b"", body).translate(_SQUARE, _NOT_BRACKETS)
+    while s and limit > 0:
+        shorter = s.replace(b"[]", b"")
+        if len(shorter) * 8 > len(s) * 7:
+            break
+        s = shorter
+        limit -= 1  # one level gone
+    if s.count(b"[") <= limit:
+        return False
+    if s[:1] != b"[":
+        return False  # a closer first: not JSON, and the decoder says so
+    runs = list(map(len, _RUNS.findall(s)))  # openers, closers, openers, ...
+    peaks = map(operator.sub, itertools.accumulate(runs[0::2]), itertools.chain((0,), itertools.accumulate(runs[1::2])))
+    return any(map(limit.__lt__, peaks))
+
 
 class GatewayApp:
-    def __init__(self, router: Router, forwarder: Forwarder, metrics: GatewayMetrics, *, max_body_bytes: int, keys: ApiKeys | None):
+    def __init__(
+        self, router: Router, forwarder: Forwarder, metrics: GatewayMetrics, *, max_body_bytes: int, keys: ApiKeys | None, bounds: GatewaySection | None = None
+    ):
         self.router = router
         self.forwarder = forwarder
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.keys = keys
+        # The other resource bounds (max_connections, ...): the defaults unless given.
+        self.bounds = bounds or GatewaySection(max_body_bytes=max_body_bytes, max_buffered_body_bytes=max(max_body_bytes, 256 * 1024 * 1024))
+        self.max_json_depth = self.bounds.max_json_depth
         self.first_seen: dict[str, int] = {}  # model -> when this gateway first saw it ready ("created")
 
     def server(self) -> HttpServer:
-        return HttpServer(self.handle, max_body_bytes=self.max_body_bytes, error_body=errors.refusal)
+        b = self.bounds
+        server = HttpServer(
+            self.handle,
+            max_body_bytes=self.max_body_bytes,
+            error_body=errors.refusal,
+            max_connections=b.max_connections,
+            request_read_timeout=b.request_read_timeout,
+            max_buffered_body_bytes=b.max_buffered_body_bytes,
+            on_refused=self.metrics.refused,
+        )
+        self.metrics.server = server
+        return server
 
     async def handle(self, request: Request) -> Response | Stream:
         """The routes: POST the two generation paths; GET (and HEAD) the rest; anything else -> fallback."""
@@ -79,9 +138,14 @@ class GatewayApp:
         if request.too_large:
             return self._refused(request, started, errors.too_large(self.max_body_bytes))
         body = request.body
+        depth = self.max_json_depth
+        if body.count(b"{") + body.count(b"[") > depth and json_depth_over(body, depth):
+            return self._refused(request, started, self._too_deep())
         try:
             head = _decode_head(body)
             model = head.model
+        except RecursionError:  # deeper than the decoder goes (a max_json_depth set very high)
+            return self._refused(request, started, self._too_deep())
         except msgspec.ValidationError as e:
             if "Expected `object`" in str(e) and "$." not in str(e):
                 return self._refused(request, started, errors.bad_request("the request body must be a JSON object", code="invalid_json"))
@@ -97,6 +161,10 @@ class GatewayApp:
             return self._refused(request, started, errors.not_found(f"{e}; GET /v1/models lists the models served"), UNKNOWN_MODEL)
         except NoReadyReplica as e:
             return self._refused(request, started, errors.unavailable(str(e), e.retry_after), model)
+
+    def _too_deep(self) -> Response:
+        self.metrics.refused("json_too_deep")
+        return errors.bad_request(f"JSON nested deeper than {self.max_json_depth} levels", code="invalid_json")
 
     def _refused(self, request: Request, started: float, resp: Response, model: str = "") -> Response:
         seconds = time.perf_counter() - started

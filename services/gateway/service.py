@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import resource
 import signal
 import ssl
 import time
@@ -41,6 +42,30 @@ from .server import GatewayApp
 
 # How long a stopping gateway lets requests in flight finish.
 SHUTDOWN_GRACE = 10.0
+# Descriptors besides two per client connection (its own, one to a replica): NATS,
+# the listener, pooled idle upstream connections, logs, the metrics listener.
+FD_HEADROOM = 256
+
+
+def raise_fd_limit(max_connections: int, log) -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard one; warn if ``max_connections``
+    clients (each with a connection to a replica) cannot fit. Returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, max_connections * 2 + FD_HEADROOM)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, want, e)
+    need = max_connections * 2 + FD_HEADROOM
+    if soft < need:
+        log.warning(
+            "gateway.max_connections %d needs about %d file descriptors (2 per connection + %d) but the limit is %d: "
+            "past it, requests get 503 'gateway out of file descriptors' (raise LimitNOFILE / ulimit -n, or lower max_connections)",
+            max_connections, need, FD_HEADROOM, soft,
+        )  # fmt: skip
+    return soft
 
 
 def parse_listen(listen: str, source: str = "") -> tuple[str, int]:
@@ -148,7 +173,9 @@ class Gateway(ServiceRuntime):
             self.metrics,
             max_body_bytes=self.cfg.gateway.max_body_bytes,
             keys=self.keys,
+            bounds=g,
         )
+        raise_fd_limit(g.max_connections, self.log)
         # A client that disconnects cancels its handler, which closes the
         # upstream connection, which stops the engine's work (httpserver.py).
         self.http = self.app.server()

@@ -25,7 +25,14 @@ Guarantees the gateway's proxy relies on:
   answer or between chunks), ``Broken`` (anything else: reset, early EOF, a
   malformed answer), ``BadEndpoint`` (a ``ConnectFailed`` for an endpoint
   whose host or port cannot be parsed), ``Abandoned`` (the gateway gave up on
-  the replica while the answer was awaited: ``Connection.abort``).
+  the replica while the answer was awaited: ``Connection.abort``),
+  ``OutOfDescriptors`` (EMFILE/ENFILE: the gateway's own shortage, nothing was
+  sent, the replica is not to blame), ``TooLarge`` (a whole answer over
+  ``max_response_bytes``: by its Content-Length, or as it arrives — it is
+  never held past the limit);
+* reading is flow-controlled: past ``_HIGH_WATER`` unread bytes the socket
+  stops being read until the caller asks for more, so a stream relayed to a
+  slow client holds at most that much here.
 
 Bookkeeping for the proxy's stall watch, kept off the hot path's clock: a
 connection counts its arrivals (``rx``, one integer increment per read) and
@@ -36,6 +43,7 @@ count with the one it saw last, so no timer or clock call runs per byte.
 from __future__ import annotations
 
 import asyncio
+import errno
 import ssl
 import time
 from urllib.parse import urlsplit
@@ -63,6 +71,14 @@ class Broken(UpstreamError):
     pass
 
 
+class OutOfDescriptors(UpstreamError):
+    """EMFILE/ENFILE: no socket could be made. Says nothing about the replica."""
+
+
+class TooLarge(UpstreamError):
+    """The answer is longer than ``max_response_bytes``."""
+
+
 class BadEndpoint(ConnectFailed):
     """The endpoint's host or port cannot be parsed: nothing was sent anywhere."""
 
@@ -76,6 +92,7 @@ class Abandoned(UpstreamError):
         self.kind = kind
 
 
+_NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 MAX_HEAD = 64 * 1024  # an answer's status line and headers; engines send a few hundred bytes
 _HIGH_WATER = 256 * 1024  # stop reading a socket whose bytes we have not passed on yet
 
@@ -308,11 +325,18 @@ class Connection(asyncio.Protocol):
         return b"".join(out)
 
     async def read(self) -> bytes:
-        """The whole body."""
+        """The whole body, up to ``max_response_bytes`` (TooLarge beyond: the caller closes)."""
+        limit = self.pool.client.max_response_bytes
+        if self._framing == _LENGTH and self._left > limit:
+            raise TooLarge(f"the answer's Content-Length ({self._left}) is over {limit} bytes")
         parts = []
+        size = 0
         while True:
             data = self._take()
             if data:
+                size += len(data)
+                if size > limit:
+                    raise TooLarge(f"the answer is over {limit} bytes")
                 parts.append(data)
             if self.done:
                 return b"".join(parts)
@@ -373,6 +397,8 @@ class _Pool:
         except TimeoutError:
             raise ConnectTimeout(f"no connection to {self.host}:{self.port} within {self.client.connect_timeout:g}s") from None
         except OSError as e:
+            if e.errno in _NO_DESCRIPTORS or "Too many open files" in str(e):
+                raise OutOfDescriptors(f"no socket for {self.host}:{self.port}: {e}") from None
             raise ConnectFailed(e) from None
         return conn
 
@@ -393,10 +419,11 @@ class _Target:
 
 
 class UpstreamClient:
-    def __init__(self, *, connect_timeout: float, read_timeout: float, keepalive: float = 4.0):
+    def __init__(self, *, connect_timeout: float, read_timeout: float, keepalive: float = 4.0, max_response_bytes: int = 64 * 1024 * 1024):
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.keepalive = keepalive
+        self.max_response_bytes = max_response_bytes
         self.loop = asyncio.get_running_loop()
         self._pools: dict[tuple, _Pool] = {}
         self._targets: dict[tuple[str, str], _Target] = {}
