@@ -65,6 +65,8 @@ wrote them, on the same machine):
   requests with no answer in ``--request-timeout`` (a client-visible hang),
   and streams ended by an error event; and "slow": requests longer than twice
   the steady p99;
+* launches: replicas of the deployment launched in the window (1 for a
+  replacement; a crash loop or a launch storm shows here);
 * replica events: every transition of the deployment's replicas in the window.
 """
 
@@ -245,51 +247,53 @@ class Watch:
             self.mirrors[name] = await KvMirror(await open_bucket(self.js, bucket, wait=30), schema).start(timeout=20)
 
     async def reopen(self) -> None:
-        """After the server restarted: fresh watches, events followed on from the last one seen."""
+        """After the server restarted: fresh watches (the event reader needs none)."""
         for attempt in range(60):
             try:
                 await self.open_mirrors()
                 break
             except Exception:
                 await asyncio.sleep(0.5)
-        if self._events_task:
-            self._events_task.cancel()
-            await asyncio.gather(self._events_task, return_exceptions=True)
-        self._events_task = asyncio.create_task(self._follow_events())
 
     async def _follow_events(self) -> None:
-        from nats.js.api import DeliverPolicy
+        """Read the event stream message by message, by sequence (a direct get each): no
+        consumer to lose when the server restarts; after an outage it goes on from the
+        last event seen, so events written meanwhile are not missed."""
+        from nats.js.errors import NotFoundError
 
         from llmgw.shared import subjects as S
         from llmgw.shared.errors import WireError
         from llmgw.shared.schemas import Event, decode
 
+        while not self.last_seq:
+            try:
+                self.last_seq = (await self.js.stream_info(S.EVENT_STREAM)).state.last_seq or -1
+            except Exception:
+                await asyncio.sleep(0.5)
+        self.last_seq = max(self.last_seq, 0)
+        misses = 0
         while True:
             try:
-                if self.last_seq:
-                    sub = await self.js.subscribe(S.ALL_EVENTS, ordered_consumer=True, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.last_seq + 1)
-                else:
-                    sub = await self.js.subscribe(S.ALL_EVENTS, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
-                while True:
-                    try:
-                        msg = await sub.next_msg(timeout=1.0)
-                    except Exception as e:  # nats' TimeoutError: nothing new
-                        if "Timeout" in type(e).__name__:
-                            continue
-                        raise
-                    seq = msg.metadata.sequence.stream
-                    if seq <= self.last_seq:
-                        continue
-                    self.last_seq = seq
-                    try:
-                        ev = decode(msg.data, Event)
-                    except WireError:
-                        continue
-                    self.events.append(Ev(seq, ev.time, ev.kind, ev.subject, ev.what, ev.detail))
+                msg = await self.js.get_msg(S.EVENT_STREAM, seq=self.last_seq + 1)
+            except NotFoundError:
+                misses += 1
+                if misses % 20 == 0:  # a removed message must not stop us: step over it
+                    with contextlib.suppress(Exception):
+                        if (await self.js.stream_info(S.EVENT_STREAM)).state.last_seq > self.last_seq + 1:
+                            self.last_seq += 1
+                await asyncio.sleep(0.1)  # nothing new yet
+                continue
             except asyncio.CancelledError:
                 raise
             except Exception:
-                await asyncio.sleep(0.5)  # the server is away: follow on from the last event once it is back
+                await asyncio.sleep(0.5)  # the server is away: go on from the last event once it is back
+                continue
+            self.last_seq += 1
+            try:
+                ev = decode(msg.data, Event)
+            except WireError:
+                continue
+            self.events.append(Ev(self.last_seq, ev.time, ev.kind, ev.subject, ev.what, ev.detail))
 
     @property
     def replicas(self) -> dict:
@@ -462,6 +466,7 @@ class Result:
     requests: int = 0
     errors: dict = field(default_factory=lambda: {"http": 0, "conn": 0, "timeout": 0, "stream-error": 0})
     slow: int = 0
+    launches: int = 0  # replicas of the deployment launched in the window (a storm shows here)
     replica_events: list = field(default_factory=list)
     note: str = ""
     sick_replica: str = ""  # what the fault made sick (set when it is injected)
@@ -503,14 +508,22 @@ class Bench:
         return r is None or r.state in STOPPED_REPLICA
 
     async def heal(self, res: Result) -> None:
-        """Full count ready, every lease ready, then ``--settle`` seconds without a client error."""
+        """Full count ready, every lease ready, then ``--settle`` seconds without a client
+        error and with answers coming (every client answered at least once: no silent hang)."""
         deadline = time.monotonic() + self.args.heal_timeout
         want = self.w.wanted(self.deployment)
         while time.monotonic() < deadline:
             if len(self.w.ready(self.deployment)) >= want and len(self.w.of(self.deployment)) == want and self.w.leases_ready():
-                since = time.time()
-                calm = await self.until(lambda: any(r.error for r in self.load.done if r.end >= since) or time.time() - since >= self.args.settle, self.args.settle + 1)
-                if calm and not any(r.error for r in self.load.done if r.end >= since):
+                first, since = len(self.load.done), time.time()  # done only grows: look at what came since
+
+                def settled() -> bool | None:
+                    new = self.load.done[first:]
+                    if any(r.error for r in new):
+                        return False
+                    return time.time() - since >= self.args.settle or None
+
+                await self.until(lambda: settled() is not None, self.args.settle + 1)
+                if settled() and len(self.load.done) - first >= self.load.clients:
                     res.healed = True
                     return
             await asyncio.sleep(0.2)
@@ -558,6 +571,7 @@ class Bench:
         outside = sorted({ev.subject for ev in self.w.events if t0 <= ev.time <= res.end and ev.kind == "node" and ev.what == "lost" and ev.subject != sick_node})
         if outside:
             res.note = (res.note + "; " if res.note else "") + f"disturbed: {', '.join(outside)} lost, not by this fault (figures not this fault's)"
+        res.launches = sum(1 for ev in self.w.events if t0 <= ev.time <= res.end and ev.kind == "replica" and ev.what == "launching" and ev.subject.startswith(self.deployment + "-"))
         res.replica_events = [f"+{ev.time - t0:.1f}s {ev.subject} {ev.what}" for ev in self.w.events if t0 <= ev.time <= res.end and ev.kind == "replica" and ev.subject.startswith(self.deployment + "-")]
         window = [r for r in self.load.done if t0 <= r.end <= res.end]  # answered between the fault and the heal
         res.requests = len(window)
@@ -696,18 +710,20 @@ def fmt(v: float | None) -> str:
 
 def table(results: list[Result], steady_p99: float) -> None:
     print(f"\nsteady p99 {steady_p99 * 1e3:.0f} ms; slow = longer than {2 * steady_p99 * 1e3:.0f} ms; times in seconds from the fault\n")
-    print("| fault | victim | detected | last to sick | replacement ready | requests | non-2xx | conn | timeout | stream error | slow | healed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| fault | victim | detected | last to sick | replacement ready | launches | requests | non-2xx | conn | timeout | stream error | slow | healed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         e = r.errors
-        print(f"| {r.fault} | {r.victim or '-'} | {fmt(r.detected)} | {fmt(r.last_to_sick)} | {fmt(r.replacement)} | {r.requests} | {e['http']} | {e['conn']} | {e['timeout']} | {e['stream-error']} | {r.slow} | {'yes' if r.healed else 'no'} |")
+        print(f"| {r.fault} | {r.victim or '-'} | {fmt(r.detected)} | {fmt(r.last_to_sick)} | {fmt(r.replacement)} | {r.launches} | {r.requests} | {e['http']} | {e['conn']} | {e['timeout']} | {e['stream-error']} | {r.slow} | {'yes' if r.healed else 'no'} |")
     print()
     for r in results:
         print(f"{r.fault}: {r.how or '-'}")
         if r.detected_by:
             print(f"  first event: {r.detected_by}")
         if r.replica_events:
-            print("  replica events: " + ", ".join(r.replica_events))
+            shown = r.replica_events[:16]
+            more = len(r.replica_events) - len(shown)
+            print("  replica events: " + ", ".join(shown) + (f", … and {more} more (--json has them all)" if more else ""))
         if r.note:
             print(f"  note: {r.note}")
 
