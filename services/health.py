@@ -5,6 +5,10 @@ them and the passage of time into transitions; this shell stores leases and
 publishes each transition as an event. Several monitors may run: one leads
 (``llmgw_leaders``), the others stand by and, on taking over, continue from the
 stored leases.
+
+It also judges what heartbeats claim (``leases.py``): a sequence jump is
+refused and counted, and two agents heartbeating for one identity quarantine
+the node until an operator calls ``release`` (``llmgw ctl node release``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import time
 from prometheus_client import Counter, Gauge, Histogram
 
 from llmgw.shared import subjects as S
-from llmgw.shared.schemas import Heartbeat, Lease, decode, encode
+from llmgw.shared.errors import LlmgwError
+from llmgw.shared.names import is_valid_name
+from llmgw.shared.schemas import Heartbeat, Lease, NodeRequest, decode, encode
 
 from .leases import LeaseBook, Timings, Transition
 from .runtime import ServiceRuntime, run_service
@@ -23,7 +29,16 @@ from .runtime import ServiceRuntime, run_service
 HEARTBEATS = Counter("llmgw_health_heartbeats_total", "Heartbeats received, by result", ["result"])
 LEASES = Gauge("llmgw_health_leases", "Node leases, by state", ["state"])
 TRANSITIONS = Counter("llmgw_health_transitions_total", "Lease transitions", ["to"])
+QUARANTINED = Gauge("llmgw_health_quarantined_nodes", "Nodes quarantined: two agents heartbeat for one identity")
 WRITE_SECONDS = Histogram("llmgw_health_lease_write_seconds", "Time to store a batch of leases")
+
+
+class NotActing(LlmgwError):
+    code = "not_acting"
+
+
+class NotQuarantined(LlmgwError):
+    code = "not_quarantined"
 
 
 class HealthMonitor(ServiceRuntime):
@@ -32,12 +47,13 @@ class HealthMonitor(ServiceRuntime):
 
     async def setup(self) -> None:
         h = self.cfg.health
-        self.book = LeaseBook(Timings(h.heartbeat_interval, h.suspect_after_missed, h.node_lost_after))
+        self.book = LeaseBook(Timings(h.heartbeat_interval, h.suspect_after_missed, h.node_lost_after), on_refuse=self._refused)
         self.leases_kv = self.kv[S.BUCKET_LEASES]
         self.acting = False
         self.heard: dict[str, tuple[Heartbeat, float]] = {}
         self.lead(h.leader_ttl)
         await self.nc.subscribe(S.ALL_HEARTBEATS, cb=self.on_heartbeat)
+        await self.add_api({"release": self.api_release})
         self.spawn(self.tick_loop())
 
     async def _load(self) -> None:
@@ -64,10 +80,35 @@ class HealthMonitor(ServiceRuntime):
             # interval for every node's next heartbeat.
             self.heard[hb.node_id] = (hb, time.time())
             return
-        HEARTBEATS.labels("accepted").inc()
         tr = self.book.heartbeat(hb, time.time())
+        if self._refusing:
+            self._refusing = False
+        else:
+            HEARTBEATS.labels("accepted").inc()
         if tr:
             await self._apply([tr])
+
+    _refusing = False
+
+    def _refused(self, node: str, reason: str, detail: str) -> None:
+        HEARTBEATS.labels(reason).inc()
+        self._refusing = True
+        self.log.warning("heartbeat from %s refused: %s", node, detail)
+
+    async def api_release(self, data: bytes) -> Lease:
+        """An operator resolved a quarantined node (stopped the impostor, or
+        re-issued the node's certificate): its lease holds its last boot id again."""
+        req = decode(data, NodeRequest)
+        if not is_valid_name(req.node_id):
+            raise NotQuarantined(f"node_id: {req.node_id!r} is not a node name")
+        if not self.acting:
+            raise NotActing("this health monitor is standing by; ask again (another instance acts)")
+        tr = self.book.release(req.node_id, time.time())
+        if tr is None:
+            lease = self.book.leases.get(req.node_id)
+            raise NotQuarantined(f"node {req.node_id} is not quarantined" if lease else f"no lease for node {req.node_id!r}")
+        await self._apply([tr])
+        return tr.lease
 
     async def tick_loop(self) -> None:
         h = self.cfg.health
@@ -117,6 +158,7 @@ class HealthMonitor(ServiceRuntime):
     def _gauge(self) -> None:
         for state in ("ready", "suspect", "lost"):
             LEASES.labels(state).set(sum(1 for l in self.book.leases.values() if l.state == state))
+        QUARANTINED.set(sum(1 for l in self.book.leases.values() if l.quarantine))
 
 
 def main(args) -> int:

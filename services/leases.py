@@ -11,10 +11,33 @@ A lost node is sticky: heartbeats from the same agent incarnation (a healed
 partition) do not bring it back, because the scheduler has already failed and
 replaced its replicas; it rejoins when its agent restarts, which also fences
 (stops) whatever stale engines it still runs.
+
+What a heartbeat may claim (issue #12). A node's certificate says who sends,
+not that the sender is sane or alone:
+
+* *Sequence jumps.* Within one boot id the sequence grows by one per
+  heartbeat. A heartbeat more than ``1000 + 10 × elapsed/interval`` ahead of
+  the last accepted one is refused and counted (``refused``), and the lease's
+  ``last_seq`` is untouched, so the node's real heartbeats keep renewing it. A
+  sequence that goes back within one boot id is a duplicate or reordered
+  heartbeat, ignored as before (the agent draws a new boot id every start, so a
+  restarted agent never reuses one).
+* *Clones.* A legitimate restart changes the boot id once and never goes
+  back. Two live agents with one identity make the boot id alternate (A, B, A,
+  B …). When, within ``CLONE_WINDOW`` heartbeat intervals, the boot id returns
+  to one already heard ``CLONE_RETURNS`` times, the lease is quarantined
+  (``Lease.quarantine`` says why): it stays renewed by either agent's
+  heartbeats (so nothing is torn down for a lost node) and keeps its boot id,
+  until an operator releases it (``release``). The scheduler launches nothing
+  on a quarantined node and ignores its status reports.
+* A boot change is written at once (not at the next periodic write), with
+  ``boot_since``, so the scheduler can tell which agent incarnation holds the
+  lease and for how long.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -42,6 +65,16 @@ class Transition:
     detail: str
 
 
+# A heartbeat may run ahead of the last accepted one by this much, plus
+# SEQ_SLACK_PER_INTERVAL per heartbeat interval elapsed since (agents never skip).
+SEQ_SLACK = 1000
+SEQ_SLACK_PER_INTERVAL = 10
+# Boot ids returning this many times within this many heartbeat intervals: two agents.
+CLONE_RETURNS = 2
+CLONE_WINDOW = 10
+MAX_COUNTED = 1_000_000
+
+
 @dataclass
 class LeaseBook:
     timings: Timings
@@ -50,6 +83,12 @@ class LeaseBook:
     stored_renew: dict[str, float] = field(default_factory=dict)
     # No lease expires before this time (see ``load``).
     not_before: float = 0.0
+    # node -> boot ids in the order heard, with when (pruned to CLONE_WINDOW intervals)
+    boots: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    # Leases changed without a transition (a new boot id): written at the next flush.
+    dirty: set[str] = field(default_factory=set)
+    # Called with (node, reason, detail) for every refused heartbeat, e.g. ("seq_jump", …).
+    on_refuse: Callable[[str, str, str], None] | None = None
 
     def load(self, leases: dict[str, Lease], at: float) -> None:
         """Continue from stored leases after a restart: countdowns resume where they were.
@@ -63,24 +102,72 @@ class LeaseBook:
         self.stored_renew = {n: l.last_renew for n, l in leases.items()}
         self.not_before = at + 2 * self.timings.heartbeat_interval
 
+    def _refuse(self, node: str, reason: str, detail: str) -> None:
+        if self.on_refuse is not None:
+            self.on_refuse(node, reason, detail)
+
+    def _heard_boot(self, node: str, boot: str, at: float) -> int:
+        """Remember that ``boot`` now speaks for ``node``; return how many times,
+        within the window, a boot id came back after another one spoke."""
+        window = CLONE_WINDOW * self.timings.heartbeat_interval
+        seen = [(b, t) for b, t in self.boots.get(node, []) if t >= at - window]
+        if not seen or seen[-1][0] != boot:
+            seen.append((boot, at))
+        self.boots[node] = seen
+        returns, earlier = 0, set()
+        for b, _ in seen:
+            if b in earlier:
+                returns += 1
+            earlier.add(b)
+        return returns
+
     def heartbeat(self, hb: Heartbeat, at: float) -> Transition | None:
-        old = self.leases.get(hb.node_id)
+        node = hb.node_id
+        old = self.leases.get(node)
         if old is None:
-            lease = Lease(node_id=hb.node_id, state="ready", boot_id=hb.boot_id, last_seq=hb.seq, last_renew=at, since=at)
-            self.leases[hb.node_id] = lease
-            return Transition(hb.node_id, "", "ready", lease, f"first heartbeat (boot {hb.boot_id[:8]})")
+            self.boots[node] = [(hb.boot_id, at)]
+            lease = Lease(node_id=node, state="ready", boot_id=hb.boot_id, last_seq=hb.seq, last_renew=at, since=at, boot_since=at, boot_heartbeats=1)
+            self.leases[node] = lease
+            return Transition(node, "", "ready", lease, f"first heartbeat (boot {hb.boot_id[:8]})")
+        if old.quarantine and old.state != "lost":
+            # Either agent keeps the node's lease alive (nothing is torn down for
+            # a lost node); which one is real is the operator's call.
+            lease = msgspec.structs.replace(old, state="ready", last_renew=at, since=at if old.state != "ready" else old.since)
+            self.leases[node] = lease
+            if old.state != "ready":
+                return Transition(node, old.state, "ready", lease, "heartbeats resumed (still quarantined)")
+            return None
         if old.state == "lost":
             if hb.boot_id == old.boot_id:
                 return None  # sticky: see the module docstring
-            lease = Lease(node_id=hb.node_id, state="ready", boot_id=hb.boot_id, last_seq=hb.seq, last_renew=at, since=at)
-            self.leases[hb.node_id] = lease
-            return Transition(hb.node_id, "lost", "ready", lease, f"agent restarted (boot {hb.boot_id[:8]})")
-        if hb.boot_id == old.boot_id and hb.seq <= old.last_seq:
-            return None  # duplicate or reordered heartbeat: it proves nothing newer
+            self._heard_boot(node, hb.boot_id, at)
+            lease = Lease(node_id=node, state="ready", boot_id=hb.boot_id, last_seq=hb.seq, last_renew=at, since=at, boot_since=at, boot_heartbeats=1, quarantine=old.quarantine)
+            self.leases[node] = lease
+            return Transition(node, "lost", "ready", lease, f"agent restarted (boot {hb.boot_id[:8]})")
+        if hb.boot_id == old.boot_id:
+            if hb.seq <= old.last_seq:
+                return None  # duplicate or reordered heartbeat: it proves nothing newer
+            limit = old.last_seq + SEQ_SLACK + int(max(0.0, at - old.last_renew) / self.timings.heartbeat_interval * SEQ_SLACK_PER_INTERVAL)
+            if hb.seq > limit:
+                self._refuse(node, "seq_jump", f"heartbeat seq {hb.seq} jumps from {old.last_seq} (at most {limit} plausible); refused")
+                return None
         state_changes = old.state != "ready"
         detail = ""
         if hb.boot_id != old.boot_id:
             detail = f"agent restarted (boot {hb.boot_id[:8]})"
+            if self._heard_boot(node, hb.boot_id, at) >= CLONE_RETURNS:
+                boots = []
+                for b, _ in self.boots[node]:
+                    if b not in boots:
+                        boots.append(b)
+                why = (
+                    f"{node}: two agents with one identity — boot ids {' and '.join(b[:8] for b in boots)} heartbeat in alternation; "
+                    f"quarantined until an operator resolves it (llmgw ctl node release {node})"
+                )
+                lease = msgspec.structs.replace(old, state="ready", last_renew=at, quarantine=why, since=at if state_changes else old.since)
+                self.leases[node] = lease
+                return Transition(node, old.state, "quarantined", lease, why)
+            self.dirty.add(node)
         lease = msgspec.structs.replace(
             old,
             state="ready",
@@ -88,11 +175,27 @@ class LeaseBook:
             last_seq=hb.seq,
             last_renew=at,
             since=at if state_changes else old.since,
+            boot_since=at if hb.boot_id != old.boot_id else old.boot_since,
+            boot_heartbeats=1 if hb.boot_id != old.boot_id else min(old.boot_heartbeats + 1, MAX_COUNTED),
         )
-        self.leases[hb.node_id] = lease
+        self.leases[node] = lease
         if state_changes:
-            return Transition(hb.node_id, old.state, "ready", lease, detail or "heartbeats resumed")
+            return Transition(node, old.state, "ready", lease, detail or "heartbeats resumed")
         return None
+
+    def release(self, node: str, at: float) -> Transition | None:
+        """An operator resolved a quarantine: the node's agents start afresh.
+
+        The boot id the lease holds keeps it; if two agents still answer, the
+        alternation is seen again and the node is quarantined again.
+        """
+        old = self.leases.get(node)
+        if old is None or not old.quarantine:
+            return None
+        self.boots[node] = [(old.boot_id, at)]
+        lease = msgspec.structs.replace(old, quarantine="", boot_since=at, boot_heartbeats=0)
+        self.leases[node] = lease
+        return Transition(node, "quarantined", "released", lease, f"quarantine lifted by an operator (boot {old.boot_id[:8]} holds the lease)")
 
     def expire(self, at: float) -> list[Transition]:
         """Leases whose heartbeats stopped: ready → suspect → lost."""
@@ -126,9 +229,11 @@ class LeaseBook:
         """
         out = []
         for node, lease in self.leases.items():
-            if lease.state != "lost" and lease.last_renew - self.stored_renew.get(node, 0.0) >= self.timings.heartbeat_interval:
+            if node in self.dirty or (lease.state != "lost" and lease.last_renew - self.stored_renew.get(node, 0.0) >= self.timings.heartbeat_interval):
                 out.append(lease)
         return out
 
     def stored(self, lease: Lease) -> None:
         self.stored_renew[lease.node_id] = lease.last_renew
+        if self.leases.get(lease.node_id) == lease:
+            self.dirty.discard(lease.node_id)

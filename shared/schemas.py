@@ -325,6 +325,9 @@ class Lease(Base, kw_only=True):
     # incarnation's reports are trusted for teardown only once it has held the
     # lease a few heartbeats without another agent answering for the node.
     boot_since: float = 0.0
+    # Heartbeats accepted from this boot id (capped): counted by the monitor,
+    # not taken from the sequence, which the node chooses.
+    boot_heartbeats: int = 0
     # Non-empty: two agents answer for this node (boot ids heartbeating in
     # alternation); why, in words. Nothing is launched on it and its status
     # reports tear nothing down until an operator releases it

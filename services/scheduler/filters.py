@@ -76,6 +76,8 @@ class LeaseReady:
             return Verdict(False, R.NO_LEASE, "no lease yet")
         if node.lease != "ready":
             return Verdict(False, R.LEASE_NOT_READY, f"lease is {node.lease}")
+        if node.quarantine:
+            return Verdict(False, R.QUARANTINED, node.quarantine)
         return OK
 
 

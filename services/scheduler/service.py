@@ -10,6 +10,18 @@ leader (``llmgw_leaders``) acts; a standby keeps its mirrors warm and takes
 over where the records say the work stands, so a restart in the middle of a
 rebuild neither duplicates nor loses a replica: every decision is re-derived
 from the stored records, never from memory.
+
+What a node reports is bounded and attributed (issue #12). ``reported`` keeps,
+per node, the engines a replica record names plus at most
+``MAX_UNKNOWN_PER_NODE`` others (kept for fencing; more are dropped and
+counted), so one node cannot grow the scheduler's memory. A report is believed
+only from the agent incarnation (boot id) that holds the node's lease, and not
+at all while the health monitor has the node quarantined (two agents answer
+for it); and a full report marks missing engines ``absent`` only once its boot
+id has held the lease for ``SETTLE_HEARTBEATS`` heartbeats, so a clone's
+empty report cannot tear down replicas in the moment before the alternation
+is seen. When a lease changes hands (a new boot id) or a quarantine is
+lifted, the scheduler asks the node for its full list again.
 """
 
 from __future__ import annotations
@@ -63,6 +75,12 @@ AUTO_CORDONS = Counter("llmgw_scheduler_auto_cordons_total", "Auto-cordon decisi
 CORDON_GRACE = 10.0
 # How long our own write of a deployment record outranks the mirror's copy.
 OWN_WRITE_GRACE = 5.0
+# Engines no replica record names, kept per node (for fencing); more are dropped.
+MAX_UNKNOWN_PER_NODE = 256
+# Heartbeats a new agent incarnation must hold the lease before its full report
+# may mark engines absent (a clone's alternation shows within two or three).
+SETTLE_HEARTBEATS = 4
+TRUNCATED = Counter("llmgw_scheduler_status_facts_dropped_total", "Engine facts dropped from status reports: unknown engines over the per-node cap")
 
 
 class UnknownDeployment(LlmgwError):
@@ -106,6 +124,8 @@ class Scheduler(ServiceRuntime):
         # node -> {(replica id, rank): fact}, from the agents' status reports
         self.reported: dict[str, dict[tuple[str, int], EngineFact]] = defaultdict(dict)
         self.full_report_at: dict[str, float] = {}
+        # node -> boot id of the agent whose full report that was
+        self.full_report_boot: dict[str, str] = {}
         self.absent: set[tuple[str, int]] = set()
         # replica id -> (when, record or None if deleted) for our own recent writes
         self.recent: dict[str, tuple[float, Replica | None]] = {}
@@ -125,31 +145,81 @@ class Scheduler(ServiceRuntime):
             m.listeners.append(lambda *_: self.wake.set())
         # Leases are rewritten on every renewal; only a change of state (or of
         # the agent's boot) can change a placement, so only that wakes us.
-        self.leases.listeners.append(lambda _k, old, new: self.wake.set() if (old is None or new is None or (old.state, old.boot_id) != (new.state, new.boot_id)) else None)
+        self.leases.listeners.append(lambda _k, old, new: self.wake.set() if (old is None or new is None or (old.state, old.boot_id, old.quarantine) != (new.state, new.boot_id, new.quarantine)) else None)
+        self.leases.listeners.append(self._on_lease)
         await self.nc.subscribe(S.ALL_STATUS, cb=self.on_status)
         await self.add_api({"apply": self.api_apply, "delete": self.api_delete, "explain": self.api_explain})
         self.lead(sc.leader_ttl)
         self.spawn(self.loop())
 
     # -- agent status ------------------------------------------------------------
+    def _distrust(self, node: str, boot_id: str) -> str:
+        """Why a report from ``boot_id`` on ``node`` is not believed, or "" if it is."""
+        lease = self.leases.items.get(node)
+        if lease is None:
+            return ""  # not heard yet (or no health monitor): as before
+        if lease.quarantine:
+            return "quarantined"
+        if lease.boot_id != boot_id:
+            return "other_boot"  # not (yet) the incarnation holding the lease; asked again when it does
+        return ""
+
+    def _on_lease(self, node: str, old: Lease | None, new: Lease | None) -> None:
+        """A lease changed hands (new boot id) or left quarantine: ask the node what it runs."""
+        if new is None or new.quarantine or not (self.leadership and self.leadership.is_leader):
+            return
+        if old is not None and old.boot_id == new.boot_id and not old.quarantine:
+            return
+        if old is None and node in self.full_report_boot and self.full_report_boot[node] == new.boot_id:
+            return
+        self._background(self._ask_status(node))
+
+    def _bounded(self, node: str, engines, base: dict) -> dict:
+        """``base`` updated with ``engines``, keeping only engines a replica record
+        names plus ``MAX_UNKNOWN_PER_NODE`` others."""
+        known = self.known_replicas({f.replica_id for f in engines})
+        out = dict(base)
+        unknown = sum(1 for (rid, _r) in out if rid not in self.replicas.items and rid not in self.recent)
+        dropped = 0
+        for f in engines:
+            key = (f.replica_id, f.rank)
+            if f.replica_id not in known and key not in out:
+                if unknown >= MAX_UNKNOWN_PER_NODE:
+                    dropped += 1
+                    continue
+                unknown += 1
+            out[key] = f
+        if dropped:
+            TRUNCATED.inc(dropped)
+            self.log.warning("status from %s: %d engines no replica names dropped (at most %d kept per node)", node, dropped, MAX_UNKNOWN_PER_NODE)
+        return out
+
     async def on_status(self, msg) -> None:
         report = self.node_message(msg, StatusReport, STATUS, "status")
         if report is None:
             return
         node = report.node_id
+        why = self._distrust(node, report.boot_id)
+        if why:
+            STATUS.labels(why).inc()
+            self.log.debug("status from %s (boot %s) ignored: %s", node, report.boot_id[:8], why)
+            return
         STATUS.labels("accepted").inc()
-        facts = {(f.replica_id, f.rank): f for f in report.engines}
         if report.full:
-            self.reported[node] = facts
+            self.reported[node] = self._bounded(node, report.engines, {})
             self.full_report_at[node] = time.time()
+            self.full_report_boot[node] = report.boot_id
         else:
-            self.reported[node].update(facts)
+            self.reported[node] = self._bounded(node, report.engines, self.reported.get(node, {}))
         if self.leadership and self.leadership.is_leader:
             # Fence on every report, not only full ones: a node whose lease went
             # lost while its agent stayed connected keeps reporting its stale
             # engines, and those must stop too. Sent in the background: this
             # handler serves every node's reports and must not wait on one node.
-            stops = fence({node: report.engines}, self.known_replicas({f.replica_id for f in report.engines}))
+            # Only what was kept is fenced: at most MAX_UNKNOWN_PER_NODE stops.
+            kept = self.reported[node]
+            engines = [f for f in report.engines if kept.get((f.replica_id, f.rank)) is f]
+            stops = fence({node: engines}, self.known_replicas({f.replica_id for f in engines}))
             stops = [st for st in stops if (st.node_id, st.replica_id, st.generation) not in self.stops_in_flight]
             if stops:
                 self.stops_in_flight.update((st.node_id, st.replica_id, st.generation) for st in stops)
@@ -201,7 +271,15 @@ class Scheduler(ServiceRuntime):
         The grace covers a launch still in flight when the report was taken.
         """
         at = self.full_report_at.get(node)
-        return at is not None and rep.created_at > 0 and at > rep.created_at + self.cfg.scheduler.command_timeout
+        if at is None or rep.created_at <= 0 or at <= rep.created_at + self.cfg.scheduler.command_timeout:
+            return False
+        lease = self.leases.items.get(node)
+        if lease is None:
+            return True
+        # Only the incarnation holding the lease, settled, and not quarantined may say an
+        # engine is gone (a lease from before these fields, boot_since 0, counts as settled).
+        settled = lease.boot_since == 0 or lease.boot_heartbeats >= SETTLE_HEARTBEATS
+        return not lease.quarantine and self.full_report_boot.get(node) == lease.boot_id and settled
 
     def _with_reports(self, replicas: dict[str, Replica]) -> dict[str, Replica]:
         """Replicas with members' engine states folded in from the latest reports."""
@@ -275,9 +353,11 @@ class Scheduler(ServiceRuntime):
             report = decode(reply.data, StatusReport)
         except Exception:
             return  # unreachable: its lease decides what happens to its replicas
-        if report.node_id == node:
-            self.reported[node] = {(f.replica_id, f.rank): f for f in report.engines}
+        if report.node_id == node and not self._distrust(node, report.boot_id):
+            self.reported[node] = self._bounded(node, report.engines, {})
             self.full_report_at[node] = time.time()
+            self.full_report_boot[node] = report.boot_id
+            self.wake.set()
 
     def _deployments(self) -> dict[str, DeploymentSpec]:
         """The mirror's deployments, with our own recent writes (backoff, generation)

@@ -66,6 +66,7 @@ class NodeView:
     # (XID, ECC, lost) or busy with a process llmgw did not start. Never free.
     blocked: dict[int, str] = field(default_factory=dict)
     unhealthy: frozenset[int] = frozenset()
+    quarantine: str = ""  # the lease's: two agents answer for this node (issue #12)
 
     @property
     def admin(self) -> str:
@@ -194,6 +195,7 @@ class ClusterView:
                 fabrics={f.name: f for f in record.fabrics} if record else {},
                 blocked=gpu_blocks(record) if record else {},
                 unhealthy=frozenset(g.index for g in record.gpus if not g.healthy) if record else frozenset(),
+                quarantine=lease.quarantine if lease is not None else "",
             )
         view = cls(views, ports, Counter())
         for replica in replicas:
