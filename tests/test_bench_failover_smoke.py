@@ -25,12 +25,14 @@ SMALL = ["--clients", "2", "--stream-every", "2", "--max-tokens", "4", "--warmup
 
 
 def _processes_in(d: Path) -> list[int]:
-    """Live processes whose working directory is ``d`` (``llmgw up`` starts every one there)."""
+    """Live processes working in ``d`` or below (``llmgw up`` starts its processes in DIR, the
+    agents start their engines in their engine directories under it)."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if Path(os.readlink(f"/proc/{entry}/cwd")) == d:
+                cwd = Path(os.readlink(f"/proc/{entry}/cwd"))
+                if cwd == d or d in cwd.parents:
                     pids.append(int(entry))
             except OSError:
                 continue
@@ -73,6 +75,8 @@ def test_leader_kill_is_measured_and_the_cluster_is_stopped(tmp_path):
     assert res["requests"] == len(window) > 0
     for kind, n in res["errors"].items():
         assert n == sum(1 for q in window if q["error"] == kind), kind
+    launched = [e for e in data["events"] if res["t0"] <= e["time"] <= res["end"] and e["kind"] == "replica" and e["what"] == "launching"]
+    assert res["launches"] == len(launched) >= 1
     to_sick = [q["start"] - res["t0"] for q in window if q["start"] >= res["t0"] and q["replica"] == sick]
     assert res["last_to_sick"] == (max(to_sick) if to_sick else None)
     # A replacement answered after it was ready.
