@@ -12,12 +12,25 @@ What it sends, and when:
 * ``Heartbeat`` every ``heartbeat_interval``, only while connected: a heartbeat
   held back during a disconnect and delivered later would vouch for a moment
   that has passed, so none is ever buffered;
-* ``StatusReport(full=True)`` at start and on every reconnect, and
-  ``full=False`` with just the engines that changed in between (at once: a
-  leader going ``stalled`` or an engine ``peer-lost`` is news the scheduler
-  acts on). Changes seen
-  while disconnected are dropped, not queued: the full report on reconnect
-  carries the current state of every engine, which supersedes them.
+* ``StatusReport(full=True)`` at start, on every reconnect, every
+  ``full_report_interval`` (30 s), and at once when the agent notices its own
+  loop stalled (two heartbeat ticks far more than a heartbeat apart: the
+  process was stopped, frozen or starved, e.g. ``kill -STOP`` / ``-CONT``).
+  Such an agent may come back on the same connection after its node was
+  declared lost and its replicas rebuilt elsewhere; nothing changed locally,
+  so without this no report would go out and its stale engines would run on
+  unfenced. ``full=False`` carries just the engines that changed in between
+  (at once: a leader going ``stalled`` or an engine ``peer-lost`` is news the
+  scheduler acts on). Changes seen while disconnected are dropped, not
+  queued: the full report on reconnect carries the current state of every
+  engine, which supersedes them.
+
+One agent per work dir: an exclusive ``flock`` on ``work_dir/agent.lock``,
+taken before anything else, with the holder's pid written in it. A second
+agent on the same work dir (a second systemd unit, an operator's manual start)
+would act on every launch and stop and move the other's engine directories
+around; it exits 2 at once naming the holder. The kernel drops the lock when
+the process ends, however it ends; engines never inherit it.
 
 What it listens to, besides commands: the gateways' ``TrafficReport`` on
 ``llmgw.cmd.<node>.traffic`` — evidence of progress (or of silence) for the
@@ -32,6 +45,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import fcntl
 import logging
 import math
 import os
@@ -77,6 +92,18 @@ DRAIN_TIMEOUT = 5.0
 # exceed the server's max_payload and not arrive at all.
 REPORT_BUDGET = MAX_PAYLOAD * 3 // 4
 SHED_TAIL_LINES = 20
+# The agent's own loop is called stalled when two heartbeat ticks are further
+# apart than this many heartbeat intervals (plus LOOP_STALL_SLACK for a loaded
+# machine's scheduling noise): a full report then goes out at once.
+LOOP_STALL_INTERVALS = 3
+LOOP_STALL_SLACK = 0.5
+LOCK_FILE = "agent.lock"
+
+
+class WorkDirBusy(LlmgwError):
+    """Another agent holds this work dir."""
+
+    code = "work_dir_busy"
 
 
 def _agent_version() -> str:
@@ -116,14 +143,19 @@ class Agent:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.bad_traffic = 0
+        self._lock_fd: int | None = None
+        self._full_sent_at = time.monotonic()  # the start's full report is on its way
+        self.loop_stalls = 0
 
     # -- run ---------------------------------------------------------------------
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        # Before anything reads or writes the work dir: a second agent leaves it untouched.
+        self._make_work_dir()
+        self._lock_work_dir()
         try:
-            self._make_work_dir()
             self.found = await asyncio.to_thread(discover, self.cfg)
             self.inventory = self._inventory(self.found)
             await self.supervisor.adopt()
@@ -154,6 +186,29 @@ class Agent:
             os.makedirs(wd, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"{self.cfg.source}: supervisor.work_dir: cannot create {wd}: {e.strerror or e}") from None
+
+    def _lock_work_dir(self) -> None:
+        wd = os.path.abspath(self.cfg.supervisor.work_dir)
+        path = os.path.join(wd, LOCK_FILE)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inheritable (PEP 446): engines never hold it
+        except OSError as e:
+            raise ConfigError(f"{self.cfg.source}: supervisor.work_dir: cannot open {path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            try:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            except OSError:
+                holder = ""
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ConfigError(f"{self.cfg.source}: supervisor.work_dir: cannot lock {path}: {e.strerror or e}") from None
+            who = f"pid {holder}" if holder.isdigit() else "pid unknown"
+            raise WorkDirBusy(f"another llmgw agent ({who}) is running on work dir {wd}; refusing to start") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
 
     async def _connect(self) -> NATS | None:
         connecting = asyncio.create_task(
@@ -201,6 +256,9 @@ class Agent:
                     pass
         await self.supervisor.close()
         log.info("agent %s stopped (boot %s)", self.node, self.boot_id)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock; the file stays (removing it would race a starting agent)
+            self._lock_fd = None
 
     # -- what we publish ---------------------------------------------------------
     def _connected(self) -> bool:
@@ -223,8 +281,24 @@ class Agent:
         await self.nc.publish(S.heartbeat(self.node), encode(hb))
 
     async def _heartbeats(self) -> None:
+        every = self.cfg.heartbeat_interval
+        stalled_after = LOOP_STALL_INTERVALS * every + LOOP_STALL_SLACK
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval)
+            await asyncio.sleep(every)
+            now = time.monotonic()  # CLOCK_MONOTONIC runs on while the process is stopped
+            gap, last = now - last, now
+            if gap > stalled_after:
+                self.loop_stalls += 1
+                log.warning(
+                    "this agent's own loop stalled for %s (heartbeat every %s): the process was stopped, frozen or starved; "
+                    "the control plane may have declared this node lost meanwhile, so a full status report goes out now",
+                    format_duration(round(gap, 1)), format_duration(every),
+                )  # fmt: skip
+                self._outbox.put_nowait(_FULL)
+            elif now - self._full_sent_at >= self.cfg.full_report_interval:
+                self._full_sent_at = now  # queued; a report already queued or sent resets it too
+                self._outbox.put_nowait(_FULL)
             try:
                 await self._heartbeat()
             except Exception as e:  # noqa: BLE001 - the next beat tries again
@@ -302,6 +376,7 @@ class Agent:
             if any(isinstance(i, _FullReport) for i in items):
                 # Taken now, the full list is newer than every change queued with it.
                 report = self._full_report()
+                self._full_sent_at = time.monotonic()
             else:
                 latest: dict[tuple, EngineFact] = {}
                 for f in items:

@@ -60,6 +60,9 @@ class DiscoveryConfig:
     ib_root: str = "/sys/class/infiniband"
     prefer_nvml: bool = False
     skip_gpus: bool = False
+    # GPUs (health too) and HCA ports are re-read this often; a change is
+    # published at once (issue #14, docs/hardware.md).
+    interval: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,13 @@ class AgentConfig:
     mgmt_addr: str
     mgmt_interface: str = "eth0"
     heartbeat_interval: float = 5.0
+    # A full status report goes out this often even when nothing changed (and
+    # at once after a reconnect or a stall of the agent's own loop), so the
+    # scheduler's view of this node, and its fencing, never rests on one lost
+    # message. A full report of 100 engines is ~100 KiB at most; once in 30 s
+    # is noise next to the heartbeats. Checked on each heartbeat tick, so a
+    # value below heartbeat_interval means one with every heartbeat.
+    full_report_interval: float = 30.0
     reconnect_base: float = 1.0
     reconnect_max: float = 30.0
     fabrics: tuple[FabricConfig, ...] = ()
@@ -184,6 +194,7 @@ _TOP_KEYS = (
     "mgmt_addr",
     "mgmt_interface",
     "heartbeat_interval",
+    "full_report_interval",
     "reconnect_base",
     "reconnect_max",
     "inventory_interval",
@@ -194,7 +205,7 @@ _TOP_KEYS = (
 _TOP_REQUIRED = ("node_id", "server", "tls", "mgmt_addr")
 _TLS_KEYS = ("ca", "cert", "key")
 _FABRIC_KEYS = ("name", "hcas")
-_DISCOVERY_KEYS = ("nvidia_smi", "ib_root", "prefer_nvml", "skip_gpus")
+_DISCOVERY_KEYS = ("nvidia_smi", "ib_root", "prefer_nvml", "skip_gpus", "interval")
 _SUPERVISOR_KEYS = ("work_dir", "log_lines", "stop_timeout", "health_interval", "probe_interval", "probe_timeout", "stall_after")
 
 # An HCA name becomes a sysfs path component and part of NCCL_IB_HCA.
@@ -318,7 +329,23 @@ def _discovery(ctx: _Ctx, value: Any) -> DiscoveryConfig:
         ib_root=ib_root,
         prefer_nvml=ctx.boolean(m["prefer_nvml"], "discovery.prefer_nvml") if "prefer_nvml" in m else d.prefer_nvml,
         skip_gpus=ctx.boolean(m["skip_gpus"], "discovery.skip_gpus") if "skip_gpus" in m else d.skip_gpus,
+        interval=_discovery_interval(ctx, m["interval"]) if "interval" in m else d.interval,
     )
+
+
+# Each round runs nvidia-smi up to three times; more often than this would
+# spend a core on it, less often than this leaves a dead port unseen too long.
+DISCOVERY_INTERVAL_MIN, DISCOVERY_INTERVAL_MAX = 0.2, 3600.0
+
+
+def _discovery_interval(ctx: _Ctx, value: Any) -> float:
+    seconds = ctx.interval(value, "discovery.interval")
+    if not DISCOVERY_INTERVAL_MIN <= seconds <= DISCOVERY_INTERVAL_MAX:
+        raise ctx.fail(
+            "discovery.interval",
+            f"must be between {format_duration(DISCOVERY_INTERVAL_MIN)} and {format_duration(DISCOVERY_INTERVAL_MAX)}, got {value!r}",
+        )
+    return seconds
 
 
 def _supervisor(ctx: _Ctx, value: Any) -> SupervisorConfig:
@@ -375,6 +402,7 @@ def load_agent_config(path: str | os.PathLike) -> AgentConfig:
         mgmt_addr=_mgmt_addr(ctx, m["mgmt_addr"]),
         mgmt_interface=_ifname(ctx, m["mgmt_interface"]) if "mgmt_interface" in m else defaults.mgmt_interface,
         heartbeat_interval=opt("heartbeat_interval", ctx.interval, defaults.heartbeat_interval),
+        full_report_interval=opt("full_report_interval", ctx.interval, defaults.full_report_interval),
         reconnect_base=opt("reconnect_base", ctx.interval, defaults.reconnect_base),
         reconnect_max=opt("reconnect_max", ctx.interval, defaults.reconnect_max),
         inventory_interval=opt("inventory_interval", ctx.interval, defaults.inventory_interval),

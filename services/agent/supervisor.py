@@ -36,6 +36,19 @@ print their own lines, see ``PEER_LOST_PATTERNS`` and docs/engines.md). Such a
 group is broken for good, so the line is reported as ``peer-lost`` with the
 line as detail, within ``LOG_SCAN_INTERVAL``.
 
+Ready means the engine we launched answered. An answer on the leader's port
+proves only that *something* listens there: another cluster's engine, a stale
+one, a dummy. So before a leader is called ready, and at every health check,
+the kernel's socket table (``shared/procnet.py``) must show the listener on
+``mgmt_addr:http_port`` (or a wildcard address covering it) held by the
+engine's own process tree (the socket's inode among ``/proc/<pid>/fd`` of the
+engine, its descendants and its process group). A listener held by anyone else
+ends the launch: our engine is stopped and reported ``exited`` with the holder
+named in ``detail`` ("port 20001 on 127.0.1.1 is held by pid 4242 (python3
+squat.py), not by the engine we launched (pid 4100)"), so the scheduler fails
+the replica and rebuilds it. A launch whose leader ports are already held is
+refused before anything starts (``port_busy``, the holder named).
+
 Workers never listen (invariant 3), so they are watched as processes (and
 logs) only and stay ``starting`` while alive. An exited engine is kept, with
 its exit code and log tail, until a stop for it arrives, so the control plane
@@ -60,6 +73,7 @@ from pathlib import Path
 
 import aiohttp
 
+from llmgw.shared import procnet
 from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import LlmgwError, WireError
 from llmgw.shared.schemas import CommandAck, EngineFact, LaunchCommand, TrafficReport
@@ -80,6 +94,7 @@ GPU_BUSY = "gpu_busy"
 BAD_LAUNCH = "bad_launch"
 LAUNCH_CONFLICT = "launch_conflict"
 SPAWN_FAILED = "spawn_failed"
+PORT_BUSY = "port_busy"
 
 # How long the wrapper may take to start the engine and write its pid. Past it
 # the launch is acked without a pid and the watch loop picks the pid up later.
@@ -168,6 +183,9 @@ class Engine:
     traffic: dict[str, GatewayTraffic] = field(default_factory=dict)
     # How far the log has been read for peer-loss lines.
     log_offset: int = 0
+    # Set when another process was found holding this leader's port: why the
+    # agent ends this engine (reported as the exit's detail).
+    squatted: str = ""
 
     @property
     def cmd(self) -> LaunchCommand:
@@ -192,7 +210,10 @@ class Engine:
     @property
     def probed(self) -> bool:
         """A serving leader whose progress is watched: ready or stalled, not being stopped."""
-        return self.spec.serves_http and self.stopping is None and self.state in (EngineState.READY, EngineState.STALLED)
+        return (
+            self.spec.serves_http and self.stopping is None and not self.squatted
+            and self.state in (EngineState.READY, EngineState.STALLED)
+        )  # fmt: skip
 
     def fact(self) -> EngineFact:
         c = self.cmd
@@ -287,6 +308,10 @@ class Supervisor:
         # take turns so two launches cannot both see a GPU free.
         self._lock = asyncio.Lock()
         self._stops: dict[EngineKey, asyncio.Task] = {}
+        # Engines the agent ends itself (a squatter holds their port).
+        self._ending: dict[EngineKey, asyncio.Task] = {}
+        # Leaders whose socket ownership could not be read (warned about once).
+        self._unverifiable: set[EngineKey] = set()
         self._reaping: list[subprocess.Popen] = []
         self._http: aiohttp.ClientSession | None = None
         self._watch: asyncio.Task | None = None
@@ -334,7 +359,7 @@ class Supervisor:
     async def close(self) -> None:
         """Stop watching. Engines keep running; unfinished stops are finished by the next agent."""
         canaries = [e.canary for e in self._engines.values() if e.canary is not None]
-        tasks = [t for t in (self._watch, self._scan, *self._stops.values(), *canaries) if t is not None]
+        tasks = [t for t in (self._watch, self._scan, *self._stops.values(), *self._ending.values(), *canaries) if t is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -344,6 +369,7 @@ class Supervisor:
                 pass
         self._watch = self._scan = None
         self._stops.clear()
+        self._ending.clear()
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -367,6 +393,11 @@ class Supervisor:
             except LlmgwError as e:
                 log.warning("launch of %s refused (%s): %s", dir_name(cmd.replica_id, cmd.generation, cmd.rank), e.code, e)
                 return _refuse(e.code if e.code != "error" else BAD_LAUNCH, str(e))
+            if built.serves_http:
+                refusal = self._ports_taken(cmd)
+                if refusal is not None:
+                    log.warning("launch of %s refused (%s): %s", dir_name(cmd.replica_id, cmd.generation, cmd.rank), refusal.code, refusal.reason)
+                    return refusal
             return await self._spawn(cmd, built)
 
     def _relaunch(self, e: Engine, cmd: LaunchCommand) -> CommandAck:
@@ -419,6 +450,63 @@ class Supervisor:
                     f"GPU {_indices(held)} held by {e.label} (pid {e.pid}, {doing}); stop it first",
                 )
         return None
+
+    def _ports_taken(self, cmd: LaunchCommand) -> CommandAck | None:
+        """Refuse a leader whose ports someone already listens on: it could only fail, or worse, look ready."""
+        ports = [("HTTP", self.mgmt_addr, cmd.http_port)]
+        if cmd.nnodes > 1 or cmd.engine == "sim":  # the sim leader binds its rendezvous port even alone
+            ports.append(("rendezvous", cmd.leader_addr, cmd.rendezvous_port))
+        found = procnet.listeners()
+        for what, addr, port in ports:
+            there = procnet.answering(found, addr, port) if port > 0 else []
+            if there:
+                return _refuse(
+                    PORT_BUSY,
+                    f"{what} port {port} on {there[0].addr} is held by {self._holder(there)}; "
+                    f"{dir_name(cmd.replica_id, cmd.generation, cmd.rank)} was not started",
+                )
+        return None
+
+    def _holder(self, sockets: list[procnet.Listener]) -> str:
+        """Who holds these listening sockets, in words: one of our engines, or a pid and its command line."""
+        pids = procfs.holders({s.inode for s in sockets})
+        if not pids:
+            return "a process this agent cannot see (socket inode " + ", ".join(str(s.inode) for s in sockets) + ")"
+        pid = next(iter(pids.values()))
+        st = procfs.stat(pid)
+        for other in self._engines.values():
+            if other.live and other.pids is not None and (pid == other.pid or (st is not None and st.pgid == other.pid)):
+                doing = "stopping" if other.stopping else other.state
+                return f"our engine {other.label} (pid {pid}, {doing})"
+        return f"pid {pid} ({procfs.describe(pid)})"
+
+    def _who_listens(self, e: Engine, found: list[procnet.Listener]) -> tuple[str, str]:
+        """Whose listener a connection to this leader's HTTP port reaches, from the kernel's table.
+
+        ("ours", "") when every listener there belongs to the engine's process
+        tree; ("foreign", words naming the holder); ("none", "") when nothing
+        listens; ("unknown", why) when the engine's own fds cannot be read.
+        """
+        port = e.cmd.http_port
+        there = procnet.answering(found, self.mgmt_addr, port)
+        if not there:
+            return "none", ""
+        if e.pids is None:
+            return "unknown", "the engine's pid is not known yet"
+        wanted = {s.inode for s in there}
+        inodes = procfs.socket_inodes(e.pid)
+        if not wanted <= inodes:  # the socket may sit in a child (vLLM's API server, uvicorn workers)
+            for pid in procfs.tree(e.pid) - {e.pid}:
+                inodes |= procfs.socket_inodes(pid)
+                if wanted <= inodes:
+                    break
+        others = [s for s in there if s.inode not in inodes]
+        if not others:
+            return "ours", ""
+        if not inodes and not os.access(f"/proc/{e.pid}/fd", os.R_OK | os.X_OK):
+            return "unknown", f"/proc/{e.pid}/fd cannot be read by this agent"
+        s = others[0]
+        return "foreign", f"port {port} on {s.addr} is held by {self._holder(others)}, not by the engine we launched (pid {e.pid})"
 
     async def _spawn(self, cmd: LaunchCommand, built: adapters.EngineCommand) -> CommandAck:
         d = EngineDir(self.root / dir_name(cmd.replica_id, cmd.generation, cmd.rank))
@@ -602,7 +690,7 @@ class Supervisor:
             note = f"[llmgw agent] exit code unknown: {e.why_unknown()}"
             e.log_tail = [*e.log_tail[-(self.cfg.log_lines - 1) :], note] if self.cfg.log_lines > 1 else [note]
         how = "exit code unknown" if code is None else (f"killed by signal {-code}" if code < 0 else f"exit code {code}")
-        e.detail = how
+        e.detail = f"{e.squatted}; the agent stopped it ({how})" if e.squatted else how
         level = logging.INFO if e.stopping is not None else logging.WARNING
         log.log(level, "%s (pid %d) exited: %s%s", e.label, e.pid, how, "" if e.stopping else "; last lines: " + " | ".join(e.log_tail[-3:]))
         self._notify(e)
@@ -624,14 +712,35 @@ class Supervisor:
             log.exception("engine state listener failed for %s", e.label)
 
     async def _probe_leaders(self) -> None:
-        leaders = [e for e in self._engines.values() if e.live and e.spec.serves_http and e.spec.health_url and e.state != EngineState.PEER_LOST]
-        if leaders:
-            await asyncio.gather(*(self._probe(e) for e in leaders))
-
-    async def _probe(self, e: Engine) -> None:
-        problem = await self._healthy(e.spec.health_url)
-        if not e.live or e.state == EngineState.PEER_LOST:
+        leaders = [
+            e for e in self._engines.values()
+            if e.live and e.spec.serves_http and e.spec.health_url and e.state != EngineState.PEER_LOST and not e.squatted
+        ]  # fmt: skip
+        if not leaders:
             return
+        answers = await asyncio.gather(*(self._healthy(e.spec.health_url) for e in leaders))
+        # Read after the answers: the sockets that answered are in the table.
+        found = procnet.listeners()
+        for e, problem in zip(leaders, answers):
+            self._judge(e, problem, found)
+
+    def _judge(self, e: Engine, problem: str | None, found: list[procnet.Listener]) -> None:
+        if not e.live or e.state == EngineState.PEER_LOST or e.squatted:
+            return
+        who, words = self._who_listens(e, found)
+        if who == "foreign":  # never ready on someone else's answer; a stopping engine just ends
+            if e.stopping is None:
+                self._squatted(e, words)
+            return
+        if problem is None and who == "none":
+            problem = f"it answered, but the kernel shows nothing listening on {self.mgmt_addr}:{e.cmd.http_port} now"
+        elif problem is None and who == "unknown":
+            if e.pids is None:
+                problem = "it answered, but the engine's pid is not known yet, so the answer cannot be proved ours"
+            elif e.key not in self._unverifiable:
+                # Our own child's fds unreadable (a hardened /proc): say so once, trust /health as before.
+                self._unverifiable.add(e.key)
+                log.warning("%s: cannot prove the listener on port %d is the engine's (%s); trusting its /health", e.label, e.cmd.http_port, words)
         if problem is None:
             e.health_failures = 0
             if e.state == EngineState.STARTING:
@@ -647,6 +756,39 @@ class Supervisor:
                     e, EngineState.STALLED, f"{e.spec.health_url} failed {e.health_failures} times running: {problem}",
                     detail=f"/health failed {e.health_failures} times in a row: {problem}",
                 )  # fmt: skip
+
+    def _squatted(self, e: Engine, why: str) -> None:
+        """Another process holds this leader's port: whatever answers there is not our engine.
+
+        Our engine cannot serve on that port, so it is ended, and its exit is
+        reported with ``why``: the scheduler fails the replica and rebuilds it.
+        A ready leader goes ``stalled`` at once, so nothing new is routed to it
+        while it stops.
+        """
+        e.squatted = why
+        log.error("%s (pid %d): %s; stopping our engine", e.label, e.pid, why)
+        if e.canary is not None:
+            e.canary.cancel()
+        if e.state == EngineState.READY:
+            self._set_state(e, EngineState.STALLED, why, detail=why)
+        else:  # starting (or already stalled): same state, new detail, said at once
+            e.detail = why
+            self._notify(e)
+        if e.key not in self._ending:
+            self._ending[e.key] = asyncio.create_task(self._end(e), name=f"end-{e.label}")
+
+    async def _end(self, e: Engine) -> None:
+        """SIGTERM, then SIGKILL after ``stop_timeout``; the watch loop reports the exit. The record stays."""
+        try:
+            self._signal(e, signal.SIGTERM)
+            deadline = time.monotonic() + self.cfg.stop_timeout
+            while e.engine_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(POLL)
+            if e.engine_alive():
+                log.warning("%s (pid %d) still running %s after SIGTERM; sending SIGKILL", e.label, e.pid, format_duration(self.cfg.stop_timeout))
+                self._signal(e, signal.SIGKILL)
+        finally:
+            self._ending.pop(e.key, None)
 
     async def _healthy(self, url: str) -> str | None:
         """None when ``url`` answers 200, else what went wrong, in words."""
@@ -760,7 +902,7 @@ class Supervisor:
     def scan_logs(self) -> None:
         """Read what each running engine logged since the last scan; report a peer-loss line."""
         for e in list(self._engines.values()):
-            if not e.live or e.state == EngineState.PEER_LOST or e.stopping is not None:
+            if not e.live or e.state == EngineState.PEER_LOST or e.stopping is not None or e.squatted:
                 continue
             line = self._new_peer_loss_line(e)
             if line is not None:
