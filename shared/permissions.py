@@ -35,7 +35,17 @@ class Permissions:
 
 
 def _js_read(streams: list[str]) -> list[str]:
-    """JetStream APIs to look up streams, read KV entries and watch them (ordered consumers)."""
+    """JetStream APIs to look up streams, read KV entries and watch them (ordered consumers).
+
+    Nothing here creates, updates, restores or deletes a stream. Creating a
+    consumer is allowed (ordered consumers are how KV watches, ``kv.keys()`` and
+    event feeds read), and nats-server does not check a push consumer's
+    ``deliver_subject`` against its creator's publish rights (tested in
+    tests/test_js_permissions.py): such a consumer can only replay messages the
+    single writers put in these streams, and the agent acts only on requests
+    published on its own command subject with a reply (services/agent/agent.py),
+    which a JetStream delivery (it keeps the stream's subject) never is.
+    """
     out = ["$JS.API.INFO", "$JS.FC.>", "$JS.ACK.>"]
     for st in streams:
         out += [
@@ -59,6 +69,34 @@ def _js_own(streams: list[str]) -> list[str]:
         out += [f"$JS.API.STREAM.CREATE.{st}", f"$JS.API.STREAM.UPDATE.{st}"]
     return out
 
+
+# Listing streams and consumers (`nats stream ls`, `nats kv ls`, `nats consumer ls`).
+OPERATOR_JS_LIST = [
+    "$JS.API.STREAM.NAMES",
+    "$JS.API.STREAM.LIST",
+    "$JS.API.CONSUMER.NAMES.*",
+    "$JS.API.CONSUMER.LIST.*",
+]
+
+# Denied to the operator on top of its allow-list (belt and braces: a later
+# broad allow must not bring them back).
+JS_WRITE_APIS = [
+    "$JS.API.STREAM.CREATE.>",
+    "$JS.API.STREAM.UPDATE.>",
+    "$JS.API.STREAM.DELETE.>",
+    "$JS.API.STREAM.PURGE.>",
+    "$JS.API.STREAM.RESTORE.>",
+    "$JS.API.STREAM.SNAPSHOT.>",
+    "$JS.API.STREAM.MSG.DELETE.>",
+    "$JS.API.STREAM.PEER.>",
+    "$JS.API.STREAM.LEADER.>",
+    "$JS.API.CONSUMER.DURABLE.>",
+    "$JS.API.CONSUMER.PAUSE.>",
+    "$JS.API.CONSUMER.LEADER.>",
+    "$JS.API.ACCOUNT.>",
+    "$JS.API.SERVER.>",
+    "$JS.API.META.>",
+]
 
 _KV = S.kv_stream
 _ALL_STREAMS = [_KV(b) for b in S.BUCKETS] + [S.EVENT_STREAM]
@@ -141,23 +179,24 @@ def for_identity(role: str, name: str) -> Permissions:
     if role == "operator":
         # Reads everything and calls the services' APIs; writes state only
         # through those APIs (single-writer buckets stay single-writer) and
-        # never speaks as a node or commands one directly.
+        # never speaks as a node or commands one directly. Its JetStream rights
+        # are an explicit read allow-list: what `nats kv ls/get/watch/history`,
+        # `nats stream ls/info/view`, ctl and the console use — never
+        # STREAM.CREATE/UPDATE/DELETE/PURGE/RESTORE/SNAPSHOT, MSG.DELETE,
+        # durable consumers or the server/meta APIs.
         return Permissions(
             publish=[
                 f"{S.API_SPACE}.>",
                 "$SRV.>",
-                "$JS.API.>",
-                "$JS.FC.>",
-                "$JS.ACK.>",
+                *_js_read(_ALL_STREAMS),
+                *OPERATOR_JS_LIST,
             ],
             publish_deny=[
                 "$KV.>",
                 f"{S.NODE_SPACE}.>",
                 f"{S.CMD_SPACE}.>",
                 f"{S.EVENT_SPACE}.>",
-                "$JS.API.STREAM.DELETE.>",
-                "$JS.API.STREAM.PURGE.>",
-                "$JS.API.STREAM.MSG.DELETE.>",
+                *JS_WRITE_APIS,
             ],
             subscribe=[">"],
             allow_responses=True,

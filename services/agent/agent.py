@@ -400,6 +400,13 @@ class Agent:
         """Every request gets exactly one reply: the handler's, or the error that stopped it."""
 
         async def on_msg(msg: Msg) -> None:
+            # A command is a request published on our own command subject. A
+            # JetStream push delivery keeps its stream's subject and has a $JS
+            # reply; a reply someone redirected here has no reply: ignore both
+            # (nats-server does not check a consumer's deliver subject).
+            if not msg.subject.startswith(f"{S.CMD_SPACE}.{self.node}.") or not msg.reply or msg.reply.startswith("$JS."):
+                log.warning("%s: not a command request (reply %r); ignored", msg.subject, msg.reply)
+                return
             try:
                 reply = await handler(msg.data)
             except WireError as e:
