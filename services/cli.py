@@ -74,6 +74,14 @@ def _cert_commands(ctl_sub) -> None:
     p.add_argument("--days", type=int, default=365)
     p.set_defaults(func=_lazy("llmgw.services.ctl.cert:issue_server"))
 
+    p = cs.add_parser("issue-route", help="a cluster server's route certificate (mutual TLS between the NATS servers)")
+    p.add_argument("name", help="the server's name (server_name in its config)")
+    p.add_argument("hosts", nargs="+", metavar="HOST", help="addresses its peers dial for routes")
+    pki_dir(p)
+    p.add_argument("--out", help="where to write NAME.pem and NAME-key.pem (default PKI/certs/route)")
+    p.add_argument("--days", type=int, default=365)
+    p.set_defaults(func=_lazy("llmgw.services.ctl.cert:issue_route"))
+
     p = cs.add_parser("list", help="what the authority issued and revoked")
     pki_dir(p)
     _add_output(p)
@@ -131,7 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("deployment")
     _add_output(p)
     for verb, what in (("cordon", "take no new replicas"), ("uncordon", "take replicas again"), ("drain", "move replicas off, then take none")):
-        op(verb, f"{what} on NODE", "admin").add_argument("node")
+        p = op(verb, f"{what} on NODE", "admin")
+        p.add_argument("node")
+        if verb != "uncordon":
+            p.add_argument("--reason", help="why, in words (kept on the node record; shown by 'ctl nodes' and the console)")
+    p = op("node", "a node's identity: its recorded address, or lift a quarantine", "node")
+    ns = p.add_subparsers(dest="node_cmd", required=True, metavar="COMMAND")
+    a = ns.add_parser("set-addr", help="record NODE's management address (onboarding); an inventory claiming another is refused")
+    a.add_argument("node")
+    a.add_argument("addr", help="a bare host: an IP address or DNS name, no port or scheme")
+    a.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    a = ns.add_parser("release", help="lift a quarantine (two agents answered for NODE) once the impostor is stopped")
+    a.add_argument("node")
+    a.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p = op("events", "the event history (and --follow for live)", "events")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     _add_output(p)
@@ -196,14 +216,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-port", type=int, default=8080, help="preferred gateway port (a free one is used if taken)")
     p.add_argument("--no-demo", action="store_true", help="do not apply the seed's demo deployment")
     p.add_argument("--detach", action="store_true", help="return once ready; stop later with 'llmgw down'")
-    p.add_argument("--scenario", choices=("seed",), help="run the seed's failover story and print its timeline")
+    p.add_argument("--discovery-interval", help="agents re-read GPUs and HCA ports this often (agent default 10s)")
+    p.add_argument(
+        "--scenario", choices=("seed", "fabric"),
+        help="run a story and print its timeline: seed (node02 dies), fabric (node02's ib-a HCA port goes DOWN)",
+    )  # fmt: skip
     p.set_defaults(func=_lazy("llmgw.services.up:up"))
 
     p = sub.add_parser("down", help="stop what 'llmgw up --detach' started")
     p.add_argument("--dir", default=".llmgw")
     p.set_defaults(func=_lazy("llmgw.services.up:down"))
 
-    p = sub.add_parser("sim", help="simulated cluster tools: kill-node, start-node, hang-engine, resume-engine, stall-replica")
+    p = sub.add_parser("sim", help="simulated cluster tools: kill-node, start-node, hang-engine, resume-engine, stall-replica, hca-down/up, gpu-fault/ok")
     ss = p.add_subparsers(dest="sim_cmd", required=True, metavar="COMMAND")
     for verb, what in (("kill-node", "SIGKILL a node's agent and engines at once, as a machine dies"), ("start-node", "start a killed node's agent again")):
         q = ss.add_parser(verb, help=what)
@@ -224,6 +248,24 @@ def build_parser() -> argparse.ArgumentParser:
         q = ss.add_parser(verb, help=what)
         q.add_argument("replica")
         q.add_argument("--dir", default=".llmgw")
+    for verb, what in (
+        ("hca-down", "write DOWN into a node's HCA port state (sysfs): its fabric becomes unusable there"),
+        ("hca-up", "write ACTIVE back"),
+    ):
+        q = ss.add_parser(verb, help=what)
+        q.add_argument("node")
+        q.add_argument("hca", help="e.g. mlx5_0 (the node's agent.yaml fabrics list them)")
+        q.add_argument("--dir", default=".llmgw")
+    q = ss.add_parser("gpu-fault", help="make a node's nvidia-smi report a GPU fault: XID 79 (lost, default), 48/94/95 (ECC), 63/64 (pages pending)")
+    q.add_argument("node")
+    q.add_argument("index", type=int)
+    q.add_argument("--xid", type=int, help="the XID to simulate (default 79 unless --ecc is given)")
+    q.add_argument("--ecc", type=int, help="uncorrectable ECC error count to report")
+    q.add_argument("--dir", default=".llmgw")
+    q = ss.add_parser("gpu-ok", help="clear a simulated GPU fault")
+    q.add_argument("node")
+    q.add_argument("index", type=int)
+    q.add_argument("--dir", default=".llmgw")
     p.set_defaults(func=_lazy("llmgw.services.up:sim"))
 
     p = sub.add_parser("tui", help="the live console: fabrics, nodes, replicas and events, as they change")

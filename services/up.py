@@ -31,7 +31,7 @@ from llmgw.shared.durations import format_duration, parse_duration
 from llmgw.shared.errors import ConfigError, LlmgwError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.natsserver import NatsServer, free_port
-from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRecord, Replica, encode
+from llmgw.shared.schemas import DeploymentSpec, Lease, NodeAddrRequest, NodeRecord, Replica, encode
 
 from . import simcluster
 from .simcluster import SIM_ENV, SimNode, Timings
@@ -140,6 +140,7 @@ class Cluster:
             # A canary is judged before the next is due (the agent insists).
             probe_timeout=min(3.0, probe * 0.6) if probe else None,
             stall_after=stall_after,
+            discovery_interval=getattr(args, "discovery_interval", None),
         )
         gw_port = _preferred_port("127.0.0.1", args.gateway_port)
         self.gateway_url = f"http://127.0.0.1:{gw_port}"
@@ -217,7 +218,7 @@ class Cluster:
             while True:
                 self.check_alive()
                 ready = {k for k, l in leases.items.items() if l.state == "ready"} & want
-                registered = set(nodes.items) & want
+                registered = {k for k, r in nodes.items.items() if r.boot_id} & want  # joined, not only onboarded (set-addr)
                 now_state = (len(registered), len(ready))
                 if now_state != last:
                     self.say(f"nodes registered {len(registered)}/{len(want)}, heartbeating {len(ready)}/{len(want)}")
@@ -252,6 +253,27 @@ class Cluster:
                 await asyncio.sleep(0.2)
         finally:
             await replicas.stop()
+
+    async def record_addresses(self, nc, timeout: float = 60.0) -> None:
+        """Record each simulated node's 127.0.1.N with the registry (``set-addr``),
+        as ``llmgw ctl node set-addr`` would, retrying until the registry answers."""
+        deadline = time.monotonic() + timeout
+        for n in self.nodes:
+            req = encode(NodeAddrRequest(node_id=n.spec.node_id, addr=n.spec.mgmt_addr))
+            while True:
+                try:
+                    reply = await nc.request(S.api("registry", "set-addr"), req, timeout=2)
+                except Exception:
+                    reply = None
+                if reply is not None:
+                    if reply.headers and reply.headers.get("Nats-Service-Error-Code"):
+                        raise UpError(f"the registry refused the address of {n.spec.node_id}: {reply.data.decode(errors='replace')}")
+                    break
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise UpError(f"the registry did not answer set-addr within {timeout:.0f}s; see {self.dir / 'logs' / 'registry.log'}")
+                await asyncio.sleep(0.2)
+        self.say(f"recorded the addresses of {len(self.nodes)} nodes with the registry")
 
     async def apply_demo(self, nc, load_time: float, peer_timeout: float | None = None) -> DeploymentSpec:
         spec = DeploymentSpec(
@@ -347,7 +369,7 @@ def _wait_gone(procs: list[dict], timeout: float) -> None:
 def _durations(args) -> None:
     for name in ("heartbeat_interval", "node_lost_after", "engine_load_time"):
         setattr(args, name, parse_duration(getattr(args, name), "--" + name.replace("_", "-")))
-    for name in ("probe_interval", "stall_after", "hang_timeout", "engine_peer_timeout"):
+    for name in ("probe_interval", "stall_after", "hang_timeout", "engine_peer_timeout", "discovery_interval"):
         value = getattr(args, name, None)
         if value is not None:
             seconds = parse_duration(value, "--" + name.replace("_", "-"))
@@ -364,11 +386,14 @@ async def _bring_up(cluster: Cluster, args) -> None:
     cluster.prepare(args)
     cluster.start_nats()
     cluster.start_services()
-    for node in cluster.nodes:
-        cluster.start_agent(node)
-    cluster.say(f"started {len(cluster.nodes)} agents")
     nc, js = await cluster.connect()
     try:
+        # Onboarding records each node's address before its agent speaks
+        # (issue #12): an inventory claiming another one is refused.
+        await cluster.record_addresses(nc)
+        for node in cluster.nodes:
+            cluster.start_agent(node)
+        cluster.say(f"started {len(cluster.nodes)} agents")
         await cluster.wait_nodes(js, timeout=max(60.0, args.heartbeat_interval * 6))
         if not args.no_demo:
             await cluster.apply_demo(nc, args.engine_load_time, getattr(args, "engine_peer_timeout", None))
@@ -411,11 +436,11 @@ def up(args) -> int:
             return 130
         raise
     _ready_banner(cluster, args)
-    if args.scenario == "seed":
-        from .scenario import run_seed_scenario
+    if args.scenario in ("seed", "fabric"):
+        from .scenario import run_fabric_scenario, run_seed_scenario
 
         try:
-            asyncio.run(run_seed_scenario(cluster, args))
+            asyncio.run((run_seed_scenario if args.scenario == "seed" else run_fabric_scenario)(cluster, args))
         finally:
             if not args.detach:
                 cluster.stop_all()
@@ -469,6 +494,8 @@ def sim(args) -> int:
         raise UpError(f"no simulated node {args.node!r} in {d} (nodes: {', '.join(sorted(nodes))})")
     if args.sim_cmd in ("hang-engine", "resume-engine"):
         return _hang_engine(d, nodes[args.node], args.node, args.replica, hang=args.sim_cmd == "hang-engine")
+    if args.sim_cmd in ("hca-down", "hca-up", "gpu-fault", "gpu-ok"):
+        return _hardware_fault(d, nodes[args.node], args)
     if args.sim_cmd == "kill-node":
         pids = simcluster.kill_node(args.node)
         print(f"killed {args.node}: {len(pids)} processes (agent and engines) with SIGKILL" if pids else f"{args.node} had no running processes")
@@ -487,6 +514,32 @@ def sim(args) -> int:
         pids_file.write_text(json.dumps(procs, indent=2) + "\n")
     print(f"started the agent of {args.node} (pid {p.pid}); it adopts nothing, its engines died with it")
     return 0
+
+
+def _hardware_fault(d: Path, node: dict, args) -> int:
+    """hca-down/up and gpu-fault/ok: change the files the node's agent reads (issue #14)."""
+    cfg = Path(node["agent_config"])
+    try:
+        if args.sim_cmd in ("hca-down", "hca-up"):
+            up = args.sim_cmd == "hca-up"
+            port, before, now = simcluster.set_hca_port(cfg, args.hca, up=up)
+            print(f"{args.node} {args.hca} port {port.name}: state {before or '?'} -> {now} ({port / 'state'})")
+            if not up:
+                print(f"undo with: llmgw sim hca-up {args.node} {args.hca} --dir {d}")
+            return 0
+        if args.sim_cmd == "gpu-ok":
+            simcluster.set_gpu_fault(cfg, args.index)
+            print(f"{args.node} GPU {args.index}: no fault; its nvidia-smi reports it healthy")
+            return 0
+        xid = args.xid if args.xid is not None or args.ecc is not None else 79
+        path = simcluster.set_gpu_fault(cfg, args.index, xid=xid, ecc=args.ecc)
+        what = f"XID {xid}" if xid is not None else ""
+        what += (", " if what else "") + (f"{args.ecc} uncorrectable ECC errors" if args.ecc is not None else "")
+        print(f"{args.node} GPU {args.index}: {what} ({path}); its agent sees it within one discovery interval")
+        print(f"undo with: llmgw sim gpu-ok {args.node} {args.index} --dir {d}")
+        return 0
+    except ConfigError as e:
+        raise UpError(str(e)) from None
 
 
 def _node_engines(node: dict, node_id: str) -> list[simcluster.SimEngine]:

@@ -29,6 +29,7 @@ from llmgw.shared.schemas import (
     Event,
     Lease,
     NameRequest,
+    NodeAddrRequest,
     NodeRecord,
     NodeRequest,
     Replica,
@@ -167,6 +168,10 @@ def node_rows(nodes: dict[str, NodeRecord], leases: dict[str, Lease], replicas: 
                 "admin_reason": n.admin_reason,
                 "admin_by": n.admin_by,
                 "mgmt_addr": n.mgmt_addr,
+                # recorded at onboarding (llmgw ctl node set-addr), or only the node's word
+                "addr_verified": bool(n.recorded_addr),
+                # two agents answer for the node (the health monitor's verdict), in words
+                "quarantine": lease.quarantine if lease else "",
                 "lease_age": (dt.datetime.now().timestamp() - lease.last_renew) if lease else None,
             }
         )
@@ -218,7 +223,9 @@ def nodes(args) -> int:
     table = [("NODE", "STATE", "ADMIN", "FABRICS", "GPUS FREE/TOTAL", "MGMT ADDR", "LEASE AGE")]
     for r in rows:
         age = f"{r['lease_age']:.1f}s" if r["lease_age"] is not None else "-"
-        table.append((r["node_id"], r["state"], admin_text(r), ",".join(r["fabrics"]) or "(none)", f"{r['gpus_free']}/{r['gpus_total']}", r["mgmt_addr"], age))
+        state = f"{r['state']}, QUARANTINED" if r["quarantine"] else r["state"]
+        addr = r["mgmt_addr"] if r["addr_verified"] or not r["mgmt_addr"] else f"{r['mgmt_addr']} (unverified)"
+        table.append((r["node_id"], state, admin_text(r), ",".join(r["fabrics"]) or "(none)", f"{r['gpus_free']}/{r['gpus_total']}", addr, age))
     _table(table)
     if len(table) == 1:
         print("(no nodes registered yet)")
@@ -226,6 +233,11 @@ def nodes(args) -> int:
     for r in rows:
         if r["admin"] != "active" and r["admin_reason"]:
             print(f"{r['node_id']} {r['admin']}{' automatically' if r['admin_by'] == 'auto' else ''}: {r['admin_reason']}")
+        if r["quarantine"]:
+            print(f"{r['node_id']} QUARANTINED: {r['quarantine']}")
+    unverified = [r["node_id"] for r in rows if r["mgmt_addr"] and not r["addr_verified"]]
+    if unverified:
+        print(f"unverified addresses are the nodes' own word; record them with 'llmgw ctl node set-addr NODE ADDR' ({', '.join(unverified)})")
     return 0
 
 
@@ -417,6 +429,38 @@ def admin(args) -> int:
 
     rec = _run(go())
     print(f"node {rec.node_id} is now {rec.admin}" + (f": {rec.admin_reason}" if rec.admin_reason else ""))
+    return 0
+
+
+def node(args) -> int:
+    """``ctl node set-addr NODE ADDR`` (the registry) and ``ctl node release NODE`` (the health monitor)."""
+    from llmgw.shared.names import check_host, check_name
+
+    check_name(args.node)
+    if args.node_cmd == "set-addr":
+        check_host(args.addr, "address")
+
+        async def go_addr():
+            async with Session(args) as s:
+                return decode(await s.call("registry", "set-addr", encode(NodeAddrRequest(node_id=args.node, addr=args.addr))), NodeRecord)
+
+        rec = _run(go_addr())
+        print(f"node {rec.node_id}: management address recorded as {rec.recorded_addr}; an inventory claiming another is refused")
+        return 0
+
+    async def go_release():
+        async with Session(args) as s:
+            for attempt in range(10):
+                try:
+                    return decode(await s.call("health", "release", encode(NodeRequest(node_id=args.node))), Lease)
+                except ApiFailed as e:
+                    # a standby monitor answered (the API is a queue group); the acting one will
+                    if "standing by" not in str(e) or attempt == 9:
+                        raise
+                    await asyncio.sleep(0.2)
+
+    lease = _run(go_release())
+    print(f"node {lease.node_id} released from quarantine; boot {lease.boot_id[:8]} holds its lease (if two agents still answer, it is quarantined again)")
     return 0
 
 
