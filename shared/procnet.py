@@ -11,6 +11,8 @@ proves a listening port belongs to the engine it launched
 from __future__ import annotations
 
 import ipaddress
+import os
+import socket
 import struct
 from typing import NamedTuple
 
@@ -43,9 +45,67 @@ WILDCARDS = frozenset({"0.0.0.0", "::"})
 def listeners() -> list[Listener]:
     """Every TCP socket in LISTEN state in this network namespace, IPv4 and IPv6.
 
-    Only LISTEN lines are decoded: a busy node has thousands of established
-    connections in the same table, and those are skipped on the state field.
+    Asked of the kernel through sock_diag netlink (what ``ss -lt`` does), which
+    returns only the listeners; ``/proc/net/tcp{,6}`` is the fallback. The
+    two differ in cost, not in what they say: the /proc tables list every
+    connection too, and a leader with 8,000 connections made reading them
+    cost 30-70 ms per look on the 2-core test machine, against well under
+    1 ms for the netlink dump.
     """
+    try:
+        return _diag_listeners()
+    except OSError:
+        return _proc_listeners()
+
+
+# linux/netlink.h, linux/sock_diag.h, linux/inet_diag.h
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_REQUEST, _NLM_F_DUMP = 0x1, 0x300
+_NLMSG_ERROR, _NLMSG_DONE = 2, 3
+_NLMSG_HDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
+_DIAG_REQ = struct.Struct("=BBBxI48x")  # family, protocol, ext, pad, states, inet_diag_sockid (any)
+_DIAG_MSG = struct.Struct("=BBBB2s2s16s16sIQIIIII")  # inet_diag_msg
+_IPPROTO_TCP = 6
+
+
+def _diag_listeners() -> list[Listener]:
+    found: list[Listener] = []
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as nl:
+        nl.settimeout(2.0)
+        for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), 1):
+            body = _DIAG_REQ.pack(family, _IPPROTO_TCP, 0, 1 << int(TCP_LISTEN, 16))
+            nl.send(_NLMSG_HDR.pack(_NLMSG_HDR.size + len(body), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0) + body)
+            done = False
+            while not done:
+                data = nl.recv(1 << 16)
+                off = 0
+                while off + _NLMSG_HDR.size <= len(data):
+                    length, kind, _flags, _seq, _pid = _NLMSG_HDR.unpack_from(data, off)
+                    if length < _NLMSG_HDR.size:
+                        raise OSError("sock_diag: malformed netlink message")
+                    if kind == _NLMSG_DONE:
+                        done = True
+                        break
+                    if kind == _NLMSG_ERROR:
+                        err = -struct.unpack_from("=i", data, off + _NLMSG_HDR.size)[0]
+                        raise OSError(err, f"sock_diag: {os.strerror(err)}")
+                    if kind == _SOCK_DIAG_BY_FAMILY:
+                        fam, state, *_r, sport, _dport, src, _dst, _if, _cookie, _exp, _rq, _wq, _uid, inode = _DIAG_MSG.unpack_from(
+                            data, off + _NLMSG_HDR.size
+                        )
+                        if state == int(TCP_LISTEN, 16):
+                            ip = ipaddress.ip_address(src[:4] if fam == socket.AF_INET else src)
+                            if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+                                ip = ip.ipv4_mapped
+                            found.append(Listener(str(ip), int.from_bytes(sport, "big"), inode))
+                    off += (length + 3) & ~3
+                if not data:
+                    raise OSError("sock_diag: the kernel closed the dump")
+    return found
+
+
+def _proc_listeners() -> list[Listener]:
     found: list[Listener] = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -54,6 +114,11 @@ def listeners() -> list[Listener]:
         except FileNotFoundError:  # no IPv6 in this kernel
             continue
         for line in lines:
+            # The state is the only field that can read " 0A " (the others are
+            # addr:port pairs, fixed-width hex runs and decimals): skip the
+            # established connections before splitting them.
+            if f" {TCP_LISTEN} " not in line:
+                continue
             fields = line.split()
             # sl local rem st tx:rx tr:when retrnsmt uid timeout inode ...
             if len(fields) < 10 or fields[3] != TCP_LISTEN:

@@ -246,3 +246,38 @@ async def test_a_thawed_agent_gets_its_stale_engines_fenced_without_a_restart(cl
     assert agent.poll() is None, "the agent was not restarted"
     (second,) = cluster.ready("demo")
     assert second.members[0].node_id != node
+
+
+# --------------------------------------------------------------------------
+# the kernel's word, two ways
+# --------------------------------------------------------------------------
+
+
+def test_sock_diag_and_proc_net_tcp_agree_on_who_listens():
+    """The netlink dump the agent reads and the /proc tables it falls back to name the same sockets."""
+    import os
+    import socket
+
+    socks = []
+    try:
+        for family, addr in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::"), (socket.AF_INET6, "::1")):
+            s = socket.socket(family)
+            socks.append(s)
+            s.bind((addr, 0))
+            s.listen()
+        connected = socket.create_connection(socks[0].getsockname())  # an established one is no listener
+        socks.append(connected)
+        mine = {s.getsockname()[1]: (s.getsockname()[0], os.fstat(s.fileno()).st_ino) for s in socks[:4]}
+
+        def view(found):
+            return sorted((l.addr, l.port, l.inode) for l in found if l.port in mine)
+
+        expected = sorted((addr, port, inode) for port, (addr, inode) in mine.items())
+        assert view(procnet._diag_listeners()) == expected
+        assert view(procnet._proc_listeners()) == expected
+        assert procnet.answering(procnet.listeners(), "127.0.0.1", socks[1].getsockname()[1])[0].addr == "0.0.0.0"
+        assert procnet.answering(procnet.listeners(), "127.0.0.1", socks[2].getsockname()[1])[0].addr == "::"
+        assert procnet.answering(procnet.listeners(), "127.0.0.2", socks[0].getsockname()[1]) == []
+    finally:
+        for s in socks:
+            s.close()

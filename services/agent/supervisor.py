@@ -186,6 +186,11 @@ class Engine:
     # Set when another process was found holding this leader's port: why the
     # agent ends this engine (reported as the exit's detail).
     squatted: str = ""
+    # Listening-socket inodes already proved to be held by this engine's
+    # processes: while one is still listening it is still ours (an inode is
+    # not reused while its socket exists), so a steady leader costs one read
+    # of the socket table per health check, not a walk of its fds.
+    own_sockets: set[int] = field(default_factory=set)
 
     @property
     def cmd(self) -> LaunchCommand:
@@ -494,6 +499,8 @@ class Supervisor:
         if e.pids is None:
             return "unknown", "the engine's pid is not known yet"
         wanted = {s.inode for s in there}
+        if wanted <= e.own_sockets:
+            return "ours", ""
         inodes = procfs.socket_inodes(e.pid)
         if not wanted <= inodes:  # the socket may sit in a child (vLLM's API server, uvicorn workers)
             for pid in procfs.tree(e.pid) - {e.pid}:
@@ -502,6 +509,7 @@ class Supervisor:
                     break
         others = [s for s in there if s.inode not in inodes]
         if not others:
+            e.own_sockets = wanted
             return "ours", ""
         if not inodes and not os.access(f"/proc/{e.pid}/fd", os.R_OK | os.X_OK):
             return "unknown", f"/proc/{e.pid}/fd cannot be read by this agent"
