@@ -14,7 +14,9 @@
 # 2. re-render the NATS server's configuration from the ledger and reload the
 #    server, so the server knows the new identity before the agent first
 #    connects (the server maps a certificate to a user by its subject; a node
-#    not in the rendered config is refused at connect)
+#    not in the rendered config is refused at connect); then record the node's
+#    management address with the registry ('llmgw ctl node set-addr'): clients'
+#    requests go to that address, so it is the operator's word, not the node's
 # 3. copy the CA root, the certificate and its key (0600) to the machine
 # 4. install the configuration and the unit (and llmgw itself, --install-wheel)
 # 5. start the agent
@@ -47,6 +49,11 @@ usage: $0 --node ID --addr HOST --server URL [options]
   --pki DIR           where the authority lives (default /etc/llmgw/pki)
   --binary PATH       the llmgw command used here (default: the one on PATH)
   --ssh-user NAME     (default: you, $(id -un))
+  --operator-config F operator.yaml for 'llmgw ctl' (default: \$LLMGW_CONFIG, then
+                      ./.llmgw/operator.yaml), used to record the address
+  --no-record-addr    do not record the address now; run
+                      'llmgw ctl node set-addr NODE ADDR' yourself (until then the
+                      node's own claim is taken and 'ctl nodes' marks it unverified)
 
  the NATS server (step 2); the defaults match deploy/systemd/llmgw-nats.service:
   --nats-config FILE  the server configuration to re-render (default /etc/llmgw/nats.conf)
@@ -84,6 +91,7 @@ NATS_CONFIG=/etc/llmgw/nats.conf NATS_LISTEN='' NATS_MONITOR=127.0.0.1:8222
 NATS_STORE_DIR=/var/lib/llmgw-nats/jetstream
 RELOAD_CMD="systemctl reload llmgw-nats" RELOAD=yes
 UNIT="$SELF_DIR/systemd/llmgw-agent.service" WHEEL='' TRUST_ROOT=no
+OPCONF="${LLMGW_CONFIG:-}" RECORD_ADDR=yes
 
 need() {
   if [ $# -lt 2 ] || [ -z "$2" ]; then
@@ -113,6 +121,8 @@ while [ $# -gt 0 ]; do
     --unit) need "$@"; UNIT="$2"; shift 2;;
     --install-wheel) need "$@"; WHEEL="$2"; shift 2;;
     --trust-root) TRUST_ROOT=yes; shift;;
+    --operator-config) need "$@"; OPCONF="$2"; shift 2;;
+    --no-record-addr) RECORD_ADDR=no; shift;;
     -h|--help) usage;;
     *) echo "onboard-node: unknown option $1" >&2; usage;;
   esac
@@ -175,6 +185,13 @@ else
 fi
 
 MGMT="${MGMT:-$ADDR}"
+# A bare host (IP or DNS name): it becomes http://HOST:PORT for clients' requests.
+case "$MGMT" in
+  *://*|*/*|*@*|*\[*|*\]*) die "--mgmt-addr '$MGMT' must be a bare host (an IP address or DNS name): no scheme, path, user or brackets";;
+esac
+if [[ "$MGMT" =~ ^[^:]+:[0-9]+$ ]]; then
+  die "--mgmt-addr '$MGMT' has a port; give the bare host (the scheduler chooses ports)"
+fi
 [[ "$MGMT_IF" =~ ^[A-Za-z0-9_.-]{1,15}$ ]] || die "--mgmt-if '$MGMT_IF' is not a network interface name"
 BINARY="${BINARY:-$(command -v llmgw || true)}"
 if [ -z "$BINARY" ] || [ ! -x "$BINARY" ]; then die "no llmgw command here; pass --binary"; fi
@@ -216,6 +233,13 @@ if [ "$RELOAD" = yes ]; then
     die "the reload command failed; the server does not know $NODE yet. Reload it ('nats-server --signal reload'), then run this again"
 else
   say "not reloading (--no-reload): reload the server before $NODE can connect"
+fi
+if [ "$RECORD_ADDR" = yes ]; then
+  say "recording $NODE's management address $MGMT with the registry"
+  if ! "$BINARY" ctl node set-addr "$NODE" "$MGMT" ${OPCONF:+--config "$OPCONF"} >/dev/null; then
+    echo "onboard-node: WARNING: could not record the address (is the registry running, is there an operator.yaml?)." >&2
+    echo "onboard-node: until you run '$BINARY ctl node set-addr $NODE $MGMT', $NODE's own claim is taken and 'llmgw ctl nodes' shows it unverified." >&2
+  fi
 fi
 
 # -- 3 and 4. Identity, configuration, unit -------------------------------------
