@@ -150,3 +150,169 @@ async def run_seed_scenario(cluster, args) -> Story:
         await nc.close()
     report(story, addresses)
     return story
+
+
+# --------------------------------------------------------------------------
+# llmgw up --scenario fabric: an InfiniBand port goes DOWN on a live node
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class FabricStory:
+    """What ``--scenario fabric`` saw: node02's ib-a HCA taken down, node02 itself alive."""
+
+    victim: str = "node02"
+    hca: str = "mlx5_0"
+    fabric: str = "ib-a"
+    before: dict[str, Replica] = field(default_factory=dict)
+    first_reply: str = ""
+    down_at: float = 0.0
+    port: str = ""
+    seen_unusable_at: float | None = None
+    problem: str = ""
+    failed: Replica | None = None
+    failed_at: float | None = None
+    gone_at: float | None = None
+    replacement: Replica | None = None
+    replacement_ready_at: float | None = None
+    victim_leases: list[str] = field(default_factory=list)  # every lease state node02 had meanwhile
+    after: dict[str, Replica] = field(default_factory=dict)
+    single_node_ok: bool = False
+    single_node_detail: str = ""
+    multi_node_reason: str = ""
+    second_reply: str = ""
+    timeline: list[tuple[float, str]] = field(default_factory=list)
+
+    def mark(self, at: float, what: str) -> None:
+        self.timeline.append((at, what))
+
+
+async def observe_fabric_story(
+    js,
+    *,
+    gateway_url: str,
+    model: str,
+    agent_config,
+    victim: str = "node02",
+    hca: str = "mlx5_0",
+    timeout: float = 120.0,
+    say=print,
+) -> FabricStory:
+    """Take ``victim``'s ``hca`` port DOWN (its sysfs state file, as the kernel
+    would) and time what follows: the agent's inventory, the replica on that
+    fabric failed and reaped, its replacement ready on another fabric — while
+    the node's lease stays ready and it still fits single-node work."""
+    from llmgw.shared.schemas import NodeRecord
+
+    from .scheduler.placement import explain
+    from .scheduler.view import ClusterView
+
+    story = FabricStory(victim=victim, hca=hca)
+    replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS), Replica).start()
+    leases = await KvMirror(await open_bucket(js, S.BUCKET_LEASES), Lease).start()
+    nodes = await KvMirror(await open_bucket(js, S.BUCKET_NODES), NodeRecord).start()
+    try:
+        rec = nodes.items.get(victim)
+        story.fabric = next((f.name for f in rec.fabrics if hca in f.hcas), story.fabric) if rec else story.fabric
+        story.before = {k: v for k, v in replicas.items.items() if v.state == "ready"}
+        story.first_reply = await asyncio.to_thread(chat, gateway_url, model, "hello from the fabric scenario")
+        doomed = {k for k, r in story.before.items() if r.fabric == story.fabric and any(m.node_id == victim for m in r.members)}
+
+        story.down_at = time.time()
+        port, before, now = simcluster.set_hca_port(agent_config, hca, up=False)
+        story.port = f"{hca} port {port.name}: {before} -> {now}"
+        story.mark(story.down_at, f"{victim} {story.port} (sysfs state file written)")
+        say(f"{victim} {story.port}; waiting for its agent to notice")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lease = leases.items.get(victim)
+            state = lease.state if lease else "none"
+            if not story.victim_leases or story.victim_leases[-1] != state:
+                story.victim_leases.append(state)
+            rec = nodes.items.get(victim)
+            fab = next((f for f in rec.fabrics if f.name == story.fabric), None) if rec else None
+            if story.seen_unusable_at is None and fab is not None and not fab.usable:
+                story.seen_unusable_at, story.problem = rec.updated_at or time.time(), fab.problem
+                story.mark(story.seen_unusable_at, f"registry: {story.fabric} unusable on {victim} ({fab.problem})")
+            for rid in doomed:
+                r = replicas.items.get(rid)
+                if r and r.state in ("failed", "reaping") and story.failed is None:
+                    story.failed, story.failed_at = r, r.since
+                    story.mark(r.since, f"{rid} failed → reaping ({r.reason})")
+                    say(f"{rid} failed at t+{r.since - story.down_at:.1f}s: {r.reason}")
+                if r is None and story.gone_at is None and story.failed is not None:
+                    story.gone_at = time.time()
+                    story.mark(story.gone_at, f"{rid} reaped (record gone)")
+            if story.failed is not None and story.replacement_ready_at is None:
+                for r in replicas.items.values():
+                    if r.id not in story.before and r.state == "ready":
+                        story.replacement, story.replacement_ready_at = r, r.since
+                        story.mark(r.since, f"replacement {r.id} ready on {r.fabric}")
+                        say(f"replacement {r.id} ready on {r.fabric} at t+{r.since - story.down_at:.1f}s")
+            if story.replacement_ready_at is not None and (story.gone_at is not None or all(rid not in replicas.items for rid in doomed)):
+                if story.gone_at is None:
+                    story.gone_at = time.time()
+                break
+            await asyncio.sleep(0.1)
+        story.after = {k: v for k, v in replicas.items.items() if v.state != "gone"}
+        # Is node02 still offered work? Ask placement itself, on the live records.
+        from llmgw.shared.schemas import DeploymentSpec
+
+        view = ClusterView.build(dict(nodes.items), dict(leases.items), list(replicas.items.values()))
+        one = next(iter(story.before.values()), None)
+        gpus = len(one.members[0].gpus) if one and one.members else 4
+        single = explain(DeploymentSpec(name="probe-single", model=model, engine="sim", replicas=1, gpus_per_node=gpus, nodes_per_replica=1), view)
+        mine = next((n for n in single.nodes if n.node_id == victim), None)
+        story.single_node_ok = bool(mine and mine.ok)
+        story.single_node_detail = (mine.detail if mine else "no such node") or ""
+        multi = explain(DeploymentSpec(name="probe-multi", model=model, engine="sim", replicas=1, gpus_per_node=gpus, nodes_per_replica=2), view)
+        mine = next((n for n in multi.nodes if n.node_id == victim), None)
+        story.multi_node_reason = (f"{mine.reason}: {mine.detail}" if mine and not mine.ok else "fits") if mine else "no such node"
+        story.second_reply = await asyncio.to_thread(chat, gateway_url, model, "hello again, after the rebuild")
+    finally:
+        await replicas.stop()
+        await leases.stop()
+        await nodes.stop()
+    story.timeline.sort()
+    return story
+
+
+def report_fabric(story: FabricStory, say=print) -> None:
+    t0 = story.down_at
+    say("")
+    say("Fabric scenario")
+    say("  before:")
+    for r in sorted(story.before.values(), key=lambda r: r.id):
+        say(f"    {r.id} ready on {r.fabric}: {_members(r)}  leader {r.endpoint}")
+    say(f"  request through the gateway: {story.first_reply!r}")
+    say("  timeline:")
+    for at, what in story.timeline:
+        say(f"    t{at - t0:+7.1f}s  {what}")
+    say("  after:")
+    for r in sorted(story.after.values(), key=lambda r: r.id):
+        say(f"    {r.id} {r.state} on {r.fabric}: {_members(r)}")
+    say(f"  {story.victim} lease meanwhile: {' -> '.join(story.victim_leases) or 'unknown'} (never lost: {'lost' not in story.victim_leases})")
+    say(f"  {story.victim} for a single-node replica: {'fits' if story.single_node_ok else 'does not fit'} ({story.single_node_detail})")
+    say(f"  {story.victim} for a multi-node replica: {story.multi_node_reason}")
+    say(f"  request again: {story.second_reply!r}")
+    if story.failed_at and story.replacement_ready_at:
+        say(
+            f"  measured: failed at t+{story.failed_at - t0:.1f}s after the port went DOWN, "
+            f"replacement ready {story.replacement_ready_at - story.failed_at:.1f}s after that"
+        )
+
+
+async def run_fabric_scenario(cluster, args) -> FabricStory:
+    from .up import DEMO_MODEL
+
+    victim = next(n for n in cluster.nodes if n.spec.node_id == "node02")
+    nc, js = await cluster.connect()
+    try:
+        story = await observe_fabric_story(
+            js, gateway_url=cluster.gateway_url, model=DEMO_MODEL, agent_config=victim.config,
+            timeout=(args.discovery_interval or 10.0) + args.engine_load_time * 4 + 60, say=cluster.say,
+        )  # fmt: skip
+    finally:
+        await nc.close()
+    report_fabric(story)
+    return story

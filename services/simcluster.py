@@ -19,9 +19,11 @@ signalled). Only this cluster's directory is looked at.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
+import subprocess
 import string
 import uuid
 from dataclasses import dataclass
@@ -81,8 +83,12 @@ def gpu_uuid(node: str, index: int) -> str:
     return "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{node}.gpu{index}.llmgw.sim"))
 
 
+def gpu_bus_id(index: int) -> str:
+    return f"00000000:{0x18 + index * 0x10:02X}:00.0"
+
+
 def nvidia_smi_lines(spec: SimNodeSpec) -> list[str]:
-    return [f"{i}, {gpu_uuid(spec.node_id, i)}, {GPU_NAME}, {GPU_MEMORY_MIB}, 00000000:{0x18 + i * 0x10:02X}:00.0" for i in range(spec.gpus)]
+    return [f"{i}, {gpu_uuid(spec.node_id, i)}, {GPU_NAME}, {GPU_MEMORY_MIB}, {gpu_bus_id(i)}" for i in range(spec.gpus)]
 
 
 def _write_exec(path: Path, text: str) -> None:
@@ -91,14 +97,106 @@ def _write_exec(path: Path, text: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
+# The simulated nvidia-smi: a small Python script (run by the interpreter
+# that wrote it) that answers the three queries the agent makes in the real
+# output shape, reading one state file per GPU (gpu-state/<index>.json, written
+# by 'llmgw sim gpu-fault' / removed by 'gpu-ok'): {"xid": 79} -> the GPU is
+# lost, nvidia-smi prints "Unable to determine the device handle for GPU…"
+# in its place and exits 15 (its man page: "GPU is lost"); {"xid": 48|94|95}
+# or {"ecc": N} -> a non-zero uncorrected volatile ECC count; {"xid": 63|64}
+# or {"pending": true} -> retired_pages.pending "Yes". Compute processes are
+# the processes of this simulated machine — running in its directory (engines
+# run in their engine dirs under its work dir) — with CUDA_VISIBLE_DEVICES
+# set, as the driver would list them: the engines, or anything else started so.
+_FAKE_SMI = r"""
+import json, os, sys
+
+NODE, STATE, HOME = {node!r}, {state!r}, {home!r}
+GPUS = {gpus!r}  # [index, uuid, name, memory MiB, bus id]
+ECC_XIDS, PENDING_XIDS = (48, 94, 95), (63, 64)
+MIB_PER_ENGINE = 1024
+
+
+def state(i):
+    try:
+        with open(os.path.join(STATE, f"{{i}}.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {{}}
+
+
+def lost(i, st):
+    return st.get("xid") == 79
+
+
+def apps():
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if not (os.readlink(f"/proc/{{entry}}/cwd") + "/").startswith(HOME + "/"):
+                continue  # another machine's process (another node, another cluster)
+            with open(f"/proc/{{entry}}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        cvd = next((e[len(b"CUDA_VISIBLE_DEVICES="):] for e in env if e.startswith(b"CUDA_VISIBLE_DEVICES=")), None)
+        if not cvd:
+            continue
+        for tok in cvd.decode().split(","):
+            if tok.strip().isdigit():
+                out.append((int(entry), int(tok)))
+    return out
+
+
+args = sys.argv[1:]
+query = next((a for a in args if a.startswith("--query-")), "")
+rc = 0
+if query.startswith("--query-compute-apps="):
+    by_index = {{g[0]: g for g in GPUS}}
+    for pid, i in apps():
+        if i in by_index and not lost(i, state(i)):
+            print(f"{{pid}}, {{MIB_PER_ENGINE}}, {{by_index[i][1]}}")
+    sys.exit(0)
+fields = query.partition("=")[2].split(",")
+for index, uuid, name, mem, bus in GPUS:
+    st = state(index)
+    if lost(index, st):
+        print(f"Unable to determine the device handle for GPU{{bus}}: Unknown Error")
+        rc = 15
+        continue
+    xid = st.get("xid")
+    ecc = int(st.get("ecc", 1 if xid in ECC_XIDS else 0))
+    pending = "Yes" if st.get("pending") or xid in PENDING_XIDS else "No"
+    values = {{
+        "index": index, "uuid": uuid, "name": name, "memory.total": mem, "pci.bus_id": bus,
+        "ecc.errors.uncorrected.volatile.total": ecc, "retired_pages.pending": pending,
+    }}
+    if any(f not in values for f in fields):
+        bad = next(f for f in fields if f not in values)
+        print(f'Field "{{bad}}" is not a valid field to query.')
+        sys.exit(2)
+    print(", ".join(str(values[f]) for f in fields))
+sys.exit(rc)
+"""
+
+
+def gpu_state_dir(node_dir: Path) -> Path:
+    return Path(node_dir) / "gpu-state"
+
+
 def write_fake_nvidia_smi(path: Path, spec: SimNodeSpec) -> None:
-    body = "\n".join(nvidia_smi_lines(spec))
+    import sys
+
+    gpus = [[i, gpu_uuid(spec.node_id, i), GPU_NAME, GPU_MEMORY_MIB, gpu_bus_id(i)] for i in range(spec.gpus)]
+    state = str(gpu_state_dir(path.parent.parent).resolve())
     _write_exec(
         path,
-        "#!/bin/sh\n"
-        f"# Simulated nvidia-smi for {spec.node_id}: prints its inventory in the real\n"
-        "# '--query-gpu=index,uuid,name,memory.total,pci.bus_id --format=csv,noheader,nounits' shape.\n"
-        f"cat <<'EOF'\n{body}\nEOF\n",
+        f"#!{sys.executable} -I\n"
+        f"# Simulated nvidia-smi for {spec.node_id}: answers --query-gpu=… and --query-compute-apps=…\n"
+        "# in the real '--format=csv,noheader,nounits' shape; per-GPU faults from gpu-state/<index>.json.\n"
+        + _FAKE_SMI.format(node=spec.node_id, state=state, home=str(path.parent.parent.resolve()), gpus=gpus),
     )
 
 
@@ -112,6 +210,87 @@ def write_ib_root(root: Path, hcas: tuple[str, ...]) -> None:
         (port / "link_layer").write_text("InfiniBand\n")
 
 
+# --------------------------------------------------------------------------
+# hardware faults of a simulated node, through the files a real node has
+# --------------------------------------------------------------------------
+
+# What each fault writes into a simulated port's sysfs files (ib_core's words).
+PORT_UP = ("4: ACTIVE", "5: LinkUp")
+PORT_DOWN = ("1: DOWN", "3: Disabled")
+SIM_XIDS = (48, 63, 64, 79, 94, 95)
+
+
+def _agent_yaml(agent_config: Path) -> dict:
+    try:
+        return yaml.safe_load(Path(agent_config).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{agent_config}: cannot read it: {e}") from None
+
+
+def set_hca_port(agent_config: Path, hca: str, *, up: bool) -> tuple[Path, str, str]:
+    """Write the ``state``/``phys_state`` files of every port of ``hca`` under
+    the node's ``discovery.ib_root``; returns (port dir, state before, state now)."""
+    cfg = _agent_yaml(agent_config)
+    try:
+        root = Path(cfg["discovery"]["ib_root"])
+    except (KeyError, TypeError):
+        raise ConfigError(f"{agent_config}: no discovery.ib_root") from None
+    if not hca or "/" in hca or hca in (".", ".."):
+        raise ConfigError(f"{hca!r} is not an HCA name")
+    ports = root / hca / "ports"
+    present = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    if not ports.is_dir():
+        raise ConfigError(f"no HCA {hca!r} under {root} (present: {', '.join(present) or 'none'})")
+    state, phys = PORT_UP if up else PORT_DOWN
+    last = None
+    for port in sorted(p for p in ports.iterdir() if p.name.isdigit()):
+        before = (port / "state").read_text().strip() if (port / "state").exists() else ""
+        # Through a temp file and rename: the agent never reads half a state.
+        for name, value in (("phys_state", phys), ("state", state)):
+            tmp = port / f".{name}.tmp"
+            tmp.write_text(value + "\n")
+            os.replace(tmp, port / name)
+        last = (port, before, state)
+    if last is None:
+        raise ConfigError(f"HCA {hca} has no ports under {ports}")
+    return last
+
+
+def set_gpu_fault(agent_config: Path, index: int, *, xid: int | None = None, ecc: int | None = None) -> Path | None:
+    """Make the node's simulated nvidia-smi report a fault on GPU ``index``
+    (``xid``/``ecc``), or clear it (both None). Returns the state file written."""
+    cfg = _agent_yaml(agent_config)
+    node_dir = Path(agent_config).resolve().parent
+    # The GPUs are what its nvidia-smi lists, lost ones included (one line each).
+    smi = (cfg.get("discovery") or {}).get("nvidia_smi", "")
+    try:
+        out = subprocess.run([smi, "--query-gpu=index", "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=15).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ConfigError(f"cannot run the simulated nvidia-smi {smi!r}: {e}") from None
+    gpus = len([line for line in out.splitlines() if line.strip()])
+    if not 0 <= index < gpus:
+        raise ConfigError(f"no GPU {index} on {cfg.get('node_id', node_dir.name)} (it has GPUs 0..{gpus - 1})")
+    if xid is not None and xid not in SIM_XIDS:
+        raise ConfigError(f"XID {xid} is not one the simulated nvidia-smi shows; choose one of {', '.join(map(str, SIM_XIDS))}")
+    if ecc is not None and ecc < 0:
+        raise ConfigError(f"--ecc must be a count >= 0, got {ecc}")
+    d = gpu_state_dir(node_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{index}.json"
+    if xid is None and ecc is None:
+        path.unlink(missing_ok=True)
+        return None
+    body: dict = {}
+    if xid is not None:
+        body["xid"] = xid
+    if ecc is not None:
+        body["ecc"] = ecc
+    tmp = d / f".{index}.json.tmp"
+    tmp.write_text(json.dumps(body) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
 @dataclass(frozen=True)
 class Timings:
     heartbeat_interval: float = 5.0
@@ -123,6 +302,8 @@ class Timings:
     probe_interval: float | None = None
     probe_timeout: float | None = None
     stall_after: float | None = None
+    # How often agents re-read their GPUs and HCAs; None leaves the agent's default (10s).
+    discovery_interval: float | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +354,7 @@ def write_node(root: Path, pki_dir: Path, server_url: str, spec: SimNodeSpec, ti
             "ib_root": str((d / "sys-class-infiniband").resolve()),
             "prefer_nvml": False,
             "skip_gpus": False,
+            **({"interval": format_duration(timings.discovery_interval)} if timings.discovery_interval is not None else {}),
         },
         "supervisor": {
             "work_dir": str((d / "work").resolve()),

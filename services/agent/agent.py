@@ -76,17 +76,15 @@ from llmgw.shared.schemas import (
     encode,
 )
 
+from . import procfs
 from .config import AgentConfig, check_identity, load_agent_config
-from .discovery import Discovery, DiscoveryError, discover
+from .discovery import Discovery, DiscoveryError, NvmlHealth, discover
 from .supervisor import Supervisor
 
 __all__ = ["Agent", "main"]
 
 log = logging.getLogger("llmgw.agent")
 
-# Re-discovery runs at least this often, so a GPU or HCA change is published
-# within this long even with a long inventory_interval.
-REDISCOVER_MAX = 30.0
 DRAIN_TIMEOUT = 5.0
 # Above this a full report sheds log tails to their last lines rather than
 # exceed the server's max_payload and not arrive at all.
@@ -323,14 +321,29 @@ class Agent:
         self.inventory.sent_at = time.time()
         await self.nc.publish(S.inventory(self.node), encode(self.inventory))
 
+    def _engine_pids(self) -> set[int]:
+        """Every process of the engines this agent supervises (wrapper, engine, its tree):
+        a GPU process outside this set was not started by llmgw (issue #14)."""
+        pids: set[int] = set()
+        for e in list(self.supervisor._engines.values()):
+            p = e.pids
+            if p is not None and e.live:
+                pids |= procfs.tree(p.pid) | {p.pid, p.wrapper_pid}
+        return pids
+
     async def _rediscover(self) -> None:
-        every = min(REDISCOVER_MAX, self.cfg.inventory_interval)
+        # discovery.interval: GPU health and HCA ports are re-read this often and
+        # a change is published at once, not only on reconnect (issue #14).
+        every = min(self.cfg.discovery.interval, self.cfg.inventory_interval)
+        nvml = NvmlHealth() if self.cfg.discovery.prefer_nvml else None
         last_sent = time.monotonic()
         last_error = ""
         while True:
             await asyncio.sleep(every)
             try:
-                found = await asyncio.to_thread(discover, self.cfg)
+                found = await asyncio.to_thread(
+                    discover, self.cfg, previous=self.found.gpus, known_pids=self._engine_pids, nvml=nvml
+                )
             except LlmgwError as e:
                 # Keep publishing what we last knew; say so once per distinct failure.
                 if str(e) != last_error:
@@ -463,6 +476,10 @@ class Agent:
         for g in found.gpus:
             names[g.name] = names.get(g.name, 0) + 1
         gpus = ", ".join(f"{n} x {name}" for name, n in names.items()) or "none"
+        bad = [f"GPU {g.index} {g.problem or 'unhealthy'}" for g in found.gpus if not g.healthy]
+        bad += [f"GPU {g.index} {g.foreign_mib} MiB held by pid {', '.join(map(str, g.foreign_pids))}" for g in found.gpus if g.foreign_pids]
+        if bad:
+            gpus += "; out of service: " + "; ".join(bad)
         fabrics = (
             ", ".join(f"{f.name} [{', '.join(f.hcas)}]" + ("" if f.usable else f" NOT USABLE: {f.problem}") for f in found.fabrics)
             or "none (single-node replicas only)"
