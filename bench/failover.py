@@ -593,7 +593,9 @@ class Bench:
 
     async def wait_replacement(self, res: Result, before: set[str], sick: str) -> None:
         if not await self.until(lambda: self.gone(sick) and self.new_ready(before), self.args.fault_timeout):
-            res.note = f"{sick} still {getattr(self.w.replicas.get(sick), 'state', 'gone')} or no replacement ready after {self.args.fault_timeout:g}s"
+            state = getattr(self.w.replicas.get(sick), "state", "gone")
+            missing = "no replacement ready" if self.gone(sick) else f"{sick} still {state}"
+            res.note = f"{missing} after {self.args.fault_timeout:g}s"
 
     async def fault_node_kill(self, res, before):
         r = self.target()
