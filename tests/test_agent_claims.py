@@ -34,6 +34,7 @@ from llmgw.shared.schemas import DeploymentSpec
 from .agent_helpers import Tap, eventually, kill_engines, make_launch, recorded_engines
 from .cluster_helpers import Cluster
 from .test_agent import NODE, Node
+from .test_agent_config import certs  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -281,3 +282,23 @@ def test_sock_diag_and_proc_net_tcp_agree_on_who_listens():
     finally:
         for s in socks:
             s.close()
+
+
+# --------------------------------------------------------------------------
+# configuration: full_report_interval
+# --------------------------------------------------------------------------
+
+
+def test_full_report_interval_is_a_duration_with_a_default(tmp_path, certs):
+    from llmgw.services.agent.config import load_agent_config
+    from llmgw.shared.errors import ConfigError
+
+    from .test_agent_config import base, write
+
+    data = base(certs)
+    assert load_agent_config(write(tmp_path, data)).full_report_interval == 30.0
+    data["full_report_interval"] = "10s"
+    assert load_agent_config(write(tmp_path, data)).full_report_interval == 10.0
+    data["full_report_interval"] = "soon"
+    with pytest.raises(ConfigError, match="full_report_interval"):
+        load_agent_config(write(tmp_path, data))
