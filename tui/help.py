@@ -34,7 +34,10 @@ def help_table(connection: str) -> Table:
     t.add_row("", "")
     t.add_row("node states", Text(" ").join(Text(s, style=st) for s, st in NODE_STATE_STYLE.items()))
     cells = Text()
-    for tone, label in (("ready", "A ready"), ("degraded", "D degraded"), ("starting", "B starting"), ("failing", "C failed/reaping"), ("free", "· free")):
+    for tone, label in (
+        ("ready", "A ready"), ("degraded", "D degraded"), ("starting", "B starting"), ("failing", "C failed/reaping"), ("free", "· free"),
+        ("broken", "✗ GPU unhealthy"), ("foreign", "f GPU busy, not llmgw's"),
+    ):  # fmt: skip
         cells.append(label[0], style=GPU_CELL_STYLE[tone])
         cells.append(label[1:] + "  ")
     t.add_row("GPU cells", cells)

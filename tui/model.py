@@ -139,7 +139,7 @@ class GpuCell:
     index: int
     mark: str  # "·" when free
     replica: str = ""
-    tone: str = "free"  # free | ready | degraded | starting | failing
+    tone: str = "free"  # free | ready | degraded | starting | failing | broken | foreign
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,23 @@ def admin_reason(record: NodeRecord) -> str:
 
 def _problem(record: NodeRecord) -> str:
     broken = [f"{f.name}: {f.problem or 'unusable'}" for f in record.fabrics if not f.usable]
+    broken += [f"GPU {g.index} unhealthy: {g.problem or 'reported by its agent'}" for g in record.gpus if not g.healthy]
     return "; ".join(broken)
+
+
+# Marks of GPUs out of service (issue #14); an unhealthy GPU shows it even while
+# the replica that held it is still being reaped.
+UNHEALTHY_MARK, FOREIGN_MARK = "✗", "f"
+
+
+def _cell(g, held: dict, marks: MarkBook) -> GpuCell:
+    if not g.healthy:
+        return GpuCell(g.index, UNHEALTHY_MARK, held[g.index].id if g.index in held else "", "broken")
+    if g.index in held:
+        return GpuCell(g.index, marks.get(held[g.index].id), held[g.index].id, replica_tone(held[g.index].state))
+    if g.foreign_mib or g.foreign_pids:
+        return GpuCell(g.index, FOREIGN_MARK, "", "foreign")
+    return GpuCell(g.index, "·")
 
 
 def fabric_views(state: ClusterState, now: float, marks: MarkBook, pattern: str = "") -> tuple[FabricView, ...]:
@@ -200,12 +216,7 @@ def fabric_views(state: ClusterState, now: float, marks: MarkBook, pattern: str 
             rec, lease = state.nodes[node_id], state.leases.get(node_id)
             word = node_state(rec, lease)
             held = holders.get(node_id, {})
-            cells = tuple(
-                GpuCell(g.index, marks.get(held[g.index].id), held[g.index].id, replica_tone(held[g.index].state))
-                if g.index in held
-                else GpuCell(g.index, "·")
-                for g in sorted(rec.gpus, key=lambda g: g.index)
-            )
+            cells = tuple(_cell(g, held, marks) for g in sorted(rec.gpus, key=lambda g: g.index))
             holders_text = " ".join(sorted({c.replica for c in cells if c.replica}))
             if not matches(pattern, node_id, fabric, word, rec.mgmt_addr, holders_text):
                 continue
@@ -324,6 +335,8 @@ class GpuLine:
     name: str
     memory: str
     replica: str  # "" when free
+    # Why it is out of service (issue #14): "unhealthy: XID 79 …", "busy: … MiB held by …"
+    problem: str = ""
 
 
 @dataclass(frozen=True)
@@ -380,6 +393,9 @@ def node_detail(
         return NodeDetailView(node_id=node_id, known=False, events=relevant)
     lease = state.leases.get(node_id)
     held = gpu_holders(state.replicas).get(node_id, {})
+    from llmgw.services.scheduler.view import gpu_blocks
+
+    blocked = gpu_blocks(rec)
     lease_text = "no lease yet"
     if lease is not None:
         lease_text = f"{lease.state} for {format_age(now - lease.since)}, renewed {format_age(now - lease.last_renew)} ago, boot {lease.boot_id[:8]}"
@@ -409,7 +425,7 @@ def node_detail(
         mgmt=f"{rec.mgmt_addr} ({rec.mgmt_interface})" if rec.mgmt_interface else rec.mgmt_addr,
         fabrics=fabrics or NO_FABRIC,
         gpus=tuple(
-            GpuLine(g.index, g.name, memory_text(g.memory_mib), held[g.index].id if g.index in held else "")
+            GpuLine(g.index, g.name, memory_text(g.memory_mib), held[g.index].id if g.index in held else "", blocked.get(g.index, ""))
             for g in sorted(rec.gpus, key=lambda g: g.index)
         ),
         hcas=hcas,

@@ -30,6 +30,8 @@ GPU_CELL_STYLE = {
     "degraded": "black on dark_orange",
     "starting": "black on yellow",
     "failing": "white on red",
+    "broken": "bold white on dark_red",  # ✗: the GPU is unhealthy (XID, ECC, lost)
+    "foreign": "black on grey70",  # f: held by a process llmgw did not start
 }
 
 EVENT_STYLE = {

@@ -150,18 +150,24 @@ def gpus_in_use(replicas: dict[str, Replica]) -> dict[str, set[int]]:
 
 
 def node_rows(nodes: dict[str, NodeRecord], leases: dict[str, Lease], replicas: dict[str, Replica]) -> list[dict]:
+    from llmgw.services.scheduler.view import gpu_blocks
+
     used = gpus_in_use(replicas)
     rows = []
     for nid in sorted(nodes):
         n = nodes[nid]
         lease = leases.get(nid)
         total = len(n.gpus)
+        # Out of service (issue #14): unhealthy, or held by a process llmgw did not start.
+        blocked = gpu_blocks(n)
         rows.append(
             {
                 "node_id": nid,
                 "fabrics": [f.name for f in n.fabrics],
+                "unusable_fabrics": {f.name: f.problem for f in n.fabrics if not f.usable},
                 "gpus_total": total,
-                "gpus_free": total - len(used.get(nid, set()) & {g.index for g in n.gpus}),
+                "gpus_free": total - len((used.get(nid, set()) | set(blocked)) & {g.index for g in n.gpus}),
+                "gpus_out_of_service": {str(i): why for i, why in sorted(blocked.items())},
                 "state": lease.state if lease else "unknown",
                 "admin": n.admin,
                 # why it is cordoned/draining, and who said so ("auto": the scheduler)
@@ -235,6 +241,10 @@ def nodes(args) -> int:
             print(f"{r['node_id']} {r['admin']}{' automatically' if r['admin_by'] == 'auto' else ''}: {r['admin_reason']}")
         if r["quarantine"]:
             print(f"{r['node_id']} QUARANTINED: {r['quarantine']}")
+        for fabric, problem in r["unusable_fabrics"].items():
+            print(f"{r['node_id']} fabric {fabric} unusable: {problem}")
+        for index, why in r["gpus_out_of_service"].items():
+            print(f"{r['node_id']} GPU {index} {why}")
     unverified = [r["node_id"] for r in rows if r["mgmt_addr"] and not r["addr_verified"]]
     if unverified:
         print(f"unverified addresses are the nodes' own word; record them with 'llmgw ctl node set-addr NODE ADDR' ({', '.join(unverified)})")
@@ -394,6 +404,8 @@ def explain(args) -> int:
     table = [("NODE", "FABRICS", "GPUS FREE/TOTAL", "VERDICT")]
     for n in ex["nodes"]:
         verdict = "ok" if n["ok"] else f"{n['reason']}: {n['detail']}"
+        if n["ok"] and "; out of service: " in n["detail"]:  # a GPU it fits without (issue #14)
+            verdict += " (out of service: " + n["detail"].split("; out of service: ", 1)[1] + ")"
         table.append((n["node_id"], ",".join(n["fabrics"]) or "(none)", f"{n['free_gpus']}/{n['total_gpus']}", verdict))
     _table(table)
     return 0
