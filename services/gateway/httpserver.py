@@ -368,6 +368,7 @@ class HttpConnection(asyncio.Protocol):
         self._parsing = None
         if self.held:
             server.buffered -= self.held
+            server.dropped += self.held
             self.held = 0
         if self.drain_waiter is not None and not self.drain_waiter.done():
             self.drain_waiter.set_exception(ConnectionResetError("the client closed the connection"))
@@ -476,6 +477,7 @@ class HttpConnection(asyncio.Protocol):
         self._body_held = 0
         self.held -= n
         self.server.buffered -= n
+        self.server.dropped += n
 
     def on_message_complete(self):
         self.reading_since = 0.0
@@ -652,6 +654,7 @@ class HttpServer:
         self.max_buffered_body_bytes = max_buffered_body_bytes
         self.on_refused = on_refused  # called with the reason of each refusal (metrics)
         self.buffered = 0  # request body bytes held, all connections together
+        self.dropped = 0  # body bytes let go unanswered (refused, or their client left): so far, in all
         self.lingering = 0  # refused connections not closed yet
         self._throttled: dict[str, Throttled] = {}
         self.loop = asyncio.get_running_loop()

@@ -139,6 +139,7 @@ class Forwarder:
         self.stall_after = stall_after
         self.out_of_fds_log = Throttled(log)
         self.too_large_log = Throttled(log)
+        self.dropped = 0  # bytes of answers read and let go unsent (too large): so far, in all
 
     async def forward(self, request: Request, path: str, body: bytes, model: str, stream: bool = False) -> Response | Stream:
         """Answer ``request`` from a replica of ``model``; raises UnknownModel / NoReadyReplica before any attempt.
@@ -205,6 +206,7 @@ class Forwarder:
                 self.metrics.refused("response_too_large")
                 self.metrics.upstream_error(b.id, "too_large")
                 self.too_large_log.warning("replica %s: %s; answered 502", b.id, e)
+                self.dropped += self.upstream.client.max_response_bytes
                 resp = errors.response_too_large(b.id, self.upstream.client.max_response_bytes)
                 return resp, resp.status
             except ReadTimeout:
