@@ -114,6 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-dir", default="./jetstream", help="JetStream storage directory")
     p.add_argument("--server-name", default="llmgw")
     p.add_argument("--out", help="write here instead of standard output")
+    p.add_argument(
+        "--server",
+        action="append",
+        dest="servers",
+        metavar="NAME=HOST[:PORT[:CLUSTER_PORT[:MONITOR_PORT]]]",
+        help="one server of a cluster (repeat: 1, 3, 5… servers; ports default 4222, 6222, 8222); "
+        "renders each server's config into --out-dir/NAME.conf, JetStream in --store-dir/NAME",
+    )
+    p.add_argument("--out-dir", help="with --server: the directory for NAME.conf (default: standard output, one after another)")
     p.set_defaults(func=_lazy("llmgw.services.ctl.natsconfig:run"))
 
     def op(name, help, target):

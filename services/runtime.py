@@ -69,7 +69,9 @@ class ServiceRuntime:
             logger=self.log,
         )
         self.js = self.nc.jetstream(timeout=5)
-        self.kv = await bus.provision(self.js, self.buckets, events=True, replicas=cfg.kv_replicas)
+        # Its own buckets and the event stream: created with kv_replicas, and
+        # brought to it when they exist with another count (a grown cluster).
+        self.kv = await bus.provision(self.js, self.buckets, events=True, replicas=cfg.kv_replicas, adjust=True, logger=self.log)
         self.events = EventPublisher(self.js, self.role)
         await self.setup()
 

@@ -176,7 +176,9 @@ async def ensure_bucket(js: JetStreamContext, bucket: str, *, replicas: int = 1)
         pass
     try:
         return await js.create_key_value(
-            KeyValueConfig(bucket=bucket, history=_HISTORY.get(bucket, 1), replicas=replicas, storage=StorageType.FILE)
+            # direct: any replica answers a get from its own copy (as `nats kv add`
+            # does); on a cluster a read survives the loss of the stream's leader.
+            KeyValueConfig(bucket=bucket, history=_HISTORY.get(bucket, 1), replicas=replicas, storage=StorageType.FILE, direct=True)
         )
     except Exception as e:
         # Another instance may have created it between our look and our create.
@@ -210,11 +212,54 @@ async def ensure_event_stream(js: JetStreamContext, *, replicas: int = 1) -> Non
             raise BusError(f"cannot create stream {S.EVENT_STREAM}: {e}") from None
 
 
-async def provision(js: JetStreamContext, buckets: tuple[str, ...] = S.BUCKETS, *, events: bool = True, replicas: int = 1) -> dict:
-    """Create what is missing; leave what exists alone. Returns the opened buckets."""
+async def ensure_replicas(js: JetStreamContext, stream: str, replicas: int, *, logger: logging.Logger | None = None) -> str | None:
+    """Set ``stream``'s replica count to ``replicas`` if it differs (a cluster grown
+    from 1 to 3 servers raises its streams to R3). Returns what changed, or None.
+
+    A count the cluster cannot hold (R3 on fewer than 3 servers) is refused by
+    the server; that is logged and the stream is left as it is.
+    """
+    lg = logger or log
+    info = await js.stream_info(stream)
+    have = info.config.num_replicas or 1
+    if have == replicas:
+        return None
+    cfg = info.config
+    cfg.num_replicas = replicas
+    try:
+        await js.update_stream(cfg)
+    except Exception as e:  # noqa: BLE001 - the server says why (e.g. insufficient resources)
+        lg.warning("stream %s has %d replicas, configured %d; the server refused the change: %s", stream, have, replicas, e)
+        return None
+    change = f"stream {stream}: replicas {have} -> {replicas}"
+    lg.info("%s", change)
+    return change
+
+
+async def provision(
+    js: JetStreamContext,
+    buckets: tuple[str, ...] = S.BUCKETS,
+    *,
+    events: bool = True,
+    replicas: int = 1,
+    adjust: bool = False,
+    changes: list[str] | None = None,
+    logger: logging.Logger | None = None,
+) -> dict:
+    """Create what is missing. Returns the opened buckets.
+
+    With ``adjust`` (only for streams the caller may update: its own buckets and
+    the event stream), an existing stream whose replica count differs from
+    ``replicas`` is updated to it, each change logged and appended to ``changes``.
+    """
     out = {}
     for b in buckets:
         out[b] = await ensure_bucket(js, b, replicas=replicas)
     if events:
         await ensure_event_stream(js, replicas=replicas)
+    if adjust:
+        for st in [S.kv_stream(b) for b in buckets] + ([S.EVENT_STREAM] if events else []):
+            change = await ensure_replicas(js, st, replicas, logger=logger)
+            if change and changes is not None:
+                changes.append(change)
     return out

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import pki
 from .errors import ConfigError
+from .names import check_name
 from .permissions import Permissions, for_identity
 
 
@@ -31,6 +32,96 @@ class ServerOptions:
     max_memory: int = 256 * 1024**2
     max_file: int = 4 * 1024**3
     pid_file: str | None = None
+    # Clustered: this server's route address (HOST:PORT) and every server's
+    # (HOST:PORT, its own included; nats-server ignores a route to itself).
+    cluster_listen: str | None = None
+    routes: list[str] = field(default_factory=list)
+    cluster_name: str = "llmgw"
+    route_cert: str | None = None  # default PKI/certs/route/<server_name>.pem
+    route_key: str | None = None
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One server of a cluster as ``llmgw ctl nats-config --server`` names it."""
+
+    name: str
+    host: str
+    port: int = 4222
+    cluster_port: int = 6222
+    monitor_port: int | None = 8222
+
+    @property
+    def url(self) -> str:
+        return f"tls://{self.host}:{self.port}"
+
+
+def check_cluster_size(n: int) -> None:
+    """A JetStream cluster needs a majority: 1 server, or an odd number from 3 on."""
+    if n == 1 or (n >= 3 and n % 2 == 1):
+        return
+    raise ConfigError(
+        f"{n} NATS servers: use 1, or an odd number of 3 or more (JetStream needs a majority of them up; "
+        f"{n} servers survive no more losses than {n - 1} do)"
+    )
+
+
+def parse_peer(spec: str) -> Peer:
+    """``NAME=HOST[:PORT[:CLUSTER_PORT[:MONITOR_PORT|off]]]``."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name or not rest:
+        raise ConfigError(f"--server {spec!r}: expected NAME=HOST[:PORT[:CLUSTER_PORT[:MONITOR_PORT]]], e.g. nats1=10.0.0.11")
+    check_name(name, "server name")
+    if rest.startswith("["):
+        raise ConfigError(f"--server {spec!r}: IPv6 addresses are not supported here; use a host name")
+    host, *ports = rest.split(":")
+    if not host or len(ports) > 3:
+        raise ConfigError(f"--server {spec!r}: expected NAME=HOST[:PORT[:CLUSTER_PORT[:MONITOR_PORT]]]")
+    vals: list[int | None] = []
+    for what, p in zip(("port", "cluster port", "monitor port"), ports):
+        if what == "monitor port" and p in ("off", "none"):
+            vals.append(None)
+            continue
+        if not p.isdigit() or not (0 < int(p) < 65536):
+            raise ConfigError(f"--server {spec!r}: {what} {p!r} is not a port number")
+        vals.append(int(p))
+    defaults = [4222, 6222, 8222]
+    port, cport, mport = (vals + defaults[len(vals):])[:3]
+    return Peer(name=name, host=host, port=port, cluster_port=cport, monitor_port=mport)
+
+
+def cluster_options(
+    peers: list[Peer],
+    store_root: str | os.PathLike,
+    *,
+    pid_dir: str | os.PathLike | None = None,
+    cluster_name: str = "llmgw",
+) -> list[ServerOptions]:
+    """One ServerOptions per server: its own JetStream store ``<store_root>/<name>``;
+    routes to every server when there are several."""
+    check_cluster_size(len(peers))
+    names = [p.name for p in peers]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"server names must differ: {', '.join(names)}")
+    addrs = [(p.host, p.port) for p in peers] + [(p.host, p.cluster_port) for p in peers]
+    if len(set(addrs)) != len(addrs):
+        raise ConfigError("two servers (or a server's client and cluster ports) share an address and port")
+    routes = [f"{p.host}:{p.cluster_port}" for p in peers] if len(peers) > 1 else []
+    out = []
+    for p in peers:
+        out.append(
+            ServerOptions(
+                listen=f"{p.host}:{p.port}",
+                monitor=f"{p.host}:{p.monitor_port}" if p.monitor_port else None,
+                store_dir=str(Path(store_root) / p.name),
+                server_name=p.name,
+                pid_file=str(Path(pid_dir) / f"{p.name}.pid") if pid_dir else None,
+                cluster_listen=f"{p.host}:{p.cluster_port}" if routes else None,
+                routes=routes,
+                cluster_name=cluster_name,
+            )
+        )
+    return out
 
 
 def _host_port(value: str, what: str) -> tuple[str, int]:
@@ -58,6 +149,45 @@ def _perm_block(p: Permissions) -> dict:
     if p.allow_responses:
         block["allow_responses"] = True
     return block
+
+
+def _cluster_block(pki_path: Path, opts: ServerOptions) -> dict:
+    """Routes between the servers over mutual TLS with llmgw's route certificates.
+
+    Every route certificate is signed by the authority (``ca_file``, ``verify``)
+    *and* pinned: a node's or service's certificate, from the same authority,
+    cannot open a route and so read and write everything.
+    """
+    chost, cport = _host_port(opts.cluster_listen or "", "cluster listen")
+    default_cert, default_key = pki.route_cert_paths(pki_path, opts.server_name)
+    cert = Path(opts.route_cert) if opts.route_cert else default_cert
+    key = Path(opts.route_key) if opts.route_key else default_key
+    if not cert.exists() or not key.exists():
+        raise ConfigError(
+            f"no route certificate for server {opts.server_name} at {cert}; run "
+            f"'llmgw ctl cert issue-route {opts.server_name} {chost} --dir {pki_path}' first"
+        )
+    routes = pki.active_routes(pki_path)
+    if not any(e.name == opts.server_name for e in routes):
+        raise ConfigError(f"the ledger has no valid route certificate for {opts.server_name}; re-issue it with 'llmgw ctl cert issue-route'")
+    for r in opts.routes:
+        _host_port(r, "route")
+    return {
+        "name": opts.cluster_name,
+        "host": chost,
+        "port": cport,
+        "tls": {
+            "cert_file": str(cert.resolve()),
+            "key_file": str(key.resolve()),
+            "ca_file": str((pki_path / pki.CA_CERT).resolve()),
+            "verify": True,
+            "pinned_certs": [e.spki_sha256 for e in routes],
+            "timeout": 5,
+        },
+        # Explicit routes are dialled again and again: a peer down at start or
+        # restarted later rejoins without anything else to do.
+        "routes": [f"nats-route://{r}" for r in opts.routes],
+    }
 
 
 def render(pki_dir: str | os.PathLike, opts: ServerOptions) -> str:
@@ -107,6 +237,8 @@ def render(pki_dir: str | os.PathLike, opts: ServerOptions) -> str:
         conf["http"] = f"{mhost}:{mport}"
     if opts.pid_file:
         conf["pid_file"] = str(Path(opts.pid_file).resolve())
+    if opts.cluster_listen:
+        conf["cluster"] = _cluster_block(pki_path, opts)
     header = (
         "# Rendered by 'llmgw ctl nats-config' from the PKI ledger; do not edit by hand.\n"
         f"# {len(users)} identities. Re-render and 'nats-server --signal reload' after issuing or revoking.\n"
@@ -114,4 +246,11 @@ def render(pki_dir: str | os.PathLike, opts: ServerOptions) -> str:
     return header + json.dumps(conf, indent=2) + "\n"
 
 
-__all__ = ["ServerOptions", "render"]
+def render_cluster(pki_dir: str | os.PathLike, opts: list[ServerOptions]) -> dict[str, str]:
+    """Each server's configuration (``server_name`` → text), from the same ledger:
+    the same users and permissions on every server."""
+    check_cluster_size(len(opts))
+    return {o.server_name: render(pki_dir, o) for o in opts}
+
+
+__all__ = ["Peer", "ServerOptions", "check_cluster_size", "cluster_options", "parse_peer", "render", "render_cluster"]

@@ -22,7 +22,7 @@ from . import natsbin, pki
 from .bus import TlsFiles
 from .errors import BusError
 from .files import write_atomic
-from .natsconf import ServerOptions, render
+from .natsconf import ServerOptions, check_cluster_size, render
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -40,10 +40,16 @@ class NatsServer:
     proc: subprocess.Popen | None = None
     extra_hosts: list[str] = field(default_factory=list)
     log_file: Path | None = None  # where the server's output goes (default ROOT/nats-server.log)
+    # Clustered (see NatsCluster): this server's name, its route port, every
+    # server's route address, and the cluster's shared authority.
+    name: str = "llmgw"
+    cluster_port: int = 0
+    routes: list[str] = field(default_factory=list)
+    shared_pki: Path | None = None
 
     @property
     def pki_dir(self) -> Path:
-        return self.root / "pki"
+        return self.shared_pki or self.root / "pki"
 
     @property
     def conf_path(self) -> Path:
@@ -88,6 +94,9 @@ class NatsServer:
                 monitor=f"{self.host}:{self.monitor_port}",
                 store_dir=str(self.root / "jetstream"),
                 pid_file=str(self.root / "nats-server.pid"),
+                server_name=self.name,
+                cluster_listen=f"{self.host}:{self.cluster_port}" if self.routes else None,
+                routes=list(self.routes),
             ),
         )
         write_atomic(self.conf_path, text, mode=0o600)
@@ -95,6 +104,12 @@ class NatsServer:
     def start(self, timeout: float = 15.0) -> None:
         self.prepare()
         self.render()
+        self.launch()
+        self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the process on the rendered config without waiting (a cluster's
+        members wait for each other: none is healthy before a majority is up)."""
         binary = natsbin.find()
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
@@ -104,11 +119,18 @@ class NatsServer:
             start_new_session=True,
         )
         log.close()
-        self.wait_ready(timeout)
 
-    def wait_ready(self, timeout: float = 15.0) -> None:
+    def kill(self) -> None:
+        """SIGKILL, as a machine dies: no goodbye to clients or peers."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def wait_ready(self, timeout: float = 15.0, *, js_current: bool = False) -> None:
+        """Until /healthz answers 200: JetStream enabled, or (``js_current``, for a
+        cluster member) also in contact with a meta leader and its assets current."""
         deadline = time.monotonic() + timeout
-        url = f"{self.monitor_url}/healthz?js-enabled-only=true"
+        url = f"{self.monitor_url}/healthz" + ("" if js_current else "?js-enabled-only=true")
         last = "no answer"
         while time.monotonic() < deadline:
             if self.proc and self.proc.poll() is not None:
@@ -161,3 +183,100 @@ class NatsServer:
             self.proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout)
+
+
+@dataclass
+class NatsCluster:
+    """N nats-servers (1, or odd from 3) under one authority, routes over mutual TLS.
+
+    Each member lives in ``ROOT/<name>`` (config, JetStream store, log) and
+    listens on its own loopback address (``hosts``, e.g. 127.0.0.1-3) or, when
+    the hosts repeat, on its own ports. ``kill(i)`` / ``restart(i)`` stop one as
+    a machine dies and start it again on the same config and store.
+    """
+
+    root: Path
+    size: int = 3
+    hosts: list[str] = field(default_factory=list)
+    members: list[NatsServer] = field(default_factory=list)
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.root / "pki"
+
+    @property
+    def urls(self) -> list[str]:
+        return [m.url for m in self.members]
+
+    def prepare(self) -> None:
+        check_cluster_size(self.size)
+        self.root.mkdir(parents=True, exist_ok=True)
+        hosts = self.hosts or ["127.0.0.1"] * self.size
+        if len(hosts) != self.size:
+            raise BusError(f"{len(hosts)} hosts for {self.size} servers")
+        if not pki.has_ca(self.pki_dir):
+            pki.init_ca(self.pki_dir)
+        if not self.members:
+            self.members = [
+                NatsServer(root=self.root / f"nats{i + 1}", host=h, name=f"nats{i + 1}", shared_pki=self.pki_dir)
+                for i, h in enumerate(hosts)
+            ]
+        for m in self.members:
+            m.root.mkdir(parents=True, exist_ok=True)
+            m.port = m.port or free_port(m.host)
+            m.monitor_port = m.monitor_port or free_port(m.host)
+            if self.size > 1:
+                m.cluster_port = m.cluster_port or free_port(m.host)
+        if not (self.pki_dir / pki.SERVER_CERT).exists():
+            pki.issue_server(self.pki_dir, sorted(set(hosts)) + ["localhost"])
+        routes = [f"{m.host}:{m.cluster_port}" for m in self.members] if self.size > 1 else []
+        for m in self.members:
+            m.routes = routes
+            cert, _ = pki.route_cert_paths(self.pki_dir, m.name)
+            if routes and not cert.exists():
+                pki.issue_route(self.pki_dir, m.name, [m.host, "localhost"])
+
+    def issue(self, name: str, role: str) -> TlsFiles:
+        issued = pki.issue(self.pki_dir, name, role, self.root / "certs" / role)
+        return TlsFiles(ca=str(issued.ca_path), cert=str(issued.cert_path), key=str(issued.key_path))
+
+    def tls_for(self, name: str, role: str) -> TlsFiles:
+        d = self.root / "certs" / role
+        return TlsFiles(ca=str(self.pki_dir / pki.CA_CERT), cert=str(d / f"{name}.pem"), key=str(d / f"{name}-key.pem"))
+
+    def render(self) -> None:
+        for m in self.members:
+            m.render()
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.prepare()
+        self.render()
+        for m in self.members:
+            m.launch()
+        self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        for m in self.members:
+            if m.proc is None or m.proc.poll() is None:
+                m.wait_ready(max(1.0, deadline - time.monotonic()), js_current=True)
+
+    def kill(self, index: int) -> None:
+        self.members[index].kill()
+
+    def restart(self, index: int, timeout: float = 30.0) -> None:
+        m = self.members[index]
+        m.launch()
+        m.wait_ready(timeout, js_current=True)
+
+    def reload(self) -> None:
+        """Re-render every member from the ledger and have each running one apply it."""
+        for m in self.members:
+            if m.proc and m.proc.poll() is None:
+                m.reload()
+            else:
+                m.render()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for m in self.members:
+            m.stop(timeout)

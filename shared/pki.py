@@ -45,6 +45,8 @@ CA_KEY = "ca-key.pem"
 LEDGER = "ledger.json"
 SERVER_CERT = "server.pem"
 SERVER_KEY = "server-key.pem"
+# A NATS server's certificate for its cluster routes (it both dials and accepts them).
+ROUTE_ROLE = "route"
 
 DEFAULT_CA_DAYS = 3650
 DEFAULT_CERT_DAYS = 365
@@ -244,7 +246,12 @@ def ledger(pki_dir: str | os.PathLike) -> list[LedgerEntry]:
 
 def active_identities(pki_dir: str | os.PathLike) -> list[LedgerEntry]:
     """Entries the NATS server should accept: not revoked, not expired, not the server."""
-    return [e for e in ledger(pki_dir) if not e.revoked and not e.expired() and e.role != "server"]
+    return [e for e in ledger(pki_dir) if not e.revoked and not e.expired() and e.role not in ("server", ROUTE_ROLE)]
+
+
+def active_routes(pki_dir: str | os.PathLike) -> list[LedgerEntry]:
+    """Route certificates the servers of a cluster accept from each other."""
+    return [e for e in ledger(pki_dir) if not e.revoked and not e.expired() and e.role == ROUTE_ROLE]
 
 
 # --------------------------------------------------------------------------
@@ -286,7 +293,7 @@ def _sign(
             ),
             critical=True,
         )
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usage if isinstance(usage, list) else [usage]), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
         )
@@ -413,6 +420,82 @@ def issue_server(
         entries = _load_ledger(pki)
         entries[entry.key] = entry
         cert_path, key_path = out / SERVER_CERT, out / SERVER_KEY
+        _write_private(key_path, _key_pem(key))
+        _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+        _save_ledger(pki, entries)
+    return Issued(entry=entry, cert_path=cert_path, key_path=key_path, ca_path=pki / CA_CERT)
+
+
+def route_cert_paths(pki_dir: str | os.PathLike, name: str) -> tuple[Path, Path]:
+    """Where ``issue_route`` writes server ``name``'s route certificate and key by default."""
+    d = Path(pki_dir) / "certs" / ROUTE_ROLE
+    return d / f"{name}.pem", d / f"{name}-key.pem"
+
+
+def issue_route(
+    pki_dir: str | os.PathLike,
+    name: str,
+    hosts: list[str],
+    out_dir: str | os.PathLike | None = None,
+    *,
+    days: int = DEFAULT_CERT_DAYS,
+) -> Issued:
+    """The route certificate of cluster server ``name`` (``CN=<name>,OU=route``).
+
+    Routes are mutual TLS: each server dials its peers' cluster ports and accepts
+    theirs with the same certificate, so it is valid for both server and client
+    authentication, with every HOST (the addresses peers dial) as a SAN. The
+    rendered cluster block pins the ledger's route certificates, so a node's or
+    service's certificate from the same authority cannot join as a route.
+    """
+    check_name(name, "server name")
+    if not hosts:
+        raise PkiError("issue-route needs at least one host name or IP address that peers dial")
+    sans: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            if not h or any(c.isspace() for c in h) or "/" in h:
+                raise PkiError(f"invalid host name {h!r} for the route certificate") from None
+            sans.append(x509.DNSName(h))
+    pki = Path(pki_dir)
+    key = _new_key()
+    now = dt.datetime.now(_UTC)
+    nb, na = now - dt.timedelta(minutes=5), now + dt.timedelta(days=days)
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, ROUTE_ROLE),
+            x509.NameAttribute(NameOID.COMMON_NAME, name),
+        ]
+    )
+    with _locked(pki):
+        cert = _sign(
+            pki,
+            subject=subject,
+            public_key=key.public_key(),
+            usage=[ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+            sans=sans,
+            not_before=nb,
+            not_after=na,
+        )
+        entry = LedgerEntry(
+            name=name,
+            role=ROUTE_ROLE,
+            serial=format(cert.serial_number, "x"),
+            subject=cert.subject.rfc4514_string(),
+            not_before=_iso(nb),
+            not_after=_iso(na),
+            issued_at=_iso(now),
+            sans=list(hosts),
+            spki_sha256=spki_sha256(cert),
+        )
+        entries = _load_ledger(pki)
+        entries[entry.key] = entry
+        if out_dir:
+            cert_path, key_path = Path(out_dir) / f"{name}.pem", Path(out_dir) / f"{name}-key.pem"
+        else:
+            cert_path, key_path = route_cert_paths(pki, name)
         _write_private(key_path, _key_pem(key))
         _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
         _save_ledger(pki, entries)

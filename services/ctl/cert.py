@@ -38,6 +38,12 @@ def issue_server(args) -> int:
     return 0
 
 
+def issue_route(args) -> int:
+    _report(pki.issue_route(args.dir, args.name, args.hosts, args.out, days=args.days))
+    print("the cluster's servers accept it as a route after 'llmgw ctl nats-config --server …' and a restart or reload")
+    return 0
+
+
 def list_certs(args) -> int:
     entries = pki.ledger(args.dir)
     if args.output == "json":

@@ -1,0 +1,301 @@
+"""A real 3-server NATS cluster under llmgw's PKI: configs, routes, replicas, losing a server.
+
+Three real nats-server processes, each on its own loopback address
+(127.0.0.1-3) and random free ports, routes over mutual TLS with route
+certificates from llmgw's authority (pinned). A server is lost the way a
+machine dies: SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from llmgw.shared import bus, natsbin, pki, subjects as S
+from llmgw.shared.errors import ConfigError
+from llmgw.shared.natsconf import Peer, cluster_options, parse_peer, render_cluster
+from llmgw.shared.natsserver import NatsCluster, NatsServer
+
+from .waiting import eventually
+
+pytestmark = pytest.mark.timeout(90)
+
+HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+
+
+def nats_t(conf) -> subprocess.CompletedProcess:
+    return subprocess.run([natsbin.find(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30)
+
+
+def monitor(server: NatsServer, path: str) -> dict:
+    with urllib.request.urlopen(f"{server.monitor_url}{path}", timeout=2) as r:
+        return json.load(r)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = NatsCluster(root=tmp_path / "nats", size=3, hosts=HOSTS)
+    c.prepare()
+    yield c
+    c.stop()
+
+
+async def connect(c, tls, label, urls=None):
+    return await bus.connect(urls or c.urls, tls, name=label, initial_attempts=3, reconnect_base=0.05, reconnect_max=0.3, connect_timeout=2)
+
+
+# --------------------------------------------------------------------------
+# rendering
+# --------------------------------------------------------------------------
+
+
+def test_rendered_cluster_configs_pass_nats_server_t(tmp_path):
+    pdir = tmp_path / "pki"
+    pki.init_ca(pdir)
+    peers = [parse_peer(f"nats{i + 1}=10.0.0.{11 + i}") for i in range(3)]
+    pki.issue_server(pdir, [p.host for p in peers])
+    for p in peers:
+        pki.issue_route(pdir, p.name, [p.host])
+    pki.issue(pdir, "node01", "node", tmp_path / "out")
+    pki.issue(pdir, "ops", "operator", tmp_path / "out")
+    texts = render_cluster(pdir, cluster_options(peers, tmp_path / "js"))
+    confs = {}
+    for name, text in texts.items():
+        path = tmp_path / f"{name}.conf"
+        path.write_text(text)
+        r = nats_t(path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        confs[name] = json.loads(text[text.index("{"):])
+    stores = {c["jetstream"]["store_dir"] for c in confs.values()}
+    assert len(stores) == 3  # each server its own store
+    assert {c["server_name"] for c in confs.values()} == {"nats1", "nats2", "nats3"}
+    users = [c["authorization"] for c in confs.values()]
+    assert users[0] == users[1] == users[2]  # same accounts and permissions everywhere
+    assert "CN=node01,OU=node" in {u["user"] for u in users[0]["users"]}
+    for c in confs.values():
+        cl = c["cluster"]
+        assert cl["tls"]["verify"] is True
+        assert sorted(cl["routes"]) == [f"nats-route://10.0.0.{11 + i}:6222" for i in range(3)]
+        # exactly the three route certificates are pinned: no node or service certificate opens a route
+        assert sorted(cl["tls"]["pinned_certs"]) == sorted(e.spki_sha256 for e in pki.active_routes(pdir))
+        assert len(cl["tls"]["pinned_certs"]) == 3
+
+
+def llmgw(*args, check=True) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "llmgw.services", *args], capture_output=True, text=True, timeout=60)
+    if check:
+        assert r.returncode == 0, f"llmgw {' '.join(args)}: {r.stderr}"
+    return r
+
+
+def test_ctl_renders_each_servers_config_and_refuses_an_even_count(tmp_path):
+    pdir = str(tmp_path / "pki")
+    llmgw("ctl", "cert", "init-ca", "--dir", pdir)
+    llmgw("ctl", "cert", "issue-server", *HOSTS, "--dir", pdir)
+    for i, h in enumerate(HOSTS):
+        out = llmgw("ctl", "cert", "issue-route", f"nats{i + 1}", h, "--dir", pdir).stdout
+        assert f"CN=nats{i + 1},OU=route" in out
+    servers = [a for i, h in enumerate(HOSTS) for a in ("--server", f"nats{i + 1}={h}")]
+    r = llmgw("ctl", "nats-config", "--pki", pdir, *servers, "--out-dir", str(tmp_path / "conf"), "--store-dir", str(tmp_path / "js"))
+    assert "kv_replicas: 3" in r.stderr
+    for i in range(3):
+        t = nats_t(tmp_path / "conf" / f"nats{i + 1}.conf")
+        assert t.returncode == 0, t.stdout + t.stderr
+    r = llmgw("ctl", "nats-config", "--pki", pdir, *servers[:4], check=False)
+    assert r.returncode == 2 and "2 NATS servers: use 1, or an odd number of 3 or more" in r.stderr
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_even_cluster_sizes_are_refused(tmp_path, n):
+    peers = [Peer(name=f"nats{i + 1}", host=f"10.0.0.{i + 1}") for i in range(n)]
+    with pytest.raises(ConfigError, match=f"{n} NATS servers: use 1, or an odd number"):
+        cluster_options(peers, tmp_path)
+
+
+def test_a_missing_route_certificate_is_named(tmp_path):
+    pdir = tmp_path / "pki"
+    pki.init_ca(pdir)
+    pki.issue_server(pdir, ["10.0.0.1"])
+    peers = [parse_peer(f"nats{i + 1}=10.0.0.{i + 1}") for i in range(3)]
+    with pytest.raises(ConfigError, match="no route certificate for server nats1.*issue-route nats1 10.0.0.1"):
+        render_cluster(pdir, cluster_options(peers, tmp_path))
+
+
+@pytest.mark.parametrize("spec", ["nats1", "=10.0.0.1", "nats1=10.0.0.1:x", "Nats1=h", "nats1=h:1:2:3:4"])
+def test_malformed_server_specs_are_refused(spec):
+    with pytest.raises(Exception, match="server"):
+        parse_peer(spec)
+
+
+# --------------------------------------------------------------------------
+# a running cluster
+# --------------------------------------------------------------------------
+
+
+async def test_cluster_forms_over_mtls_routes_and_buckets_are_r3(cluster):
+    sched = cluster.issue("scheduler", "scheduler")
+    cluster.start()
+    for m in cluster.members:
+        routes = monitor(m, "/routez")["routes"]
+        # (nats-server pools several connections per peer)
+        assert {r.get("remote_name") for r in routes} == {x.name for x in cluster.members if x is not m}
+        assert all(r.get("tls_required", True) for r in routes)
+    nc = await connect(cluster, sched, "sched")
+    try:
+        js = nc.jetstream(timeout=5)
+        changes: list[str] = []
+        await bus.provision(js, (S.BUCKET_REPLICAS,), events=True, replicas=3, adjust=True, changes=changes)
+        assert changes == []  # created at R3: nothing to change
+        for st in (S.kv_stream(S.BUCKET_REPLICAS), S.EVENT_STREAM):
+            info = await js.stream_info(st)
+            assert info.config.num_replicas == 3
+            assert len(info.cluster.replicas) == 2
+    finally:
+        await nc.close()
+
+
+async def test_a_client_keeps_working_when_its_server_is_killed(cluster):
+    sched_tls = cluster.issue("scheduler", "scheduler")
+    node_tls = cluster.issue("node01", "node")
+    cluster.start()
+    sched = await connect(cluster, sched_tls, "sched")
+    try:
+        victim = next(i for i, m in enumerate(cluster.members) if m.url.endswith(sched.connected_url.netloc))
+        # the agent stands on another server, so the request crosses the cluster
+        others = [m.url for i, m in enumerate(cluster.members) if i != victim]
+        node = await connect(cluster, node_tls, "node", urls=others)
+        try:
+            async def answer(msg):
+                await msg.respond(b"listed")
+
+            await node.subscribe(S.cmd_list("node01"), cb=answer)
+            await node.flush()
+            js = sched.jetstream(timeout=3)
+            kv = (await bus.provision(js, (S.BUCKET_REPLICAS,), events=False, replicas=3))[S.BUCKET_REPLICAS]
+            assert (await sched.request(S.cmd_list("node01"), b"", timeout=3)).data == b"listed"
+
+            cluster.kill(victim)
+
+            async def request_answered():
+                try:
+                    return (await sched.request(S.cmd_list("node01"), b"", timeout=1)).data
+                except Exception:  # noqa: BLE001 - not reconnected yet
+                    return None
+
+            assert await eventually(request_answered, what="a request answered after the kill", timeout=20) == b"listed"
+            assert not sched.connected_url.netloc.endswith(cluster.members[victim].url.split("//")[1])
+
+            async def put():
+                try:
+                    return await kv.put("r1", b"after-the-kill")
+                except Exception:  # noqa: BLE001 - a new stream leader may still be chosen
+                    return None
+
+            rev = await eventually(put, what="a KV write acknowledged by the two survivors", timeout=20)
+            assert (await kv.get("r1")).revision == rev
+        finally:
+            await node.close()
+    finally:
+        await sched.close()
+
+
+async def direct_get(nc, bucket: str, key: str) -> bytes | None:
+    """A KV read answered by whichever replica the connected server holds (allow_direct)."""
+    try:
+        msg = await nc.request(f"$JS.API.DIRECT.GET.{S.kv_stream(bucket)}", json.dumps({"last_by_subj": f"$KV.{bucket}.{key}"}).encode(), timeout=1)
+    except Exception:  # noqa: BLE001
+        return None
+    return None if (msg.headers or {}).get("Status") else msg.data
+
+
+@pytest.mark.slow
+async def test_an_acknowledged_write_survives_a_kill_and_the_restarted_server_catches_up(cluster):
+    sched_tls = cluster.issue("scheduler", "scheduler")
+    cluster.start()
+    sched = await connect(cluster, sched_tls, "sched")
+    try:
+        js = sched.jetstream(timeout=3)
+        kv = (await bus.provision(js, (S.BUCKET_REPLICAS,), events=False, replicas=3))[S.BUCKET_REPLICAS]
+        await kv.put("r1", b"v1")
+        victim = 2
+        cluster.kill(victim)
+
+        async def put():
+            try:
+                return await kv.put("r1", b"v2")
+            except Exception:  # noqa: BLE001 - the stream may be electing a leader
+                return None
+
+        await eventually(put, what="v2 acknowledged while a server is down", timeout=20)
+        cluster.restart(victim)
+        back = cluster.members[victim]
+
+        def own_copy():
+            """The restarted server's own replica of the bucket, as its monitoring reports it."""
+            for acc in monitor(back, "/jsz?accounts=true&streams=true").get("account_details", []):
+                for st in acc.get("stream_detail") or []:
+                    if st["name"] == S.kv_stream(S.BUCKET_REPLICAS):
+                        return st["state"]["last_seq"]
+            return None
+
+        # Its copy holds both writes (v2 was acknowledged while it was dead) …
+        await eventually(own_copy, 2, what="the restarted server's copy at sequence 2", timeout=20)
+        # … and it answers a read itself: a direct get sent to it alone is answered by a local
+        # replica first, and a replica answers direct gets only once it is current.
+        lone = await connect(cluster, sched_tls, "lone", urls=[back.url])
+        try:
+            assert await eventually(lambda: direct_get(lone, S.BUCKET_REPLICAS, "r1"), what="a read through the restarted server", timeout=10) == b"v2"
+        finally:
+            await lone.close()
+    finally:
+        await sched.close()
+
+
+async def test_raising_replicas_from_one_to_three_keeps_the_data_and_survives_its_first_host(cluster):
+    """Buckets made at R1 (services started with kv_replicas: 1) are raised to R3 by the
+    next provisioning with kv_replicas: 3: logged, data kept, and the server that held
+    the only copy can then die.
+
+    (A *standalone* server's store is not adopted when that server joins a cluster —
+    nats-server treats its streams as orphans, nats-io/nats-server#5467 — so growing
+    a single server means restoring its state into the cluster; docs/operations.md.)
+    """
+    sched_tls = cluster.issue("scheduler", "scheduler")
+    cluster.start()
+    nc = await connect(cluster, sched_tls, "sched")
+    try:
+        js = nc.jetstream(timeout=5)
+        kv = (await bus.provision(js, (S.BUCKET_REPLICAS,), events=True, replicas=1))[S.BUCKET_REPLICAS]
+        await kv.put("r1", b"kept")
+        info = await js.stream_info(S.kv_stream(S.BUCKET_REPLICAS))
+        assert info.config.num_replicas == 1
+        only_copy = next(i for i, m in enumerate(cluster.members) if m.name == info.cluster.leader)
+        changes: list[str] = []
+        await bus.provision(js, (S.BUCKET_REPLICAS,), events=True, replicas=3, adjust=True, changes=changes)
+        assert changes == [f"stream {S.kv_stream(S.BUCKET_REPLICAS)}: replicas 1 -> 3", f"stream {S.EVENT_STREAM}: replicas 1 -> 3"]
+
+        async def all_current():
+            i = await js.stream_info(S.kv_stream(S.BUCKET_REPLICAS))
+            peers = [i.cluster.leader] + [p.name for p in i.cluster.replicas or [] if p.current]
+            return sorted(p for p in peers if p)
+
+        await eventually(all_current, ["nats1", "nats2", "nats3"], what="three current replicas", timeout=20)
+        again: list[str] = []
+        await bus.provision(js, (S.BUCKET_REPLICAS,), events=True, replicas=3, adjust=True, changes=again)
+        assert again == []  # idempotent
+        cluster.kill(only_copy)
+
+        async def read():
+            try:
+                return (await kv.get("r1")).value
+            except Exception:  # noqa: BLE001 - reconnecting, or a new leader being chosen
+                return None
+
+        assert await eventually(read, what="the value read with its first host dead", timeout=20) == b"kept"
+    finally:
+        await nc.close()
