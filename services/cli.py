@@ -226,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-demo", action="store_true", help="do not apply the seed's demo deployment")
     p.add_argument("--detach", action="store_true", help="return once ready; stop later with 'llmgw down'")
     p.add_argument("--discovery-interval", help="agents re-read GPUs and HCA ports this often (agent default 10s)")
+    p.add_argument("--nats-servers", type=int, default=1, help="NATS servers: 1 (default), or 3, 5… as a cluster on 127.0.0.1, .2, .3…")
     p.add_argument(
         "--scenario", choices=("seed", "fabric"),
         help="run a story and print its timeline: seed (node02 dies), fabric (node02's ib-a HCA port goes DOWN)",
@@ -238,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sim", help="simulated cluster tools: kill-node, start-node, hang-engine, resume-engine, stall-replica, hca-down/up, gpu-fault/ok")
     ss = p.add_subparsers(dest="sim_cmd", required=True, metavar="COMMAND")
+    for verb, what in (("kill-nats", "SIGKILL NATS server N of a cluster, as its machine dies"), ("start-nats", "start NATS server N again on its config and store")):
+        q = ss.add_parser(verb, help=what)
+        q.add_argument("server", type=int, metavar="N", help="which server (1-based, as cluster.json lists them)")
+        q.add_argument("--dir", default=".llmgw")
     for verb, what in (("kill-node", "SIGKILL a node's agent and engines at once, as a machine dies"), ("start-node", "start a killed node's agent again")):
         q = ss.add_parser(verb, help=what)
         q.add_argument("node")

@@ -30,7 +30,8 @@ from llmgw.shared.config import write_config
 from llmgw.shared.durations import format_duration, parse_duration
 from llmgw.shared.errors import ConfigError, LlmgwError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
-from llmgw.shared.natsserver import NatsServer, free_port
+from llmgw.shared.natsconf import check_cluster_size
+from llmgw.shared.natsserver import NatsCluster, NatsServer, free_port
 from llmgw.shared.schemas import DeploymentSpec, Lease, NodeAddrRequest, NodeRecord, Replica, encode
 
 from . import simcluster
@@ -83,12 +84,22 @@ class Cluster:
     progress: callable = print
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     nodes: list[SimNode] = field(default_factory=list)
-    nats: NatsServer | None = None
+    nats: NatsServer | None = None  # the (first) server
+    nats_cluster: NatsCluster | None = None  # with --nats-servers 3: all of them
     gateway_url: str = ""
     t0: float = field(default_factory=time.monotonic)
 
     def say(self, msg: str) -> None:
         self.progress(f"[{time.monotonic() - self.t0:6.1f}s] {msg}")
+
+    @property
+    def nats_urls(self) -> list[str]:
+        return self.nats_cluster.urls if self.nats_cluster else [self.nats.url]
+
+    @property
+    def server_setting(self) -> str | list[str]:
+        """``server:`` in every config: one URL, or the list of the cluster's."""
+        return self.nats_urls if self.nats_cluster else self.nats.url
 
     # -- files ---------------------------------------------------------------
     def _service_config(self, role: str, extra: dict) -> Path:
@@ -96,7 +107,9 @@ class Cluster:
         if not Path(tls.cert).exists():
             tls = self.nats.issue(role, role)
         path = self.dir / "config" / f"{role}.yaml"
-        write_config(path, {"server": self.nats.url, "tls": {"ca": tls.ca, "cert": tls.cert, "key": tls.key}, **extra})
+        if self.nats_cluster and role != "operator":
+            extra = {"kv_replicas": 3, **extra}
+        write_config(path, {"server": self.server_setting, "tls": {"ca": tls.ca, "cert": tls.cert, "key": tls.key}, **extra})
         return path
 
     def _record(self) -> None:
@@ -121,10 +134,22 @@ class Cluster:
         old = self.dir / "pids.json"
         if old.exists() and any(_alive(v["pid"], v.get("start")) for v in json.loads(old.read_text()).values()):
             raise UpError(f"a cluster from {self.dir} is still running; stop it first with 'llmgw down --dir {self.dir}'")
-        self.nats = NatsServer(root=self.dir)
         fresh = not pki.has_ca(self.dir / "pki")
-        self.nats.port = _preferred_port("127.0.0.1", 4222)
-        self.nats.prepare()
+        n_nats = getattr(args, "nats_servers", 1) or 1
+        if n_nats > 1:
+            # Each server on its own loopback address, as on its own machine.
+            self.nats_cluster = NatsCluster(root=self.dir, size=n_nats, hosts=[f"127.0.0.{i + 1}" for i in range(n_nats)])
+            self.nats_cluster.prepare()
+            self.nats = self.nats_cluster.members[0]
+            if (self.dir / "jetstream").is_dir():
+                self.say(
+                    f"note: the single server's JetStream store in {self.dir / 'jetstream'} is not carried over — nats-server "
+                    "does not adopt a standalone store into a cluster; this cluster's state starts empty (docs/operations.md)"
+                )
+        else:
+            self.nats = NatsServer(root=self.dir)
+            self.nats.port = _preferred_port("127.0.0.1", 4222)
+            self.nats.prepare()
         self.say(("created an authority in " if fresh else "reusing the authority in ") + str(self.dir / "pki"))
         hb = args.heartbeat_interval
         probe = getattr(args, "probe_interval", None)
@@ -161,7 +186,7 @@ class Cluster:
         os.replace(self.operator_config, self.dir / "operator.yaml")
         self.operator_config = self.dir / "operator.yaml"
         specs = simcluster.layout(args.nodes, args.fabrics, args.gpus_per_node)
-        self.nodes = [simcluster.write_node(self.dir, self.dir / "pki", self.nats.url, s, self.timings) for s in specs]
+        self.nodes = [simcluster.write_node(self.dir, self.dir / "pki", self.server_setting, s, self.timings) for s in specs]
         self.say(f"onboarded {len(self.nodes)} simulated nodes: " + ", ".join(f"{n.spec.node_id} ({n.spec.fabric or 'no fabric'}, {n.spec.mgmt_addr})" for n in self.nodes))
         self._write_cluster_json()
 
@@ -173,10 +198,29 @@ class Cluster:
             "operator_config": str(self.operator_config.resolve()),
             "dir": str(self.dir.resolve()),
             "nodes": [{"node_id": n.spec.node_id, "fabric": n.spec.fabric, "mgmt_addr": n.spec.mgmt_addr, "gpus": n.spec.gpus, "agent_config": str(n.config.resolve())} for n in self.nodes],
+            "nats_servers": [
+                {
+                    "name": m.name,
+                    "url": m.url,
+                    "monitor_url": m.monitor_url,
+                    "process": _nats_proc_name(m.name) if self.nats_cluster else "nats-server",
+                    "config": str(m.conf_path.resolve()),
+                    "store_dir": str((m.root / "jetstream").resolve()),
+                }
+                for m in (self.nats_cluster.members if self.nats_cluster else [self.nats])
+            ],
         }
         (self.dir / "cluster.json").write_text(json.dumps(data, indent=2) + "\n")
 
     def start_nats(self) -> None:
+        if self.nats_cluster:
+            self.nats_cluster.render()
+            for m in self.nats_cluster.members:
+                m.log_file = self.dir / "logs" / f"{_nats_proc_name(m.name)}.log"
+                m.proc = self._spawn(_nats_proc_name(m.name), self.llmgw("nats", "--config", str(m.conf_path)))
+            self.nats_cluster.wait_ready(30)
+            self.say(f"{len(self.nats_cluster.members)} nats-servers ready (a cluster, routes over mutual TLS): " + ", ".join(f"{m.name} {m.url}" for m in self.nats_cluster.members))
+            return
         self.nats.render()
         self.nats.log_file = self.dir / "logs" / "nats-server.log"
         self._spawn("nats-server", self.llmgw("nats", "--config", str(self.nats.conf_path)))
@@ -204,7 +248,7 @@ class Cluster:
         quiet = logging.getLogger("llmgw.up.bus")
         quiet.setLevel(max(logging.WARNING, logging.getLogger().level))
         logging.getLogger("llmgw.kv").setLevel(max(logging.WARNING, logging.getLogger().level))
-        nc = await bus.connect(self.nats.url, tls, name="up", initial_attempts=20, reconnect_base=0.2, reconnect_max=1.0, logger=quiet)
+        nc = await bus.connect(self.nats_urls, tls, name="up", initial_attempts=20, reconnect_base=0.2, reconnect_max=1.0, logger=quiet)
         js = nc.jetstream(timeout=5)
         return nc, js
 
@@ -314,9 +358,9 @@ def stop_recorded(d: Path, node_ids: list[str] | None = None, say=print) -> int:
             node_ids = [n["node_id"] for n in json.loads((d / "cluster.json").read_text())["nodes"]]
         except (OSError, ValueError, KeyError):
             node_ids = []
-    order = sorted(procs, key=lambda n: (0 if n.startswith("agent-") else 2 if n == "nats-server" else 1, n))
+    order = sorted(procs, key=lambda n: (0 if n.startswith("agent-") else 2 if n.startswith("nats-server") else 1, n))
     stopped = 0
-    for group in ([n for n in order if n.startswith("agent-")], [n for n in order if not n.startswith("agent-") and n != "nats-server"]):
+    for group in ([n for n in order if n.startswith("agent-")], [n for n in order if not n.startswith("agent-") and not n.startswith("nats-server")]):
         live = [(n, procs[n]) for n in group if _alive(procs[n]["pid"], procs[n].get("start"))]
         for _, p in live:
             _signal(p["pid"], signal.SIGTERM)
@@ -326,11 +370,11 @@ def stop_recorded(d: Path, node_ids: list[str] | None = None, say=print) -> int:
             # Engines outlive agents by design; a simulated machine going away takes them too.
             for node in node_ids:
                 stopped += len(simcluster.kill_node(node))
-    nats = procs.get("nats-server")
-    if nats and _alive(nats["pid"], nats.get("start")):
+    servers = [procs[n] for n in order if n.startswith("nats-server") and _alive(procs[n]["pid"], procs[n].get("start"))]
+    for nats in servers:
         _signal(nats["pid"], signal.SIGTERM)
-        _wait_gone([nats], 5.0)
-        stopped += 1
+    _wait_gone(servers, 5.0)
+    stopped += len(servers)
     pids_file.unlink(missing_ok=True)
     say(f"stopped {stopped} processes")
     return stopped
@@ -425,6 +469,7 @@ def _ready_banner(cluster: Cluster, args) -> None:
 def up(args) -> int:
     _durations(args)
     simcluster.layout(args.nodes, args.fabrics, args.gpus_per_node)  # refuse bad sizes before touching DIR
+    check_cluster_size(getattr(args, "nats_servers", 1))
     d = Path(args.dir).resolve()  # children run elsewhere (cwd=DIR): every path they get is absolute
     cluster = Cluster(dir=d)
     try:
@@ -458,7 +503,8 @@ def up(args) -> int:
         while not stop["flag"]:
             time.sleep(0.5)
             for name, p in cluster.procs.items():
-                if p.poll() is not None and not name.startswith("agent-"):
+                # (a cluster's server may be killed and restarted: llmgw sim kill-nats/start-nats)
+                if p.poll() is not None and not name.startswith(("agent-", "nats-server-")):
                     cluster.say(f"{name} exited with code {p.returncode}; see {d / 'logs' / (name + '.log')}")
                     stop["flag"] = True
     except KeyboardInterrupt:
@@ -485,8 +531,56 @@ def _cluster_nodes(d: Path) -> dict[str, dict]:
     return {n["node_id"]: n for n in data["nodes"]}
 
 
+def _nats_proc_name(server: str) -> str:
+    return f"nats-server-{server}"
+
+
+def _nats_server(d: Path, n: int) -> dict:
+    """The Nth (1-based) server of the cluster ``up`` recorded in cluster.json."""
+    servers = json.loads((d / "cluster.json").read_text()).get("nats_servers") or []
+    if not servers:
+        raise UpError(f"{d / 'cluster.json'} lists no NATS servers; it was written by an older 'llmgw up'")
+    if not 1 <= n <= len(servers):
+        raise UpError(f"no NATS server {n}: this cluster has {len(servers)} (1..{len(servers)})")
+    return servers[n - 1]
+
+
+def _nats_fault(d: Path, n: int, *, kill: bool) -> int:
+    """kill-nats: SIGKILL one server, as its machine dies. start-nats: start it again
+    on the same config and JetStream store, and wait until it is back in the cluster."""
+    srv = _nats_server(d, n)
+    pids_file = d / "pids.json"
+    procs = json.loads(pids_file.read_text()) if pids_file.exists() else {}
+    rec = procs.get(srv["process"])
+    running = rec is not None and _alive(rec["pid"], rec.get("start"))
+    if kill:
+        if not running:
+            print(f"NATS server {n} ({srv['name']}) is not running")
+            return 0
+        _signal(rec["pid"], signal.SIGKILL)
+        _wait_gone([rec], 5.0)
+        print(f"killed NATS server {n} ({srv['name']}, {srv['url']}) with SIGKILL; clients reconnect to the others")
+        return 0
+    if running:
+        raise UpError(f"NATS server {n} ({srv['name']}) is already running; kill it first with 'llmgw sim kill-nats {n}'")
+    logs = d / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / f"{srv['process']}.log", "ab") as log:
+        p = subprocess.Popen([sys.executable, "-m", "llmgw.services", "nats", "--config", srv["config"]], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=d)
+    procs[srv["process"]] = {"pid": p.pid, "start": _start_time(p.pid), "cmd": ["nats", srv["config"]]}
+    pids_file.write_text(json.dumps(procs, indent=2) + "\n")
+    probe = NatsServer(root=d, proc=p, log_file=logs / f"{srv['process']}.log")
+    probe.host, _, port = srv["monitor_url"].removeprefix("http://").rpartition(":")
+    probe.monitor_port = int(port)
+    probe.wait_ready(60, js_current=True)
+    print(f"started NATS server {n} ({srv['name']}, {srv['url']}) on its config and store; it caught up with the cluster")
+    return 0
+
+
 def sim(args) -> int:
     d = Path(args.dir).resolve()  # children run elsewhere (cwd=DIR): every path they get is absolute
+    if args.sim_cmd in ("kill-nats", "start-nats"):
+        return _nats_fault(d, args.server, kill=args.sim_cmd == "kill-nats")
     nodes = _cluster_nodes(d)
     if args.sim_cmd in ("stall-replica", "unstall-replica"):
         return _stall_replica(d, nodes, args.replica, stall=args.sim_cmd == "stall-replica")
@@ -533,8 +627,7 @@ def _hardware_fault(d: Path, node: dict, args) -> int:
             return 0
         xid = args.xid if args.xid is not None or args.ecc is not None else 79
         path = simcluster.set_gpu_fault(cfg, args.index, xid=xid, ecc=args.ecc)
-        what = f"XID {xid}" if xid is not None else ""
-        what += (", " if what else "") + (f"{args.ecc} uncorrectable ECC errors" if args.ecc is not None else "")
+        what = ", ".join(w for w in (f"XID {xid}" if xid is not None else "", f"{args.ecc} uncorrectable ECC errors" if args.ecc is not None else "") if w)
         print(f"{args.node} GPU {args.index}: {what} ({path}); its agent sees it within one discovery interval")
         print(f"undo with: llmgw sim gpu-ok {args.node} {args.index} --dir {d}")
         return 0

@@ -77,13 +77,18 @@ class NatsServer:
         self.port = self.port or free_port(self.host)
         self.monitor_port = self.monitor_port or free_port(self.host)
 
+    @property
+    def certs_dir(self) -> Path:
+        """Where issued identities go: beside the (shared) authority."""
+        return self.shared_pki.parent / "certs" if self.shared_pki else self.root / "certs"
+
     def issue(self, name: str, role: str) -> TlsFiles:
         """Issue a certificate (not yet accepted until render + reload)."""
-        issued = pki.issue(self.pki_dir, name, role, self.root / "certs" / role)
+        issued = pki.issue(self.pki_dir, name, role, self.certs_dir / role)
         return TlsFiles(ca=str(issued.ca_path), cert=str(issued.cert_path), key=str(issued.key_path))
 
     def tls_for(self, name: str, role: str) -> TlsFiles:
-        d = self.root / "certs" / role
+        d = self.certs_dir / role
         return TlsFiles(ca=str(self.pki_dir / pki.CA_CERT), cert=str(d / f"{name}.pem"), key=str(d / f"{name}-key.pem"))
 
     def render(self) -> None:
