@@ -182,8 +182,9 @@ def for_identity(role: str, name: str) -> Permissions:
         # never speaks as a node or commands one directly. Its JetStream rights
         # are an explicit read allow-list: what `nats kv ls/get/watch/history`,
         # `nats stream ls/info/view`, ctl and the console use — never
-        # STREAM.CREATE/UPDATE/DELETE/PURGE/RESTORE/SNAPSHOT, MSG.DELETE,
-        # durable consumers or the server/meta APIs.
+        # STREAM.CREATE/UPDATE/DELETE/PURGE/RESTORE/SNAPSHOT, MSG.DELETE, the
+        # legacy durable-consumer API or the server/meta APIs (a durable asked
+        # for through the named CONSUMER.CREATE form cannot be told apart by subject).
         return Permissions(
             publish=[
                 f"{S.API_SPACE}.>",
