@@ -102,7 +102,7 @@ class GatewayMetrics:
         self._refused = Counter(
             "llmgw_gateway_bounded",
             "Connections and requests cut off by a resource bound, by reason (connection_limit: 503; read_timeout: 408 or closed; "
-            "body_buffer_full: 503; response_too_large: 502; out_of_fds: 503 or an accept that failed)",
+            "body_buffer_full: 503; response_too_large: 502; out_of_fds: 503, or an accept that failed on asyncio's loop — uvloop's closes those unseen)",
             ["reason"],
             registry=r,
         )
