@@ -19,7 +19,7 @@ import pytest
 from llmgw.shared import bus, natsbin, pki, subjects as S
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.natsconf import Peer, cluster_options, parse_peer, render_cluster
-from llmgw.shared.natsserver import NatsCluster, NatsServer
+from llmgw.shared.natsserver import NatsCluster, NatsServer, free_port
 
 from .waiting import eventually
 
@@ -157,6 +157,35 @@ async def test_cluster_forms_over_mtls_routes_and_buckets_are_r3(cluster):
             assert len(info.cluster.replicas) == 2
     finally:
         await nc.close()
+
+
+async def test_a_node_certificate_cannot_join_as_a_route(cluster, tmp_path):
+    """Same authority, but not a pinned route certificate: the cluster refuses the route."""
+    node = cluster.issue("node01", "node")
+    cluster.start()
+    first = cluster.members[0]
+    rogue_host = "127.0.0.9"
+    conf = {
+        "server_name": "rogue",
+        "host": rogue_host,
+        "port": free_port(rogue_host),
+        "cluster": {
+            "name": "llmgw",
+            "host": rogue_host,
+            "port": free_port(rogue_host),
+            "tls": {"cert_file": node.cert, "key_file": node.key, "ca_file": node.ca, "verify": True, "timeout": 5},
+            "routes": [f"nats-route://{first.host}:{first.cluster_port}"],
+        },
+    }
+    (tmp_path / "rogue.conf").write_text(json.dumps(conf))
+    with open(tmp_path / "rogue.log", "wb") as log:
+        rogue = subprocess.Popen([natsbin.find(), "-c", str(tmp_path / "rogue.conf")], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        await eventually(lambda: "TLS route handshake error: certificate not pinned" in first.log_path.read_text(), what="nats1 refusing the node's route", timeout=15)
+        assert "rogue" not in {r.get("remote_name") for r in monitor(first, "/routez")["routes"]}
+    finally:
+        rogue.kill()
+        rogue.wait(5)
 
 
 async def test_a_client_keeps_working_when_its_server_is_killed(cluster):
