@@ -36,6 +36,8 @@ from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import ConfigError
 
 SIM_ENV = "LLMGW_SIM_NODE"
+# Which cluster (the resolved DIR of `llmgw up`) a simulated node's processes belong to.
+CLUSTER_ENV = "LLMGW_SIM_CLUSTER"
 HCAS_PER_NODE = ("mlx5_0", "mlx5_1")
 GPU_NAME = "NVIDIA H200"
 GPU_MEMORY_MIB = 143771
@@ -373,9 +375,14 @@ def write_node(root: Path, pki_dir: Path, server_url: str, spec: SimNodeSpec, ti
     return SimNode(spec=spec, dir=d)
 
 
-def processes_of(node_id: str) -> list[int]:
-    """Every live process carrying ``LLMGW_SIM_NODE=<node_id>`` (agent and engines)."""
-    marker = f"{SIM_ENV}={node_id}".encode()
+def processes_of(node_id: str, cluster: str | None = None) -> list[int]:
+    """Every live process carrying ``LLMGW_SIM_NODE=<node_id>`` (agent and engines) —
+    and, given ``cluster``, ``LLMGW_SIM_CLUSTER=<cluster>`` too: two clusters on one
+    machine both have a node01, and one's ``kill-node`` or ``down`` must not touch
+    the other's."""
+    markers = [f"{SIM_ENV}={node_id}".encode()]
+    if cluster is not None:
+        markers.append(f"{CLUSTER_ENV}={cluster}".encode())
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -385,20 +392,26 @@ def processes_of(node_id: str) -> list[int]:
                 env = f.read().split(b"\0")
         except OSError:
             continue
-        if marker in env:
+        if all(m in env for m in markers):
             pids.append(int(entry))
     return pids
 
 
-def kill_node(node_id: str) -> list[int]:
+def kill_node(node_id: str, cluster: str | None = None) -> list[int]:
     """SIGKILL the agent and every engine of a simulated node at once, as a machine dies."""
-    pids = [p for p in processes_of(node_id) if p != os.getpid()]
+    pids = [p for p in processes_of(node_id, cluster) if p != os.getpid()]
     for p in pids:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
     return pids
+
+
+def cluster_env(cluster_dir, node_id: str) -> dict[str, str]:
+    """The environment that marks a simulated node's agent (and, inherited, its
+    engines) as this cluster's node."""
+    return {SIM_ENV: node_id, CLUSTER_ENV: str(Path(cluster_dir).resolve())}
 
 
 # --------------------------------------------------------------------------

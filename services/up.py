@@ -35,7 +35,7 @@ from llmgw.shared.natsserver import NatsCluster, NatsServer, free_port
 from llmgw.shared.schemas import DeploymentSpec, Lease, NodeAddrRequest, NodeRecord, Replica, encode
 
 from . import simcluster
-from .simcluster import SIM_ENV, SimNode, Timings
+from .simcluster import SimNode, Timings
 
 SERVICES = ("registry", "health", "scheduler", "gateway")
 DEMO_MODEL = "sim-70b"
@@ -234,7 +234,7 @@ class Cluster:
         self.say("started " + ", ".join(SERVICES))
 
     def start_agent(self, node: SimNode) -> None:
-        self._spawn(f"agent-{node.spec.node_id}", self.llmgw("agent", "--config", str(node.config)), env={SIM_ENV: node.spec.node_id})
+        self._spawn(f"agent-{node.spec.node_id}", self.llmgw("agent", "--config", str(node.config)), env=simcluster.cluster_env(self.dir, node.spec.node_id))
 
     def check_alive(self) -> None:
         for name, p in self.procs.items():
@@ -369,7 +369,7 @@ def stop_recorded(d: Path, node_ids: list[str] | None = None, say=print) -> int:
         if group and group[0].startswith("agent-"):
             # Engines outlive agents by design; a simulated machine going away takes them too.
             for node in node_ids:
-                stopped += len(simcluster.kill_node(node))
+                stopped += len(simcluster.kill_node(node, str(d.resolve())))
     servers = [procs[n] for n in order if n.startswith("nats-server") and _alive(procs[n]["pid"], procs[n].get("start"))]
     for nats in servers:
         _signal(nats["pid"], signal.SIGTERM)
@@ -591,16 +591,16 @@ def sim(args) -> int:
     if args.sim_cmd in ("hca-down", "hca-up", "gpu-fault", "gpu-ok"):
         return _hardware_fault(d, nodes[args.node], args)
     if args.sim_cmd == "kill-node":
-        pids = simcluster.kill_node(args.node)
+        pids = simcluster.kill_node(args.node, str(d.resolve()))
         print(f"killed {args.node}: {len(pids)} processes (agent and engines) with SIGKILL" if pids else f"{args.node} had no running processes")
         return 0
     # start-node
-    if simcluster.processes_of(args.node):
+    if simcluster.processes_of(args.node, str(d.resolve())):
         raise UpError(f"{args.node} is already running; kill it first with 'llmgw sim kill-node {args.node}'")
     cfg = nodes[args.node]["agent_config"]
     logs = d / "logs"
     with open(logs / f"agent-{args.node}.log", "ab") as log:
-        p = subprocess.Popen([sys.executable, "-m", "llmgw.services", "agent", "--config", cfg], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, SIM_ENV: args.node}, cwd=d)
+        p = subprocess.Popen([sys.executable, "-m", "llmgw.services", "agent", "--config", cfg], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **simcluster.cluster_env(d, args.node)}, cwd=d)
     pids_file = d / "pids.json"
     if pids_file.exists():
         procs = json.loads(pids_file.read_text())

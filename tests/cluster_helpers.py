@@ -8,7 +8,9 @@ can kill every one of them, even engines in their own sessions.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -48,6 +50,8 @@ class Cluster:
         self.agents: dict[str, subprocess.Popen] = {}
         self.spawned: list[subprocess.Popen] = []
         self.nodes: dict[str, simcluster.SimNode] = {}
+        # 127.A.B.0/24 of our own, never 127.0.x (the layout's and `llmgw up`'s)
+        self.net = f"127.{random.randint(2, 254)}.{random.randint(0, 255)}"
 
     async def start_service(self, cls, role, name=None, **sections):
         svc = cls(service_config(self.server, role, name, **sections))
@@ -63,9 +67,20 @@ class Cluster:
         return scheds
 
     def add_nodes(self, specs: list[simcluster.SimNodeSpec]) -> None:
+        """Write the nodes' files, each node moved onto this cluster's own loopback
+        network (``self.net``): the layout's 127.0.1.N and ports from 20000 are
+        what every simulated cluster on the machine uses, and an engine of another
+        run (or one still stopping from a previous test) on the same address and
+        port would answer for ours, or hold the port ours needs."""
         for spec in specs:
+            if spec.mgmt_addr.startswith("127.0.1."):  # the layout's; a test that chose its own keeps it
+                spec = dataclasses.replace(spec, mgmt_addr=f"{self.net}.{spec.mgmt_addr.rsplit('.', 1)[1]}")
             self.nodes[spec.node_id] = simcluster.write_node(self.root, self.server.pki_dir, self.server.url, spec, TIMINGS)
         self.server.reload()
+
+    def addr(self, node_id: str) -> str:
+        """The management address a node of this cluster listens on."""
+        return self.nodes[node_id].spec.mgmt_addr
 
     def start_agent(self, node_id: str) -> subprocess.Popen:
         node = self.nodes[node_id]

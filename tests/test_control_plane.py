@@ -159,8 +159,8 @@ async def test_ctl_reads_and_changes_the_cluster(cluster, connector, tmp_path):
 
     nodes = json.loads((await asyncio.to_thread(ctl, cfg, "nodes", "-o", "json")).stdout)
     assert [(n["node_id"], n["fabrics"], n["gpus_total"], n["gpus_free"], n["state"], n["mgmt_addr"]) for n in nodes] == [
-        ("node01", ["ib-a"], 4, 2, "ready", "127.0.1.1"),
-        ("node02", ["ib-a"], 4, 2, "ready", "127.0.1.2"),
+        ("node01", ["ib-a"], 4, 2, "ready", cluster.addr("node01")),
+        ("node02", ["ib-a"], 4, 2, "ready", cluster.addr("node02")),
     ]
     reps = json.loads((await asyncio.to_thread(ctl, cfg, "replicas", "-o", "json")).stdout)
     assert [(r["id"], r["deployment"], r["generation"], r["fabric"], r["state"], r["endpoint"]) for r in reps] == [(rep.id, "demo", rep.generation, "ib-a", "ready", rep.endpoint)]

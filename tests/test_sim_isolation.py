@@ -1,0 +1,34 @@
+"""Two simulated clusters on one machine: one's `kill-node`/`down` touches only its own.
+
+Both clusters have a node01 (the layout names nodes the same everywhere), and
+before, `llmgw sim kill-node node01` and `llmgw down` killed every process on the
+machine carrying LLMGW_SIM_NODE=node01 — another cluster's agents and engines,
+or a test's. Real processes with the real markers, killed for real.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from llmgw.services import simcluster
+
+
+def spawn(env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, **env}, start_new_session=True)
+
+
+def test_kill_node_of_one_cluster_leaves_the_other_clusters_node_alone(tmp_path):
+    mine = spawn(simcluster.cluster_env(tmp_path / "a", "node01"))
+    theirs = spawn(simcluster.cluster_env(tmp_path / "b", "node01"))
+    try:
+        killed = simcluster.kill_node("node01", str((tmp_path / "a").resolve()))
+        assert killed == [mine.pid]
+        assert mine.wait(10) == -9
+        assert theirs.poll() is None, "the other cluster's node01 was killed"
+        assert simcluster.processes_of("node01", str((tmp_path / "b").resolve())) == [theirs.pid]
+    finally:
+        for p in (mine, theirs):
+            p.kill()
+            p.wait(10)
