@@ -7,8 +7,14 @@ this free of sockets and NATS lets its rules be read in one place:
 * only a *ready* replica (``ROUTABLE_REPLICA``) with an endpoint is
   routable — the endpoint is the leader's, since only a replica's leader
   listens; a ``degraded`` one takes no new request;
-* among those of the requested model, the one with the fewest requests in
-  flight through this gateway wins; ties rotate, so an idle pool still spreads;
+* among those of the requested model, with ``routing="least-outstanding"``
+  the one with the fewest requests in flight through this gateway wins; ties
+  rotate, so an idle pool still spreads. With ``routing="prefix"`` the owner
+  of the prompt's prefix wins (rendezvous hashing over the replica ids, the
+  same in every gateway) unless it holds more than its share of the requests
+  in flight (bounded loads); see prefix.py. A retry (``exclude``), or a body
+  with no prompt to go by, falls back to the least loaded. Each decision is
+  counted by reason in ``decisions`` (read by the metrics when scraped);
 * ``failures_before_cooldown`` failures in a row take a replica out of rotation
   for ``cooldown`` seconds; one success resets the count. Some failures are
   verdicts on their own (``eject``): a refused connection, an endpoint that
@@ -29,6 +35,12 @@ from dataclasses import dataclass, field
 
 from llmgw.shared.schemas import DeploymentSpec, Replica
 from llmgw.shared.states import ROUTABLE_REPLICA
+
+from . import prefix
+
+ROUTINGS = ("least-outstanding", "prefix")
+# Why a replica was chosen (llmgw_gateway_routing_decisions{reason}).
+DECISIONS = ("prefix", "load-bound-overflow", "least-outstanding", "retry")
 
 
 class UnknownModel(Exception):
@@ -70,6 +82,7 @@ class Backend:
 
     def __post_init__(self):
         self.head = b"x-llmgw-replica: %s\r\n" % self.id.encode("utf-8", "surrogateescape")
+        self.rid_hash = prefix.id_hash(self.id)  # its identity for rendezvous hashing
 
 
 def routable(rep: Replica | None) -> bool:
@@ -84,7 +97,18 @@ class Router:
         failures_before_cooldown: int,
         retry_after: float,
         clock: Callable[[], float] = time.monotonic,
+        routing: str = "least-outstanding",
+        load_bound: float = 1.15,
+        prefix_chars: int = prefix.MAX_CHARS,
     ):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {routing!r}")
+        if not load_bound >= 1.0:
+            raise ValueError(f"load_bound must be at least 1, not {load_bound!r}")
+        self.routing = routing
+        self.load_bound = load_bound
+        self.prefix_chars = prefix_chars
+        self.decisions = dict.fromkeys(DECISIONS, 0)
         self.cooldown = cooldown
         self.failures_before_cooldown = failures_before_cooldown
         self.retry_after = retry_after
@@ -158,8 +182,10 @@ class Router:
         return self._backends.get(replica_id)
 
     # -- routing ---------------------------------------------------------------
-    def pick(self, model: str, exclude: Backend | None = None) -> Backend:
-        """The least-loaded routable backend of ``model`` (not ``exclude``), now counted as busy."""
+    def pick(self, model: str, exclude: Backend | None = None, body: bytes = b"") -> Backend:
+        """A routable backend of ``model`` (not ``exclude``) for a request with ``body``,
+        now counted as busy: the prefix owner within its bounded load (``routing="prefix"``),
+        else the least loaded."""
         pool = self._by_model.get(model)
         if not pool:
             if not self.known(model):
@@ -172,6 +198,16 @@ class Router:
             if cooling:
                 raise NoReadyReplica(model, "every ready replica is cooling down after repeated failures", max(1.0, min(cooling) - now))
             raise NoReadyReplica(model, "no other replica is ready", self.retry_after)
+        if self.routing == "prefix" and exclude is None and body:
+            key = prefix.prefix_key(body, max_chars=self.prefix_chars)
+            if key is not None:
+                loads = [b.outstanding for b in candidates]
+                i, owner = prefix.choose(key, [b.rid_hash for b in candidates], loads, self.load_bound)
+                best = candidates[i]
+                self.decisions["prefix" if owner else "load-bound-overflow"] += 1
+                best.outstanding += 1
+                return best
+        self.decisions["retry" if exclude is not None else "least-outstanding"] += 1
         least = min(b.outstanding for b in candidates)
         ties = [b for b in candidates if b.outstanding == least]
         # Take turns among equals, so an idle pool alternates instead of

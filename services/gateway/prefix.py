@@ -1,0 +1,146 @@
+"""Cache-aware routing: which replica owns a prompt's prefix. Pure: no I/O, no clock.
+
+Engines keep the KV blocks of recent prompts (a prefix cache); a request whose
+prompt starts like one a replica served lately skips most of its prefill there.
+So the gateway sends a conversation where it went before, and it does so
+without any per-gateway memory of past requests, so that any number of
+gateways agree without talking:
+
+* the *anchor* of a request is the part of its prompt that stays the same for
+  the whole conversation: for ``/v1/chat/completions`` the messages rendered in
+  order (role, then content) up to and including the first ``user`` message
+  (the system prompt(s) and the opening question; later turns resend it all
+  and add to the end); for ``/v1/completions`` the prompt (the first one of a
+  list). Only the first ``max_chars`` characters count, so a 200 KB prompt
+  costs as much as a 16 KB one;
+* the anchor's UTF-8 is cut in ``chunk_chars``-byte chunks and hashed as a chain
+  (each chunk's BLAKE2b-64 digest covers the previous one, as llm-d's
+  approximate prefix scorer and vLLM's block hashes do), stable across
+  processes and machines. The last link is the request's *key*;
+* the replicas of the model are ranked by rendezvous (highest-random-weight)
+  hashing of the key with each replica's id — the ids every gateway mirrors
+  from the replicas bucket — so every gateway ranks them the same, and a
+  replica joining or leaving moves only the keys it wins or won (1/n of them);
+* bounded loads (Mirrokni, Thorup, Zadimoghaddam 2016): the request goes to the
+  first replica in that ranking whose requests in flight through this gateway
+  are under ``capacity = ceil(load_bound * (in flight + 1) / replicas)``; the
+  capacities add up to at least the load, so one always has room, and no
+  replica takes more than its share while others idle. Loads are local: two
+  gateways may disagree on them, and then on where an overflow goes, but never
+  on the owner of a key (docs/architecture.md).
+
+The owner (first in the ranking) taking the request is what the gateway
+counts as a prefix hit; the engines' own ``vllm:prefix_cache_hits`` say how
+well that guess did.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+CHUNK_CHARS = 256
+MAX_CHARS = 16384
+_MASK = (1 << 64) - 1
+
+
+class _Message(msgspec.Struct):
+    role: Any = None
+    content: msgspec.Raw = msgspec.Raw(b"null")  # kept as sent: never decoded, only hashed
+
+
+class _Body(msgspec.Struct):
+    """The fields the anchor is made of; everything else is skipped undecoded."""
+
+    messages: list[_Message] | None = None
+    prompt: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_decode = msgspec.json.Decoder(_Body).decode
+
+
+def anchor(body: bytes, max_chars: int = MAX_CHARS) -> bytes | None:
+    """The conversation-stable start of the request's prompt (at most ``max_chars`` bytes),
+    or None when the body has no prompt to go by (malformed ones included: the engine
+    judges them). Contents are taken as their JSON text, undecoded: a 200 KB string is
+    skipped over, not copied, and one client resends a turn the same way every time."""
+    try:
+        b = _decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    if b.messages:
+        parts: list[bytes] = []
+        size = 0
+        for m in b.messages:
+            role = m.role.encode("utf-8", "surrogatepass") if isinstance(m.role, str) else b""
+            content = memoryview(m.content)[: max(max_chars - size, 0)].tobytes()
+            parts += (role, b"\n", content, b"\n")
+            size += len(role) + len(content) + 2
+            if role == b"user" or size >= max_chars:
+                break
+        return b"".join(parts)[:max_chars]
+    raw = memoryview(b.prompt)[:max_chars].tobytes()
+    return None if raw in (b"null", b"", b'""', b"[]") else raw
+
+
+def chain(text: bytes, chunk_chars: int = CHUNK_CHARS) -> list[int]:
+    """The hash chain of ``text`` over ``chunk_chars``-byte chunks: link i is the
+    BLAKE2b-64 digest of chunks 0..i (a running hash, so each link covers the one
+    before it). For inspection and tests: routing needs only the last link."""
+    h = hashlib.blake2b(digest_size=8)
+    links: list[int] = []
+    for i in range(0, max(len(text), 1), chunk_chars):
+        h.update(text[i : i + chunk_chars])
+        links.append(int.from_bytes(h.copy().digest(), "big"))
+    return links
+
+
+def prefix_key(body: bytes, *, max_chars: int = MAX_CHARS) -> int | None:
+    """The routing key of a request body: the last link of its anchor's chain, or None.
+    One pass of BLAKE2b over at most ``max_chars`` bytes."""
+    text = anchor(body, max_chars)
+    if text is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
+
+
+def id_hash(replica_id: str) -> int:
+    """A replica's fixed 64-bit identity for rendezvous hashing (same in every gateway)."""
+    return int.from_bytes(hashlib.blake2b(replica_id.encode("utf-8", "surrogateescape"), digest_size=8).digest(), "big")
+
+
+def weight(key: int, rid_hash: int) -> int:
+    """Rendezvous weight of a replica for a key: a 64-bit mix (splitmix64's finaliser) of both."""
+    z = (key ^ rid_hash) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def rank(key: int, rid_hashes: Sequence[int]) -> list[int]:
+    """Indexes of ``rid_hashes`` from the key's owner down (highest weight first; ties by index)."""
+    return sorted(range(len(rid_hashes)), key=lambda i: (-weight(key, rid_hashes[i]), i))
+
+
+def capacity(total_in_flight: int, replicas: int, load_bound: float) -> int:
+    """The most requests in flight one replica may hold, counting the one being placed."""
+    return max(1, math.ceil(load_bound * (total_in_flight + 1) / replicas))
+
+
+def choose(key: int, rid_hashes: Sequence[int], loads: Sequence[int], load_bound: float, total: int | None = None) -> tuple[int, bool]:
+    """The index to route to and whether it is the key's owner.
+
+    ``loads``: requests in flight on each candidate; ``total``: in flight on the
+    model's replicas altogether (default: the candidates'), which sets the capacity."""
+    order = rank(key, rid_hashes)
+    cap = capacity(sum(loads) if total is None else total, len(rid_hashes), load_bound)
+    for pos, i in enumerate(order):
+        if loads[i] < cap:
+            return i, pos == 0
+    # Every candidate full (only when some replicas are excluded or cooling): the least loaded.
+    i = min(order, key=lambda j: loads[j])
+    return i, i == order[0]
