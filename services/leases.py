@@ -24,8 +24,11 @@ not that the sender is sane or alone:
   restarted agent never reuses one).
 * *Clones.* A legitimate restart changes the boot id once and never goes
   back. Two live agents with one identity make the boot id alternate (A, B, A,
-  B …). When, within ``CLONE_WINDOW`` heartbeat intervals, the boot id returns
-  to one already heard ``CLONE_RETURNS`` times, the lease is quarantined
+  B …). A heartbeat from a boot id the lease already left (heard within
+  ``CLONE_WINDOW`` heartbeat intervals) does not take the lease back: it is
+  refused and counted (``superseded_boot``) — one such heartbeat is the old
+  agent's last one arriving late. When that happens ``CLONE_RETURNS`` times
+  within the window, two agents are alive, and the lease is quarantined
   (``Lease.quarantine`` says why): it stays renewed by either agent's
   heartbeats (so nothing is torn down for a lost node) and keeps its boot id,
   until an operator releases it (``release``). The scheduler launches nothing
@@ -83,8 +86,10 @@ class LeaseBook:
     stored_renew: dict[str, float] = field(default_factory=dict)
     # No lease expires before this time (see ``load``).
     not_before: float = 0.0
-    # node -> boot ids in the order heard, with when (pruned to CLONE_WINDOW intervals)
-    boots: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    # node -> {boot id: last heard} for boot ids heard within CLONE_WINDOW intervals
+    boots: dict[str, dict[str, float]] = field(default_factory=dict)
+    # node -> when a superseded boot id came back (within the window)
+    returns: dict[str, list[float]] = field(default_factory=dict)
     # Leases changed without a transition (a new boot id): written at the next flush.
     dirty: set[str] = field(default_factory=set)
     # Called with (node, reason, detail) for every refused heartbeat, e.g. ("seq_jump", …).
@@ -106,26 +111,27 @@ class LeaseBook:
         if self.on_refuse is not None:
             self.on_refuse(node, reason, detail)
 
-    def _heard_boot(self, node: str, boot: str, at: float) -> int:
-        """Remember that ``boot`` now speaks for ``node``; return how many times,
-        within the window, a boot id came back after another one spoke."""
-        window = CLONE_WINDOW * self.timings.heartbeat_interval
-        seen = [(b, t) for b, t in self.boots.get(node, []) if t >= at - window]
-        if not seen or seen[-1][0] != boot:
-            seen.append((boot, at))
-        self.boots[node] = seen
-        returns, earlier = 0, set()
-        for b, _ in seen:
-            if b in earlier:
-                returns += 1
-            earlier.add(b)
-        return returns
+    def _boot_change(self, node: str, old: Lease, boot: str, at: float) -> str:
+        """A heartbeat from ``boot`` while the lease holds ``old.boot_id``: "new" (an
+        agent restart), "return" (a boot id the lease already left) or "clone"
+        (returns ``CLONE_RETURNS`` times within the window: two agents)."""
+        horizon = at - CLONE_WINDOW * self.timings.heartbeat_interval
+        heard = {b: t for b, t in self.boots.get(node, {}).items() if t >= horizon}
+        heard[old.boot_id] = max(heard.get(old.boot_id, 0.0), old.last_renew)
+        returns = [t for t in self.returns.get(node, []) if t >= horizon]
+        kind = "new"
+        if boot in heard:
+            returns.append(at)
+            kind = "clone" if len(returns) >= CLONE_RETURNS else "return"
+        heard[boot] = at
+        self.boots[node], self.returns[node] = heard, returns
+        return kind
 
     def heartbeat(self, hb: Heartbeat, at: float) -> Transition | None:
         node = hb.node_id
         old = self.leases.get(node)
         if old is None:
-            self.boots[node] = [(hb.boot_id, at)]
+            self.boots[node], self.returns[node] = {hb.boot_id: at}, []
             lease = Lease(node_id=node, state="ready", boot_id=hb.boot_id, last_seq=hb.seq, last_renew=at, since=at, boot_since=at, boot_heartbeats=1)
             self.leases[node] = lease
             return Transition(node, "", "ready", lease, f"first heartbeat (boot {hb.boot_id[:8]})")
@@ -140,7 +146,7 @@ class LeaseBook:
         if old.state == "lost":
             if hb.boot_id == old.boot_id:
                 return None  # sticky: see the module docstring
-            self._heard_boot(node, hb.boot_id, at)
+            self._boot_change(node, old, hb.boot_id, at)
             lease = Lease(node_id=node, state="ready", boot_id=hb.boot_id, last_seq=hb.seq, last_renew=at, since=at, boot_since=at, boot_heartbeats=1, quarantine=old.quarantine)
             self.leases[node] = lease
             return Transition(node, "lost", "ready", lease, f"agent restarted (boot {hb.boot_id[:8]})")
@@ -155,11 +161,12 @@ class LeaseBook:
         detail = ""
         if hb.boot_id != old.boot_id:
             detail = f"agent restarted (boot {hb.boot_id[:8]})"
-            if self._heard_boot(node, hb.boot_id, at) >= CLONE_RETURNS:
-                boots = []
-                for b, _ in self.boots[node]:
-                    if b not in boots:
-                        boots.append(b)
+            kind = self._boot_change(node, old, hb.boot_id, at)
+            if kind == "return":
+                self._refuse(node, "superseded_boot", f"heartbeat from boot {hb.boot_id[:8]}, which the lease already left for {old.boot_id[:8]}; ignored")
+                return None
+            if kind == "clone":
+                boots = sorted({old.boot_id, hb.boot_id})
                 why = (
                     f"{node}: two agents with one identity — boot ids {' and '.join(b[:8] for b in boots)} heartbeat in alternation; "
                     f"quarantined until an operator resolves it (llmgw ctl node release {node})"
@@ -192,7 +199,7 @@ class LeaseBook:
         old = self.leases.get(node)
         if old is None or not old.quarantine:
             return None
-        self.boots[node] = [(old.boot_id, at)]
+        self.boots[node], self.returns[node] = {old.boot_id: at}, []
         lease = msgspec.structs.replace(old, quarantine="", boot_since=at, boot_heartbeats=0)
         self.leases[node] = lease
         return Transition(node, "quarantined", "released", lease, f"quarantine lifted by an operator (boot {old.boot_id[:8]} holds the lease)")

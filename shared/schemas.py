@@ -81,9 +81,9 @@ class Gpu(Base, kw_only=True):
     # ECC errors"). foreign_* is memory held by processes llmgw did not start:
     # such a GPU is not offered to placement (it is not "unhealthy").
     healthy: bool = True
-    problem: str = ""
-    foreign_mib: int = 0
-    foreign_pids: list[int] = []
+    problem: Text = ""
+    foreign_mib: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+    foreign_pids: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=2**31)]], msgspec.Meta(max_length=1024)] = []
 
 
 class HcaPort(Base, kw_only=True):
