@@ -176,9 +176,10 @@ async def ensure_bucket(js: JetStreamContext, bucket: str, *, replicas: int = 1)
         pass
     try:
         return await js.create_key_value(
-            # direct: any replica answers a get from its own copy (as `nats kv add`
-            # does); on a cluster a read survives the loss of the stream's leader.
-            KeyValueConfig(bucket=bucket, history=_HISTORY.get(bucket, 1), replicas=replicas, storage=StorageType.FILE, direct=True)
+            # Not allow_direct: a direct get answers the raw stored value to any reply
+            # subject the requester names, so anyone with read rights could replay
+            # a record onto a node subject; gets go through the stream leader.
+            KeyValueConfig(bucket=bucket, history=_HISTORY.get(bucket, 1), replicas=replicas, storage=StorageType.FILE)
         )
     except Exception as e:
         # Another instance may have created it between our look and our create.
