@@ -537,7 +537,12 @@ def _nats_proc_name(server: str) -> str:
 
 def _nats_server(d: Path, n: int) -> dict:
     """The Nth (1-based) server of the cluster ``up`` recorded in cluster.json."""
-    servers = json.loads((d / "cluster.json").read_text()).get("nats_servers") or []
+    try:
+        servers = json.loads((d / "cluster.json").read_text()).get("nats_servers") or []
+    except FileNotFoundError:
+        raise UpError(f"no cluster in {d}; start one with 'llmgw up --dir {d} --nats-servers 3'") from None
+    except ValueError as e:
+        raise UpError(f"{d / 'cluster.json'} is not valid JSON ({e}); was it edited by hand?") from None
     if not servers:
         raise UpError(f"{d / 'cluster.json'} lists no NATS servers; it was written by an older 'llmgw up'")
     if not 1 <= n <= len(servers):

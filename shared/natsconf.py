@@ -60,6 +60,8 @@ def check_cluster_size(n: int) -> None:
     """A JetStream cluster needs a majority: 1 server, or an odd number from 3 on."""
     if n == 1 or (n >= 3 and n % 2 == 1):
         return
+    if n < 1:
+        raise ConfigError(f"{n} NATS servers: there must be at least 1 (use 1, or an odd number of 3 or more)")
     raise ConfigError(
         f"{n} NATS servers: use 1, or an odd number of 3 or more (JetStream needs a majority of them up; "
         f"{n} servers survive no more losses than {n - 1} do)"
