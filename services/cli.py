@@ -208,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-peer-loss", choices=("stall", "exit"), default="stall", help="stall like NCCL (default) or exit non-zero")
     p.add_argument("--ignore-sigterm", action="store_true", help="ignore SIGTERM, to test SIGKILL escalation")
     p.add_argument("--peer-timeout", help="a rank silent this long is lost (default 1.6s); a SIGSTOPped rank within it only stalls steps")
+    p.add_argument("--prefill-rate", type=float, default=0.0, help="uncached prompt tokens prefilled per second, one prompt at a time; 0 = free (default)")
+    p.add_argument("--kv-cache-tokens", type=int, default=0, help="prefix cache size in tokens (LRU of prompt blocks); 0 = none (default)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per prefix-cache block (default 16, as vLLM)")
+    p.add_argument("--max-model-len", type=int, default=8192, help="longest prompt + answer in tokens (default 8192)")
     p.set_defaults(func=_lazy("llmgw.services.engines.sim:main"))
 
     p = sub.add_parser("up", help="the whole system on one machine: NATS, services, simulated nodes, demo deployment")

@@ -9,9 +9,9 @@ ignored, as a real server would accept them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .tokens import CHAT_TOKENS_PER_MESSAGE, count_tokens, prompt_key
+from .tokens import chat_tokens, prompt_key, tokenize
 
 DEFAULT_MAX_TOKENS = 16
 MAX_MODEL_LEN = 8192
@@ -41,6 +41,13 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
 class Prompt:
     key: bytes
     tokens: int
+    # The prompt's tokens as the engine counts them (what its prefix cache hashes
+    # in blocks); ``tokens`` is their number, which usage.prompt_tokens reports.
+    ids: tuple = field(default=(), compare=False, repr=False)
+
+    @classmethod
+    def of(cls, key: bytes, ids: list) -> Prompt:
+        return cls(key, len(ids), tuple(ids))
 
 
 @dataclass(frozen=True)
@@ -90,7 +97,7 @@ def _bool_field(body: dict, name: str) -> bool:
     return value
 
 
-def _common(body: dict, served_model: str, prompts: list[Prompt], *, max_tokens_names: tuple[str, ...]) -> Generation:
+def _common(body: dict, served_model: str, prompts: list[Prompt], *, max_tokens_names: tuple[str, ...], max_model_len: int = MAX_MODEL_LEN) -> Generation:
     model = body.get("model", served_model)
     if model is None:
         model = served_model
@@ -102,14 +109,14 @@ def _common(body: dict, served_model: str, prompts: list[Prompt], *, max_tokens_
     max_tokens = None
     for name in max_tokens_names:  # the first one given wins
         if body.get(name) is not None:
-            max_tokens = _int_field(body, name, DEFAULT_MAX_TOKENS, 1, MAX_MODEL_LEN)
+            max_tokens = _int_field(body, name, DEFAULT_MAX_TOKENS, 1, max_model_len)
             break
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     prompt_tokens = max(p.tokens for p in prompts)
-    if prompt_tokens + max_tokens > MAX_MODEL_LEN:
+    if prompt_tokens + max_tokens > max_model_len:
         raise bad(
-            f"this model's maximum context length is {MAX_MODEL_LEN} tokens; the prompt has {prompt_tokens} "
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_tokens} "
             f"and {max_tokens} more were requested",
             max_tokens_names[0],
             code="context_length_exceeded",
@@ -131,7 +138,7 @@ def _common(body: dict, served_model: str, prompts: list[Prompt], *, max_tokens_
     if seed is not None and type(seed) is not int:
         raise bad("'seed' must be an integer", "seed")
     if seed is not None:
-        prompts = [Prompt(prompt_key(p.key, seed), p.tokens) for p in prompts]
+        prompts = [Prompt(prompt_key(p.key, seed), p.tokens, p.ids) for p in prompts]
     return Generation(model=model, prompts=prompts, max_tokens=max_tokens, n=n, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos)
 
 
@@ -161,23 +168,22 @@ def _message_text(i: int, msg: object) -> tuple[str, str]:
     raise bad(f"'{where}.content' must be a string or a list of content parts", f"{where}.content")
 
 
-def chat_request(body: dict, served_model: str) -> Generation:
+def chat_request(body: dict, served_model: str, max_model_len: int = MAX_MODEL_LEN) -> Generation:
     messages = body.get("messages")
     if messages is None:
         raise bad("'messages' is required", "messages", code="missing_field")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
     turns = [_message_text(i, m) for i, m in enumerate(messages)]
-    tokens = sum(count_tokens(text) + CHAT_TOKENS_PER_MESSAGE for _, text in turns)
-    prompt = Prompt(prompt_key("chat", turns), tokens)
-    return _common(body, served_model, [prompt], max_tokens_names=("max_completion_tokens", "max_tokens"))
+    prompt = Prompt.of(prompt_key("chat", turns), chat_tokens(turns))
+    return _common(body, served_model, [prompt], max_tokens_names=("max_completion_tokens", "max_tokens"), max_model_len=max_model_len)
 
 
-def completion_request(body: dict, served_model: str) -> Generation:
+def completion_request(body: dict, served_model: str, max_model_len: int = MAX_MODEL_LEN) -> Generation:
     raw = body.get("prompt")
     if raw is None:
         raise bad("'prompt' is required", "prompt", code="missing_field")
-    return _common(body, served_model, _prompts(raw), max_tokens_names=("max_tokens",))
+    return _common(body, served_model, _prompts(raw), max_tokens_names=("max_tokens",), max_model_len=max_model_len)
 
 
 def _prompts(raw: object) -> list[Prompt]:
@@ -187,12 +193,12 @@ def _prompts(raw: object) -> list[Prompt]:
         return isinstance(x, list) and bool(x) and all(type(t) is int and t >= 0 for t in x)
 
     if isinstance(raw, str):
-        return [Prompt(prompt_key("text", raw), count_tokens(raw))]
+        return [Prompt.of(prompt_key("text", raw), tokenize(raw))]
     if token_ids(raw):
-        return [Prompt(prompt_key("ids", raw), len(raw))]
+        return [Prompt.of(prompt_key("ids", raw), raw)]
     if isinstance(raw, list) and raw:
         if all(isinstance(p, str) for p in raw):
-            return [Prompt(prompt_key("text", p), count_tokens(p)) for p in raw]
+            return [Prompt.of(prompt_key("text", p), tokenize(p)) for p in raw]
         if all(token_ids(p) for p in raw):
-            return [Prompt(prompt_key("ids", p), len(p)) for p in raw]
+            return [Prompt.of(prompt_key("ids", p), p) for p in raw]
     raise bad("'prompt' must be a string, a non-empty list of strings, or token ids", "prompt")

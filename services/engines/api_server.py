@@ -13,7 +13,7 @@ import uuid
 
 from aiohttp import web
 
-from .api_requests import ApiError, Generation, chat_request, completion_request, parse_body
+from .api_requests import MAX_MODEL_LEN, ApiError, Generation, chat_request, completion_request, parse_body
 from .core import EngineCore
 from .metrics import CONTENT_TYPE, EngineMetrics
 from .tokens import Answer
@@ -21,8 +21,11 @@ from .tokens import Answer
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-def build_app(core: EngineCore, metrics: EngineMetrics, *, served_model: str, model: str, log: logging.Logger) -> web.Application:
+def build_app(
+    core: EngineCore, metrics: EngineMetrics, *, served_model: str, model: str, log: logging.Logger, max_model_len: int = MAX_MODEL_LEN
+) -> web.Application:
     api = _Api(core, metrics, served_model, model, log)
+    api.max_model_len = max_model_len
     app = web.Application(middlewares=[api.errors])
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics_text)
@@ -46,6 +49,7 @@ class _Api:
         self.core, self.metrics_ = core, metrics
         self.served_model, self.model, self.log = served_model, model, log
         self.created = int(time.time())
+        self.max_model_len = MAX_MODEL_LEN
 
     # -- errors --------------------------------------------------------------
 
@@ -82,11 +86,11 @@ class _Api:
     # -- generation ----------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        gen = chat_request(parse_body(await request.read()), self.served_model)
+        gen = chat_request(parse_body(await request.read()), self.served_model, self.max_model_len)
         return await self._generate(request, gen, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        gen = completion_request(parse_body(await request.read()), self.served_model)
+        gen = completion_request(parse_body(await request.read()), self.served_model, self.max_model_len)
         return await self._generate(request, gen, chat=False)
 
     async def _generate(self, request: web.Request, gen: Generation, *, chat: bool) -> web.StreamResponse:
@@ -97,7 +101,7 @@ class _Api:
             return await self._stream(request, gen, shape, answers, prompt_tokens)
 
         texts = [[] for _ in answers]
-        async with self.core.admit(prompt_tokens) as seq:
+        async with self.core.admit(prompt_tokens, [p.ids for p in gen.prompts]) as seq:
             async for batch in seq.decode(answers):
                 for j, token in batch:
                     texts[j].append(token)
@@ -111,7 +115,7 @@ class _Api:
         extra = {"usage": None} if gen.include_usage else {}
         try:
             await resp.prepare(request)
-            async with self.core.admit(prompt_tokens) as seq:
+            async with self.core.admit(prompt_tokens, [p.ids for p in gen.prompts]) as seq:
                 if shape.chat:
                     for j in range(len(answers)):
                         await resp.write(_sse(shape.chunk([shape.delta(j, {"role": "assistant", "content": ""})], extra)))

@@ -13,6 +13,20 @@ lost peer (see rendezvous.py); then the group is broken for good.
 A single-node engine has no collective to wait on: each request paces its own
 steps, which costs nothing the gateway benchmark would notice.
 
+Prefill and the prefix cache (both off unless asked for, so nothing changes
+for those who do not): with ``cache_tokens`` > 0 the engine keeps an LRU of
+prompt blocks (``block_size`` tokens each, as vLLM's paged KV cache does),
+each block named by a hash chained over the blocks before it, so a block is
+found only after the same prompt start. A request's prompt tokens are looked
+up when it is scheduled; the longest run of cached leading blocks is a hit
+(never the whole prompt: as in vLLM, the last token is always computed), and
+``vllm:prefix_cache_queries``/``_hits`` count the tokens. With
+``prefill_rate`` > 0 the uncached tokens then cost ``uncached/prefill_rate``
+seconds, one prefill at a time per engine (prefill is compute-bound: a GPU
+does not prefill two long prompts faster than one after the other), so a
+busy replica's time to first token grows with the uncached prompt tokens
+queued before it.
+
 Stalls, all of which leave ``/health`` answering 200:
 
 * a lost rank (``break_group``): every step hangs from then on;
@@ -27,7 +41,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence as Seq
 
 from .metrics import EngineMetrics
 from .tokens import Answer
@@ -38,9 +53,67 @@ MIN_DELAY = 1e-4
 Collective = Callable[[], Awaitable[None]]
 
 
+class PrefixCache:
+    """An LRU of prompt blocks: ``capacity`` tokens in blocks of ``block_size``.
+
+    A block's name is Python's hash of (the previous block's name, its tokens):
+    stable within the engine's process, which is all a per-replica cache needs."""
+
+    def __init__(self, capacity_tokens: int, block_size: int):
+        self.block_size = block_size
+        self.capacity = max(capacity_tokens // block_size, 0)
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def names(self, ids: Seq) -> list[int]:
+        """The chained names of the full blocks of ``ids``."""
+        bs, out, prev = self.block_size, [], 0
+        for i in range(0, len(ids) - bs + 1, bs):
+            prev = hash((prev, tuple(ids[i : i + bs])))
+            out.append(prev)
+        return out
+
+    def hit(self, names: list[int], tokens: int) -> int:
+        """Cached tokens at the start of a prompt of ``tokens`` tokens named ``names`` (touched as used)."""
+        usable = max(tokens - 1, 0) // self.block_size  # the last token is always computed
+        n = 0
+        for name in names[:usable]:
+            if name not in self.blocks:
+                break
+            self.blocks.move_to_end(name)
+            n += 1
+        return n * self.block_size
+
+    def insert(self, names: list[int]) -> None:
+        blocks = self.blocks
+        for name in names:
+            if name in blocks:
+                blocks.move_to_end(name)
+            else:
+                blocks[name] = None
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
+
+    @property
+    def usage(self) -> float:
+        return len(self.blocks) / self.capacity if self.capacity else 0.0
+
+
 class EngineCore:
-    def __init__(self, metrics: EngineMetrics, token_rate: float, max_num_seqs: int, collective: Collective | None = None):
+    def __init__(
+        self,
+        metrics: EngineMetrics,
+        token_rate: float,
+        max_num_seqs: int,
+        collective: Collective | None = None,
+        *,
+        prefill_rate: float = 0.0,
+        cache_tokens: int = 0,
+        block_size: int = 16,
+    ):
         self.metrics = metrics
+        self.prefill_rate = prefill_rate
+        self.cache = PrefixCache(cache_tokens, block_size) if cache_tokens > 0 else None
+        self._prefill = asyncio.Lock()
         delay = 1.0 / token_rate if token_rate > 0 else 0.0
         self.step_delay = delay if delay >= MIN_DELAY else 0.0
         self._slots = asyncio.Semaphore(max_num_seqs)
@@ -117,9 +190,38 @@ class EngineCore:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._stepper
 
+    async def prefill(self, prompts: Seq[Seq]) -> None:
+        """Look the prompts up in the prefix cache and spend the prefill of what was not in it."""
+        cache = self.cache
+        if cache is None and not self.prefill_rate:
+            return
+        async with contextlib.AsyncExitStack() as held:
+            if self.prefill_rate:
+                await held.enter_async_context(self._prefill)  # scheduled now: looked up now
+            total = hits = 0
+            named = []
+            for ids in prompts:
+                total += len(ids)
+                if cache is not None:
+                    names = cache.names(ids)
+                    hits += cache.hit(names, len(ids))
+                    named.append(names)
+            if cache is not None:
+                m = self.metrics
+                m.prefix_queries.inc(total)
+                m.prefix_hits.inc(hits)
+            if self.prefill_rate and total > hits:
+                await asyncio.sleep((total - hits) / self.prefill_rate)
+                await self._gate()  # prefill is collective work too
+            if cache is not None:
+                for names in named:
+                    cache.insert(names)
+                self.metrics.kv_usage.set(cache.usage)
+
     @contextlib.asynccontextmanager
-    async def admit(self, prompt_tokens: int) -> AsyncIterator[Sequence]:
-        """A running batch slot for one request; waits while the batch is full."""
+    async def admit(self, prompt_tokens: int, prompts: Seq[Seq] = ()) -> AsyncIterator[Sequence]:
+        """A running batch slot for one request (prefilled: ``prompts`` are its prompts'
+        tokens); waits while the batch is full."""
         m = self.metrics
         seq = Sequence(self, prompt_tokens)
         m.waiting.inc()
@@ -129,6 +231,7 @@ class EngineCore:
             m.waiting.dec()
         m.running.inc()
         try:
+            await self.prefill(prompts)
             yield seq
         finally:
             m.running.dec()

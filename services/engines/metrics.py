@@ -27,6 +27,10 @@ class EngineMetrics:
         self.e2e = child(Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", label, buckets=E2E_BUCKETS, registry=r))
         self.prompt_tokens = child(Counter("vllm:prompt_tokens", "Prefill tokens processed.", label, registry=r))
         self.generation_tokens = child(Counter("vllm:generation_tokens", "Generation tokens processed.", label, registry=r))
+        # Prefix caching, as vLLM (v1) counts it: tokens of prompts looked up, and of those found cached.
+        self.prefix_queries = child(Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", label, registry=r))
+        self.prefix_hits = child(Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", label, registry=r))
+        self.kv_usage = child(Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", label, registry=r))
         self._success = Counter("vllm:request_success", "Finished requests.", label + ["finished_reason"], registry=r)
         self.model_name = model_name
 

@@ -17,6 +17,10 @@ It behaves, as seen from outside, like vLLM/SGLang across nodes, without GPUs:
 * SIGUSR1 makes a rank stall silently (the leader stops producing tokens, a
   worker stops acking steps) while ``/health`` still answers 200 - a hung
   collective as seen from outside; SIGUSR2 ends the stall;
+* a prefix cache and prefill cost, off by default (``--kv-cache-tokens``,
+  ``--block-size``, ``--prefill-rate``; see core.py), so cache-aware routing
+  is measurable: a prompt whose start the replica has cached reaches its first
+  token sooner, and ``/metrics`` counts the hits under vLLM's names;
 * SIGTERM/SIGINT stop it cleanly with 0; ``--ignore-sigterm`` makes it ignore
   SIGTERM so the agent's SIGKILL escalation can be tested.
 """
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 from llmgw.shared.durations import format_duration, parse_duration
 from llmgw.shared.errors import ConfigError
 
+from .api_requests import MAX_MODEL_LEN
 from .binding import explain_bind_error, reserve
 from .rendezvous import PEER_TIMEOUT, Leader, join
 
@@ -61,6 +66,10 @@ class SimConfig:
     ignore_sigterm: bool
     max_num_seqs: int
     peer_timeout: float = PEER_TIMEOUT
+    prefill_rate: float = 0.0  # uncached prompt tokens per second; 0: prefill costs nothing
+    kv_cache_tokens: int = 0  # prefix cache size in tokens; 0: no prefix cache
+    block_size: int = 16
+    max_model_len: int = MAX_MODEL_LEN
 
     @property
     def is_leader(self) -> bool:
@@ -92,6 +101,24 @@ class SimConfig:
             raise ConfigError(f"--token-rate must be a number of tokens per second >= 0, got {a.token_rate}")
         if a.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {a.max_num_seqs}")
+        def opt(name, default):  # absent (an older caller's Namespace) or None: the default
+            value = getattr(a, name, None)
+            return default if value is None else value
+
+        prefill_rate = opt("prefill_rate", 0.0)
+        if not math.isfinite(prefill_rate) or prefill_rate < 0:
+            raise ConfigError(f"--prefill-rate must be a number of prompt tokens per second >= 0 (0: no prefill cost), got {prefill_rate}")
+        kv_cache_tokens = opt("kv_cache_tokens", 0)
+        if kv_cache_tokens < 0:
+            raise ConfigError(f"--kv-cache-tokens must be >= 0 (0: no prefix cache), got {kv_cache_tokens}")
+        block_size = opt("block_size", 16)
+        if not 1 <= block_size <= 1024:
+            raise ConfigError(f"--block-size must be between 1 and 1024 tokens, got {block_size}")
+        if kv_cache_tokens and kv_cache_tokens < block_size:
+            raise ConfigError(f"--kv-cache-tokens ({kv_cache_tokens}) must hold at least one block of --block-size {block_size} tokens")
+        max_model_len = opt("max_model_len", MAX_MODEL_LEN)
+        if max_model_len < 16:
+            raise ConfigError(f"--max-model-len must be at least 16 tokens, got {max_model_len}")
         peer_timeout = parse_duration(a.peer_timeout, "--peer-timeout") if getattr(a, "peer_timeout", None) else PEER_TIMEOUT
         if peer_timeout < 0.2:
             raise ConfigError(f"--peer-timeout must be at least 200ms, got {a.peer_timeout}")
@@ -110,6 +137,10 @@ class SimConfig:
             ignore_sigterm=a.ignore_sigterm,
             max_num_seqs=a.max_num_seqs,
             peer_timeout=peer_timeout,
+            prefill_rate=prefill_rate,
+            kv_cache_tokens=kv_cache_tokens,
+            block_size=block_size,
+            max_model_len=max_model_len,
         )
 
 
@@ -207,7 +238,10 @@ class LeaderRole:
             cfg.leader_addr, cfg.rendezvous_port, cfg.nnodes, cfg.model, self._peer_lost, self.log, peer_timeout=cfg.peer_timeout
         )
         collective = self.rendezvous.collective if cfg.nnodes > 1 else None
-        self.core = EngineCore(metrics, cfg.token_rate, cfg.max_num_seqs, collective=collective)
+        self.core = EngineCore(
+            metrics, cfg.token_rate, cfg.max_num_seqs, collective=collective,
+            prefill_rate=cfg.prefill_rate, cache_tokens=cfg.kv_cache_tokens, block_size=cfg.block_size,
+        )  # fmt: skip
         if self._stall_pending:
             self.core.stall(self._stall_pending)
         await self.rendezvous.start()
@@ -220,7 +254,7 @@ class LeaderRole:
             self.log.error("loading stalls: %s", self.core.broken_because)
             await _forever()
 
-        app = build_app(self.core, metrics, served_model=cfg.served_model, model=cfg.model, log=self.log)
+        app = build_app(self.core, metrics, served_model=cfg.served_model, model=cfg.model, log=self.log, max_model_len=cfg.max_model_len)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.SockSite(self.runner, self.http_sock, shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT)

@@ -25,9 +25,25 @@ _WORD = re.compile(r"\w+|[^\w\s]")
 CHAT_TOKENS_PER_MESSAGE = 3
 
 
+def tokenize(text: str) -> list[str]:
+    """A rough tokenizer: words and punctuation marks, one token each."""
+    return _WORD.findall(text)
+
+
 def count_tokens(text: str) -> int:
-    """A rough tokenizer: words and punctuation marks."""
     return len(_WORD.findall(text))
+
+
+def chat_tokens(turns: list[tuple[str, str]]) -> list[str]:
+    """A chat prompt as the engine tokenizes it: per message, its template's
+    ``CHAT_TOKENS_PER_MESSAGE`` special tokens around the content's tokens."""
+    out: list[str] = []
+    for role, text in turns:
+        out.append(f"<|{role}|>")
+        out.append("<|content|>")
+        out += _WORD.findall(text)
+        out.append("<|end|>")
+    return out
 
 
 def prompt_key(*parts: object) -> bytes:
