@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import yaml
 from nats.js.api import DeliverPolicy
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError
 
 from llmgw.shared import bus, subjects as S
 from llmgw.shared.config import default_operator_config, load_service_config, read_yaml
@@ -45,6 +45,16 @@ class ApiFailed(LlmgwError):
     code = "api"
 
 
+class NotProvisioned(LlmgwError):
+    """A bucket or the event stream does not exist yet: the service that creates it has not started."""
+
+    code = "not_provisioned"
+
+
+# Who creates each bucket (and the event stream) on its first start: named when one is missing.
+_CREATOR = {S.BUCKET_NODES: "registry", S.BUCKET_LEASES: "health monitor", S.BUCKET_DEPLOYMENTS: "scheduler", S.BUCKET_REPLICAS: "scheduler"}
+
+
 class Session:
     def __init__(self, args):
         path = getattr(args, "config", None) or default_operator_config()
@@ -69,10 +79,14 @@ class Session:
         except Exception:
             pass
 
-    async def read_bucket(self, bucket: str, schema) -> dict:
+    async def read_bucket(self, bucket: str, schema, *, missing: str = "") -> dict:
+        """The bucket's records; a bucket not created yet reads as empty, unless it is
+        the verb's own (``missing`` names what it lists): then one line says so."""
         try:
             kv = await self.js.key_value(bucket)
         except BucketNotFoundError:
+            if missing:
+                raise NotProvisioned(f"no {missing} yet: the bucket {bucket} does not exist (has the {_CREATOR.get(bucket, 'control plane')} started?)") from None
             return {}  # not created yet: nothing there
         keys: list[str] = []
         for attempt in range(4):
@@ -113,7 +127,13 @@ class Session:
 
 
 def _run(coro):
-    return asyncio.run(coro)
+    import nats.errors
+    import nats.js.errors
+
+    try:
+        return asyncio.run(coro)
+    except (nats.errors.Error, nats.js.errors.Error) as e:  # in one line, never a traceback
+        raise BusError(f"the NATS server answered {type(e).__name__}: {e}") from None
 
 
 def _table(rows: list[tuple], out=sys.stdout) -> None:
@@ -217,7 +237,7 @@ def nodes(args) -> int:
     async def go():
         async with Session(args) as s:
             return node_rows(
-                await s.read_bucket(S.BUCKET_NODES, NodeRecord),
+                await s.read_bucket(S.BUCKET_NODES, NodeRecord, missing="nodes"),
                 await s.read_bucket(S.BUCKET_LEASES, Lease),
                 await s.read_bucket(S.BUCKET_REPLICAS, Replica),
             )
@@ -259,7 +279,7 @@ def admin_text(row: dict) -> str:
 def replicas(args) -> int:
     async def go():
         async with Session(args) as s:
-            return replica_rows(await s.read_bucket(S.BUCKET_REPLICAS, Replica))
+            return replica_rows(await s.read_bucket(S.BUCKET_REPLICAS, Replica, missing="replicas"))
 
     rows = _run(go())
     if getattr(args, "deployment", None):
@@ -284,7 +304,7 @@ def replicas(args) -> int:
 def deployments(args) -> int:
     async def go():
         async with Session(args) as s:
-            return await s.read_bucket(S.BUCKET_DEPLOYMENTS, DeploymentSpec), await s.read_bucket(S.BUCKET_REPLICAS, Replica)
+            return await s.read_bucket(S.BUCKET_DEPLOYMENTS, DeploymentSpec, missing="deployments"), await s.read_bucket(S.BUCKET_REPLICAS, Replica)
 
     deps, reps = _run(go())
     if args.output == "json":
@@ -484,7 +504,10 @@ def format_event(ev: Event) -> str:
 def events(args) -> int:
     async def go():
         async with Session(args) as s:
-            sub = await s.js.subscribe(S.ALL_EVENTS, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+            try:
+                sub = await s.js.subscribe(S.ALL_EVENTS, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+            except NotFoundError:  # no stream captures the event subjects yet
+                raise NotProvisioned(f"no events yet: the event stream {S.EVENT_STREAM} does not exist (has the scheduler started?)") from None
             idle = None if args.follow else 0.5
             while True:
                 try:

@@ -1,0 +1,67 @@
+"""``llmgw ctl`` against a real nats-server with nothing provisioned (issue #19).
+
+Every verb says in one line what is missing and exits non-zero; none prints a
+traceback. The server is real, the operator certificate is real, and ctl runs
+as its own process, as an operator runs it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from llmgw.shared.config import write_config
+
+
+@pytest.fixture
+def operator_cfg(nats_server, tmp_path):
+    tls = nats_server.issue("admin", "operator")
+    nats_server.reload()
+    cfg = tmp_path / "operator.yaml"
+    write_config(cfg, {"server": nats_server.url, "tls": {"ca": tls.ca, "cert": tls.cert, "key": tls.key}})
+    return cfg
+
+
+def ctl(cfg, *args):
+    return subprocess.run([sys.executable, "-m", "llmgw.services", "ctl", *args, "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+
+
+def one_line_error(r) -> str:
+    """The single error line of a failed ctl run (asserting there is no traceback)."""
+    assert r.returncode != 0, f"exit 0; stdout={r.stdout!r}"
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (("events",), "no events yet: the event stream LLMGW_EVENTS does not exist (has the scheduler started?)"),
+        (("events", "-o", "json"), "no events yet: the event stream LLMGW_EVENTS does not exist (has the scheduler started?)"),
+        (("nodes",), "no nodes yet: the bucket llmgw_nodes does not exist (has the registry started?)"),
+        (("nodes", "-o", "json"), "no nodes yet: the bucket llmgw_nodes does not exist (has the registry started?)"),
+        (("replicas",), "no replicas yet: the bucket llmgw_replicas does not exist (has the scheduler started?)"),
+        (("deployments",), "no deployments yet: the bucket llmgw_deployments does not exist (has the scheduler started?)"),
+        (("explain", "demo"), "the scheduler did not answer explain"),
+        (("deploy", "delete", "demo"), "the scheduler did not answer delete"),
+        (("cordon", "node01"), "the registry did not answer cordon"),
+        (("drain", "node01"), "the registry did not answer drain"),
+        (("uncordon", "node01"), "the registry did not answer uncordon"),
+        (("node", "set-addr", "node01", "10.0.0.1"), "the registry did not answer set-addr"),
+        (("node", "release", "node01"), "the health did not answer release"),
+    ],
+)
+def test_each_verb_on_an_empty_cluster_says_what_is_missing(operator_cfg, args, says):
+    line = one_line_error(ctl(operator_cfg, *args))
+    assert says in line, line
+
+
+def test_deploy_apply_on_an_empty_cluster_says_the_scheduler_is_missing(operator_cfg, tmp_path):
+    f = tmp_path / "demo.yaml"
+    f.write_text("name: demo\nmodel: sim-7b\nengine: sim\nreplicas: 1\nnodes_per_replica: 1\ngpus_per_node: 1\n")
+    line = one_line_error(ctl(operator_cfg, "deploy", "apply", "-f", str(f)))
+    assert "the scheduler did not answer apply" in line, line
