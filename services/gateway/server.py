@@ -29,11 +29,12 @@ from llmgw.shared.config import GatewaySection
 from .auth import ApiKeys
 from .httpserver import HttpServer, Request, Response, Stream
 from .metrics import UNKNOWN_MODEL, GatewayMetrics
+from .promsd import engine_targets
 from .proxy import Forwarder
 from .router import NoReadyReplica, Router, UnknownModel
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
-_KNOWN_PATHS = {"/v1/models": "GET", "/healthz": "GET", "/metrics": "GET", **{p: "POST" for p in GENERATION_PATHS}}
+_KNOWN_PATHS = {"/v1/models": "GET", "/healthz": "GET", "/metrics": "GET", "/sd/engines": "GET", **{p: "POST" for p in GENERATION_PATHS}}
 _NEED_KEY = "a valid API key is required: send 'Authorization: Bearer KEY'"
 
 
@@ -93,6 +94,7 @@ class GatewayApp:
         self.bounds = bounds or GatewaySection(max_body_bytes=max_body_bytes, max_buffered_body_bytes=max(max_body_bytes, 256 * 1024 * 1024))
         self.max_json_depth = self.bounds.max_json_depth
         self.first_seen: dict[str, int] = {}  # model -> when this gateway first saw it ready ("created")
+        self.replicas = None  # the replica records' KvMirror (the service sets it): GET /sd/engines
 
     def server(self) -> HttpServer:
         b = self.bounds
@@ -124,6 +126,8 @@ class GatewayApp:
                 return self.healthz()
             if path == "/metrics":
                 return self.metrics_text()
+            if path == "/sd/engines":
+                return self.engine_targets(request)
             raw = request.raw_path
             if raw.startswith("/v1/models/") and len(raw) > 11:
                 # The name is one path segment as sent; %2F inside it is part of the name (org/name).
@@ -199,6 +203,15 @@ class GatewayApp:
 
     def metrics_text(self) -> Response:
         return Response(200, self.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def engine_targets(self, request: Request) -> Response:
+        """Prometheus http_sd: every ready leader's metrics endpoint (promsd.py). The
+        same API keys as the rest: it names every engine's address."""
+        if not self._authorized(request):
+            return errors.unauthorized(_NEED_KEY)
+        if self.replicas is None:
+            return errors.error_response(503, "the replica records are not loaded yet", code="not_ready", headers={"Retry-After": "1"})
+        return Response.json(engine_targets(list(self.replicas.items.values())))
 
     def fallback(self, request: Request) -> Response:
         allowed = _KNOWN_PATHS.get(request.path)

@@ -212,6 +212,7 @@ class Gateway(ServiceRuntime):
             keys=self.keys,
             bounds=g,
         )
+        self.app.replicas = self.replicas  # GET /sd/engines lists the ready leaders from these records
         raise_fd_limit(g.max_connections, self.log)
         # A client that disconnects cancels its handler, which closes the
         # upstream connection, which stops the engine's work (httpserver.py).
