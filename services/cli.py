@@ -227,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-timeout", help="the scheduler fails a replica degraded this long (default 30s)")
     p.add_argument("--engine-peer-timeout", help="the demo's sim ranks call a silent peer lost after this (sim default 1.6s)")
     p.add_argument("--gateway-port", type=int, default=8080, help="preferred gateway port (a free one is used if taken)")
+    p.add_argument("--routing", choices=("prefix", "least-outstanding"), help="the gateway's routing: prefix-cache aware (default) or least outstanding requests")
     p.add_argument("--no-demo", action="store_true", help="do not apply the seed's demo deployment")
     p.add_argument("--detach", action="store_true", help="return once ready; stop later with 'llmgw down'")
     p.add_argument("--discovery-interval", help="agents re-read GPUs and HCA ports this often (agent default 10s)")

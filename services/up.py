@@ -180,7 +180,7 @@ class Cluster:
                 "scheduler",
                 {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "scheduler": {"reconcile_interval": format_duration(min(1.0, hb)), "leader_ttl": format_duration(max(1.0, hb * 2)), **({"hang_timeout": format_duration(hang_timeout)} if hang_timeout else {})}},
             ),
-            "gateway": self._service_config("gateway", {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "gateway": {"listen": f"127.0.0.1:{gw_port}", **({"stall_after": format_duration(stall_after)} if stall_after else {})}}),
+            "gateway": self._service_config("gateway", {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "gateway": {"listen": f"127.0.0.1:{gw_port}", **({"stall_after": format_duration(stall_after)} if stall_after else {}), **({"routing": args.routing} if getattr(args, "routing", None) else {})}}),
         }
         self.operator_config = self._service_config("operator", {})
         os.replace(self.operator_config, self.dir / "operator.yaml")

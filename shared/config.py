@@ -308,8 +308,22 @@ class GatewaySection:
     max_response_bytes: int = 64 * 1024 * 1024
     # JSON bodies nested deeper than this are refused (400).
     max_json_depth: int = 64
+    # Which replica gets a request (docs/architecture.md, "Routing"): "prefix" sends a
+    # conversation where its prompt prefix is cached (rendezvous hashing, the same in
+    # every gateway) within a bounded load; "least-outstanding": the least busy.
+    routing: str = "prefix"
+    # Bounded loads: no replica holds more than ceil(routing_load_bound x mean) in flight.
+    routing_load_bound: float = 1.15
+    # How much of a prompt's start (bytes) names its conversation.
+    routing_prefix_chars: int = 16384
 
     def __post_init__(self):
+        if self.routing not in ("prefix", "least-outstanding"):
+            raise ConfigError(f"gateway.routing: {self.routing!r} is not one of prefix, least-outstanding")
+        if not (isinstance(self.routing_load_bound, (int, float)) and 1.0 <= self.routing_load_bound <= 100):
+            raise ConfigError(f"gateway.routing_load_bound: must be a number from 1 (strict balance) up, e.g. 1.25; got {self.routing_load_bound!r}")
+        if not 64 <= self.routing_prefix_chars <= 1024 * 1024:
+            raise ConfigError(f"gateway.routing_prefix_chars: must be between 64 and 1048576, got {self.routing_prefix_chars}")
         for name in ("max_connections", "max_buffered_body_bytes", "max_response_bytes", "max_json_depth"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"gateway.{name}: must be at least 1")

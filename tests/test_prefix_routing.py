@@ -13,6 +13,12 @@ from llmgw.services.gateway.router import NoReadyReplica, Router
 from tests.gateway_helpers import replica
 
 SYSTEM = "You are a careful assistant for the fabric team. " * 40
+PAD = " Please explain each step, and what could go wrong." * 6  # a chunk's worth (>256 bytes)
+LONG = "x" * 300
+
+
+def q(text: str) -> str:
+    return text + PAD
 
 
 def chat(*turns: tuple[str, str], model: str = "m") -> bytes:
@@ -49,9 +55,10 @@ def test_a_conversation_keeps_its_key_through_every_turn_and_users_differ():
 @pytest.mark.parametrize(
     "body, has_key",
     [
-        (b'{"model": "m", "prompt": "once upon a time"}', True),
-        (b'{"model": "m", "prompt": ["a", "b"]}', True),
-        (b'{"model": "m", "prompt": [1, 2, 3]}', True),
+        (b'{"model": "m", "prompt": "%s"}' % LONG.encode(), True),
+        (b'{"model": "m", "prompt": ["%s", "b"]}' % LONG.encode(), True),
+        (b'{"model": "m", "prompt": [%s]}' % b", ".join([b"123"] * 100), True),
+        (b'{"model": "m", "prompt": "once upon a time"}', False),  # shorter than a chunk: load decides
         (b'{"model": "m", "prompt": ""}', False),
         (b'{"model": "m"}', False),
         (b'{"model": "m", "messages": "hello"}', False),
@@ -59,11 +66,22 @@ def test_a_conversation_keeps_its_key_through_every_turn_and_users_differ():
         (b'{"model": "m", "messages": []}', False),
         (b"not json", False),
         (b"[]", False),
-        (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}', True),
+        (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}' % LONG.encode(), True),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}', False),
     ],
 )
 def test_prefix_key_of_each_body_shape(body, has_key):
     assert (prefix.prefix_key(body) is not None) == has_key
+
+
+def test_a_short_opening_is_anchored_on_its_first_chunk_once_the_conversation_is_a_chunk_long():
+    history = [("user", "hi")]
+    assert prefix.prefix_key(chat(*history)) is None  # turn 1: too short to be worth caching
+    keys = set()
+    for t in range(4):
+        history += [("assistant", f"hello, this is answer {t}. " * 12), ("user", f"and then {t}?")]
+        keys.add(prefix.prefix_key(chat(*history)))
+    assert len(keys) == 1 and None not in keys
 
 
 def test_only_the_first_max_chars_count():
@@ -106,7 +124,7 @@ def test_owners_spread_over_the_replicas():
     r = router(IDS)
     owners = {rid: 0 for rid in IDS}
     for i in range(2000):
-        b = r.pick("m", body=chat(("user", f"q{i}")))
+        b = r.pick("m", body=chat(("user", q(f"q{i}"))))
         owners[b.id] += 1
         r.release(b)
     assert all(300 < n < 700 for n in owners.values()), owners  # 500 each expected
@@ -134,7 +152,7 @@ def test_bounded_load_no_replica_over_capacity_while_others_idle():
 
 
 def test_a_replica_leaving_or_joining_moves_only_its_share():
-    keys = [chat(("user", f"conversation {i}")) for i in range(2000)]
+    keys = [chat(("user", q(f"conversation {i}"))) for i in range(2000)]
 
     def owners(r):
         out = {}
@@ -163,7 +181,7 @@ def test_a_replica_leaving_or_joining_moves_only_its_share():
 def test_degraded_and_cooling_replicas_are_never_chosen():
     now = [0.0]
     r = router(IDS, clock=lambda: now[0])
-    body = chat(("user", "a question someone owns"))
+    body = chat(("user", q("a question someone owns")))
     owner = r.pick("m", body=body)
     r.release(owner)
     r.on_replica(owner.id, None, replica(owner.id, "m", state="degraded"))
@@ -172,7 +190,7 @@ def test_degraded_and_cooling_replicas_are_never_chosen():
     r.release(second)
     r.eject(second, "stalled")
     for i in range(200):
-        b = r.pick("m", body=chat(("user", f"q{i}")))
+        b = r.pick("m", body=chat(("user", q(f"q{i}"))))
         assert b.id not in (owner.id, second.id)
         r.release(b)
     now[0] = 11.0  # the cool-down is over: the second owner gets its keys back
@@ -181,7 +199,7 @@ def test_degraded_and_cooling_replicas_are_never_chosen():
 
 def test_retry_and_bodies_without_a_prompt_fall_back_to_least_outstanding():
     r = router(IDS)
-    body = chat(("user", "retried"))
+    body = chat(("user", q("retried")))
     first = r.pick("m", body=body)
     again = r.pick("m", exclude=first, body=body)
     assert again is not first
@@ -199,7 +217,7 @@ def test_retry_and_bodies_without_a_prompt_fall_back_to_least_outstanding():
 
 def test_least_outstanding_routing_ignores_the_body():
     r = router(IDS, routing="least-outstanding")
-    body = chat(("user", "same"))
+    body = chat(("user", q("same")))
     picked = [r.pick("m", body=body) for _ in range(4)]
     assert len({b.id for b in picked}) == 4
     assert r.decisions["least-outstanding"] == 4 and r.decisions["prefix"] == 0

@@ -10,7 +10,7 @@ client must not be able to grow the label set by asking for made-up models.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .router import Router
 
@@ -49,6 +49,20 @@ class _RouterCollector:
         yield ready
         yield cooling
         yield silent
+        d = self.router.decisions
+        decisions = CounterMetricFamily(
+            "llmgw_gateway_routing_decisions",
+            "Replicas chosen, by reason (prefix: the prompt prefix's owner; load-bound-overflow: the owner was full, the next in "
+            "its ranking took it; least-outstanding: least-outstanding routing, or no prompt to go by; retry: after a failed attempt)",
+            labels=["reason"],
+        )
+        for reason, n in d.items():
+            decisions.add_metric([reason], n)
+        yield decisions
+        placed = d["prefix"] + d["load-bound-overflow"]
+        ratio = GaugeMetricFamily("llmgw_gateway_prefix_hit_ratio", "Share of prefix-routed requests sent to their prefix's owner (the gateway's estimate of cache hits)")
+        ratio.add_metric([], d["prefix"] / placed if placed else 0.0)
+        yield ratio
 
 
 class _ServerCollector:

@@ -8,15 +8,19 @@ gateways agree without talking:
 
 * the *anchor* of a request is the part of its prompt that stays the same for
   the whole conversation: for ``/v1/chat/completions`` the messages rendered in
-  order (role, then content) up to and including the first ``user`` message
-  (the system prompt(s) and the opening question; later turns resend it all
-  and add to the end); for ``/v1/completions`` the prompt (the first one of a
-  list). Only the first ``max_chars`` characters count, so a 200 KB prompt
-  costs as much as a 16 KB one;
-* the anchor's UTF-8 is cut in ``chunk_chars``-byte chunks and hashed as a chain
-  (each chunk's BLAKE2b-64 digest covers the previous one, as llm-d's
-  approximate prefix scorer and vLLM's block hashes do), stable across
-  processes and machines. The last link is the request's *key*;
+  order (role, then content as its JSON text, undecoded) up to and including
+  the first ``user`` message (the system prompt(s) and the opening question;
+  later turns resend all that and add to the end); for ``/v1/completions`` the
+  prompt. Only the first ``max_chars`` bytes count, so a 200 KB prompt costs
+  about what a 16 KB one does (the JSON decoder still skips over the rest). An
+  opening shorter than one chunk is extended over the next messages to a
+  chunk; a prompt shorter than a chunk in all has no key and is placed by load
+  alone (a few cached blocks are not worth a busier replica);
+* the key is the last link of the anchor's hash chain over ``chunk_chars``-byte
+  chunks (link i: BLAKE2b-64 of chunks 0..i, as llm-d's approximate prefix
+  scorer and vLLM's block hashes chain theirs), stable across processes and
+  machines. No index of past links is kept — that is the per-gateway state
+  this design avoids — so only the last link is computed, in one pass;
 * the replicas of the model are ranked by rendezvous (highest-random-weight)
   hashing of the key with each replica's id — the ids every gateway mirrors
   from the replicas bucket — so every gateway ranks them the same, and a
@@ -63,11 +67,14 @@ class _Body(msgspec.Struct):
 _decode = msgspec.json.Decoder(_Body).decode
 
 
-def anchor(body: bytes, max_chars: int = MAX_CHARS) -> bytes | None:
+def anchor(body: bytes, max_chars: int = MAX_CHARS, min_chars: int = CHUNK_CHARS) -> bytes | None:
     """The conversation-stable start of the request's prompt (at most ``max_chars`` bytes),
     or None when the body has no prompt to go by (malformed ones included: the engine
-    judges them). Contents are taken as their JSON text, undecoded: a 200 KB string is
-    skipped over, not copied, and one client resends a turn the same way every time."""
+    judges them) or one shorter than ``min_chars`` (a chunk: too little to be worth
+    caching — such a request is better placed by load alone).
+
+    Contents are taken as their JSON text, undecoded: a 200 KB string is skipped
+    over, not copied, and one client resends a turn the same way every time."""
     try:
         b = _decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
@@ -75,16 +82,26 @@ def anchor(body: bytes, max_chars: int = MAX_CHARS) -> bytes | None:
     if b.messages:
         parts: list[bytes] = []
         size = 0
+        opening = 0  # bytes up to the end of the first user message
         for m in b.messages:
+            if opening and size >= min_chars:
+                break  # the opening question is in, and the anchor is a chunk long
             role = m.role.encode("utf-8", "surrogatepass") if isinstance(m.role, str) else b""
             content = memoryview(m.content)[: max(max_chars - size, 0)].tobytes()
             parts += (role, b"\n", content, b"\n")
             size += len(role) + len(content) + 2
-            if role == b"user" or size >= max_chars:
+            if not opening and role == b"user":
+                opening = size
+            if size >= max_chars:
                 break
-        return b"".join(parts)[:max_chars]
-    raw = memoryview(b.prompt)[:max_chars].tobytes()
-    return None if raw in (b"null", b"", b'""', b"[]") else raw
+        text = b"".join(parts)[: min(max(opening, min_chars), max_chars)]
+    else:
+        text = memoryview(b.prompt)[:max_chars].tobytes()
+        if text == b"null":
+            return None
+    # A short opening: the conversation is anchored on its first chunk (opening,
+    # answer, ...) from the turn that makes it a chunk long, the same for every later one.
+    return text if len(text) >= min_chars else None
 
 
 def chain(text: bytes, chunk_chars: int = CHUNK_CHARS) -> list[int]:

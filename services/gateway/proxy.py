@@ -145,7 +145,7 @@ class Forwarder:
         """Answer ``request`` from a replica of ``model``; raises UnknownModel / NoReadyReplica before any attempt.
         ``stream``: the client asked for a stream (what the stall watch goes by)."""
         started = time.perf_counter()
-        backend = self.router.pick(model)
+        backend = self.router.pick(model, body=body)
         status = CLIENT_CLOSED  # what is counted if the client's leaving cancels us
         try:
             try:
@@ -153,7 +153,7 @@ class Forwarder:
             except _Retryable as first:
                 self.metrics.retried(model, first.kind)
                 try:
-                    backend = self.router.pick(model, exclude=backend)
+                    backend = self.router.pick(model, exclude=backend, body=body)
                 except NoReadyReplica:
                     resp = errors.bad_gateway(f"the replica of '{model}' failed ({first}) and no other is ready")
                     status = resp.status

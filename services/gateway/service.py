@@ -158,7 +158,10 @@ class Gateway(ServiceRuntime):
         self.listen = parse_listen(g.listen, cfg.source)
         self.keys = ApiKeys.load(g.api_keys_file) if g.api_keys_file else None
         self.tls = tls_context(cfg.source, g.tls_cert, g.tls_key) if g.tls_cert else None
-        self.router = Router(cooldown=g.cooldown, failures_before_cooldown=g.failures_before_cooldown, retry_after=g.retry_after)
+        self.router = Router(
+            cooldown=g.cooldown, failures_before_cooldown=g.failures_before_cooldown, retry_after=g.retry_after,
+            routing=g.routing, load_bound=g.routing_load_bound, prefix_chars=g.routing_prefix_chars,
+        )  # fmt: skip
         self.metrics = GatewayMetrics(self.router)
         self.upstream = Upstream(g)
         self.http: HttpServer | None = None
