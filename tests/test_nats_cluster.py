@@ -33,7 +33,7 @@ def nats_t(conf) -> subprocess.CompletedProcess:
 
 
 def monitor(server: NatsServer, path: str) -> dict:
-    with urllib.request.urlopen(f"{server.monitor_url}{path}", timeout=2) as r:
+    with urllib.request.urlopen(f"{server.monitor_url}{path}", timeout=5) as r:
         return json.load(r)
 
 
@@ -216,7 +216,7 @@ async def test_a_client_keeps_working_when_its_server_is_killed(cluster):
                 except Exception:  # noqa: BLE001 - not reconnected yet
                     return None
 
-            assert await eventually(request_answered, what="a request answered after the kill", timeout=20) == b"listed"
+            assert await eventually(request_answered, what="a request answered after the kill", timeout=30) == b"listed"
             assert not sched.connected_url.netloc.endswith(cluster.members[victim].url.split("//")[1])
 
             async def put():
@@ -225,7 +225,7 @@ async def test_a_client_keeps_working_when_its_server_is_killed(cluster):
                 except Exception:  # noqa: BLE001 - a new stream leader may still be chosen
                     return None
 
-            rev = await eventually(put, what="a KV write acknowledged by the two survivors", timeout=20)
+            rev = await eventually(put, what="a KV write acknowledged by the two survivors", timeout=30)
             assert (await kv.get("r1")).revision == rev
         finally:
             await node.close()
@@ -251,7 +251,7 @@ async def test_an_acknowledged_write_survives_a_kill_and_the_restarted_server_ca
             except Exception:  # noqa: BLE001 - the stream may be electing a leader
                 return None
 
-        rev = await eventually(put, what="v2 acknowledged while a server is down", timeout=20)
+        rev = await eventually(put, what="v2 acknowledged while a server is down", timeout=30)
         cluster.restart(victim)
         back = cluster.members[victim]
 
@@ -265,7 +265,8 @@ async def test_an_acknowledged_write_survives_a_kill_and_the_restarted_server_ca
 
         # Its own copy holds both writes (v2 was acknowledged while it was dead): its
         # monitoring reports its local replica, not the leader's view.
-        await eventually(own_copy, rev, what="the restarted server's copy at v2's sequence", timeout=20)
+        # (its monitoring port may be slow to answer on a loaded machine: a timeout is "not yet")
+        await eventually(own_copy, rev, what="the restarted server's copy at v2's sequence", timeout=30, ignore=(OSError,))
         # Another server goes: the restarted one is now half of the majority that answers.
         cluster.kill(0)
 
@@ -275,7 +276,7 @@ async def test_an_acknowledged_write_survives_a_kill_and_the_restarted_server_ca
             except Exception:  # noqa: BLE001 - reconnecting, or a new leader being chosen
                 return None
 
-        assert await eventually(read, what="v2 read with the restarted server in the majority", timeout=20) == b"v2"
+        assert await eventually(read, what="v2 read with the restarted server in the majority", timeout=30) == b"v2"
     finally:
         await sched.close()
 
@@ -308,7 +309,7 @@ async def test_raising_replicas_from_one_to_three_keeps_the_data_and_survives_it
             peers = [i.cluster.leader] + [p.name for p in i.cluster.replicas or [] if p.current]
             return sorted(p for p in peers if p)
 
-        await eventually(all_current, ["nats1", "nats2", "nats3"], what="three current replicas", timeout=20)
+        await eventually(all_current, ["nats1", "nats2", "nats3"], what="three current replicas", timeout=30)
         again: list[str] = []
         await bus.provision(js, (S.BUCKET_REPLICAS,), events=True, replicas=3, adjust=True, changes=again)
         assert again == []  # idempotent
@@ -320,7 +321,7 @@ async def test_raising_replicas_from_one_to_three_keeps_the_data_and_survives_it
             except Exception:  # noqa: BLE001 - reconnecting, or a new leader being chosen
                 return None
 
-        assert await eventually(read, what="the value read with its first host dead", timeout=20) == b"kept"
+        assert await eventually(read, what="the value read with its first host dead", timeout=30) == b"kept"
     finally:
         await nc.close()
 
