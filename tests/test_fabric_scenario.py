@@ -42,7 +42,7 @@ def cluster(tmp_path):
         down = llmgw("down", "--dir", str(d))
         assert down.returncode == 0, down.stderr
         if info:
-            leftovers = {n["node_id"]: simcluster.processes_of(n["node_id"]) for n in info["nodes"]}
+            leftovers = {n["node_id"]: simcluster.processes_of(n["node_id"], str(d.resolve())) for n in info["nodes"]}
             assert not any(leftovers.values()), f"processes left behind: {leftovers}"
 
 

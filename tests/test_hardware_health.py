@@ -47,6 +47,8 @@ async def bring_up(cluster, connector, *, nodes, fabrics, gpus=4):
     await cluster.start_control_plane()
     timings = dataclasses.replace(TIMINGS, discovery_interval=DISCOVERY)
     for s in simcluster.layout(nodes, fabrics, gpus):
+        # As Cluster.add_nodes does: this cluster's own loopback network, so no other run's engine answers for ours.
+        s = dataclasses.replace(s, mgmt_addr=f"{cluster.net}.{s.mgmt_addr.rsplit('.', 1)[1]}")
         cluster.nodes[s.node_id] = simcluster.write_node(cluster.root, cluster.server.pki_dir, cluster.server.url, s, timings)
     cluster.server.reload()
     for n in cluster.nodes:
