@@ -160,8 +160,11 @@ class Scheduler(ServiceRuntime):
             return ""  # not heard yet (or no health monitor): as before
         if lease.quarantine:
             return "quarantined"
-        if lease.boot_id != boot_id:
-            return "other_boot"  # not (yet) the incarnation holding the lease; asked again when it does
+        if lease.boot_id != boot_id and lease.state != "lost":
+            # Not (yet) the incarnation holding the lease; asked again when it does. A lost
+            # node's replicas are already failed: its returning agent is heard at once,
+            # so its stale engines are fenced without waiting for a heartbeat.
+            return "other_boot"
         return ""
 
     def _on_lease(self, node: str, old: Lease | None, new: Lease | None) -> None:
@@ -205,6 +208,12 @@ class Scheduler(ServiceRuntime):
             self.log.debug("status from %s (boot %s) ignored: %s", node, report.boot_id[:8], why)
             return
         STATUS.labels("accepted").inc()
+        self._take_report(report)
+        self.wake.set()
+
+    def _take_report(self, report: StatusReport) -> None:
+        """Fold a believed report into ``reported`` and fence what it shows (leader only)."""
+        node = report.node_id
         if report.full:
             self.reported[node] = self._bounded(node, report.engines, {})
             self.full_report_at[node] = time.time()
@@ -224,7 +233,6 @@ class Scheduler(ServiceRuntime):
             if stops:
                 self.stops_in_flight.update((st.node_id, st.replica_id, st.generation) for st in stops)
                 self._background(self._send_stops(stops), done=lambda: self.stops_in_flight.difference_update((st.node_id, st.replica_id, st.generation) for st in stops))
-        self.wake.set()
 
     def _background(self, coro, done=None) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -353,10 +361,8 @@ class Scheduler(ServiceRuntime):
             report = decode(reply.data, StatusReport)
         except Exception:
             return  # unreachable: its lease decides what happens to its replicas
-        if report.node_id == node and not self._distrust(node, report.boot_id):
-            self.reported[node] = self._bounded(node, report.engines, {})
-            self.full_report_at[node] = time.time()
-            self.full_report_boot[node] = report.boot_id
+        if report.node_id == node and report.full and not self._distrust(node, report.boot_id):
+            self._take_report(report)  # fenced too: the agent's own connect-time report may have been another boot's
             self.wake.set()
 
     def _deployments(self) -> dict[str, DeploymentSpec]:
