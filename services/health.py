@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import LlmgwError
@@ -31,6 +33,28 @@ LEASES = Gauge("llmgw_health_leases", "Node leases, by state", ["state"])
 TRANSITIONS = Counter("llmgw_health_transitions_total", "Lease transitions", ["to"])
 QUARANTINED = Gauge("llmgw_health_quarantined_nodes", "Nodes quarantined: two agents heartbeat for one identity")
 WRITE_SECONDS = Histogram("llmgw_health_lease_write_seconds", "Time to store a batch of leases")
+WRITE_ERRORS = Counter("llmgw_health_lease_write_errors_total", "Lease writes the KV refused or that timed out (the lease stays in memory and is written again)")
+_ACTING: "weakref.WeakSet[HealthMonitor]" = weakref.WeakSet()  # monitors whose leases the scrape reads
+
+
+class _LeaseAges:
+    """``llmgw_health_lease_age_seconds{node}``, read from the acting monitor's book
+    when scraped: one series per node (a few thousand nodes are a few thousand
+    series, as node_exporter has per machine), so an alert can name the node."""
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        ages = GaugeMetricFamily("llmgw_health_lease_age_seconds", "Seconds since the node's lease was last renewed by a heartbeat (acting monitor only)", labels=["node"])
+        stamp = time.time()
+        for monitor in [m for m in list(_ACTING) if m.acting][:1]:  # one acts; one book, no duplicate series
+            for node, lease in sorted(monitor.book.leases.items()):
+                ages.add_metric([node], max(0.0, stamp - lease.last_renew))
+        yield ages
+
+
+REGISTRY.register(_LeaseAges())
 
 
 class NotActing(LlmgwError):
@@ -51,6 +75,7 @@ class HealthMonitor(ServiceRuntime):
         self.leases_kv = self.kv[S.BUCKET_LEASES]
         self.acting = False
         self.heard: dict[str, tuple[Heartbeat, float]] = {}
+        _ACTING.add(self)
         self.lead(h.leader_ttl)
         await self.nc.subscribe(S.ALL_HEARTBEATS, cb=self.on_heartbeat)
         await self.add_api({"release": self.api_release})
@@ -143,7 +168,11 @@ class HealthMonitor(ServiceRuntime):
             self._gauge()
 
     async def _store(self, lease: Lease) -> None:
-        await self.leases_kv.put(lease.node_id, encode(lease))
+        try:
+            await self.leases_kv.put(lease.node_id, encode(lease))
+        except Exception:
+            WRITE_ERRORS.inc()
+            raise
         self.book.stored(lease)
 
     async def _flush(self) -> None:

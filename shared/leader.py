@@ -15,10 +15,12 @@ import logging
 import time
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from prometheus_client import Gauge
 
 from .schemas import LeaderLease, encode, now
 
 log = logging.getLogger("llmgw.leader")
+LEADER = Gauge("llmgw_leader", "1 while this instance leads its service (scheduler, health), 0 while it stands by", ["service", "instance"])
 
 
 class Leadership:
@@ -31,10 +33,12 @@ class Leadership:
         self._revision = 0
         self._last_renewed = 0.0  # monotonic
         self.changed = asyncio.Event()
+        LEADER.labels(service, holder).set(0)
 
     def _set(self, leader: bool) -> None:
         if leader != self.is_leader:
             self.is_leader = leader
+            LEADER.labels(self.service, self.holder).set(1 if leader else 0)
             log.info("%s: %s %s", self.service, self.holder, "is now the leader" if leader else "is standing by")
             self.changed.set()
 

@@ -89,7 +89,12 @@ class _ServerCollector:
 class GatewayMetrics:
     def __init__(self, router: Router):
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self._requests = Counter("llmgw_gateway_requests", "Requests answered, by model and HTTP status (499: the client left)", ["model", "status"], registry=r)
+        self._requests = Counter(
+            "llmgw_gateway_requests",
+            "Requests answered, by model, HTTP status (499: the client left) and the replica that answered last (\"\": refused before any replica)",
+            ["model", "status", "replica"],
+            registry=r,
+        )
         self._latency = Histogram("llmgw_gateway_request_duration_seconds", "Time from request to the end of its answer", ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self._ttft = Histogram("llmgw_gateway_time_to_first_token_seconds", "Time from request to the first streamed chunk", ["model"], buckets=TTFT_BUCKETS, registry=r)
         self._upstream_errors = Counter("llmgw_gateway_upstream_errors", "Failed upstream attempts, by replica and kind", ["replica", "kind"], registry=r)
@@ -133,8 +138,8 @@ class GatewayMetrics:
             c = self._children[key] = metric.labels(*labels)
         return c
 
-    def answered(self, model: str, status: int, seconds: float) -> None:
-        self._child(self._requests, model, str(status)).inc()
+    def answered(self, model: str, status: int, seconds: float, replica: str = "") -> None:
+        self._child(self._requests, model, str(status), replica).inc()
         self._child(self._latency, model).observe(seconds)
 
     def first_token(self, model: str, seconds: float) -> None:

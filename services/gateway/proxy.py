@@ -166,7 +166,7 @@ class Forwarder:
             return resp
         finally:
             seconds = time.perf_counter() - started
-            self.metrics.answered(model, status, seconds)
+            self.metrics.answered(model, status, seconds, backend.id)
             if self.access is not None:
                 self.access.answered(request, model, status, seconds, backend.id)
 

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections import defaultdict
 
 import msgspec
 from nats.js.errors import NoKeysError
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import BusError, ConfigError, LlmgwError, WireError
@@ -60,7 +62,7 @@ from llmgw.shared.states import REPLICA_ORDER, EngineState, ReplicaState
 from ..runtime import ServiceRuntime, run_service
 from . import ReconcileConfig, explain, fence, reconcile
 from .plan import Backoff, Cordon, Launch, NodeFailure, Plan, Stop
-from .reconcile import backoff_text, launches_for, remember_failures
+from .reconcile import SPEC_CHANGED, backoff_text, launches_for, remember_failures
 from .view import ClusterView
 
 RECONCILE_SECONDS = Histogram("llmgw_scheduler_reconcile_seconds", "Time to compute and apply one plan")
@@ -81,6 +83,119 @@ MAX_UNKNOWN_PER_NODE = 256
 # may mark engines absent (a clone's alternation shows within two or three).
 SETTLE_HEARTBEATS = 4
 TRUNCATED = Counter("llmgw_scheduler_status_facts_dropped_total", "Engine facts dropped from status reports: unknown engines over the per-node cap")
+# Rebuilds (issue #19). The reason label is one of REBUILD_REASONS, never free text.
+REPLICA_FAILURES = Counter(
+    "llmgw_scheduler_replica_failures_total",
+    "Replicas failed or replaced, by deployment and why (a bounded word: see rebuild_reason)",
+    ["deployment", "reason"],
+)
+REBUILD_BUCKETS = (1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600, 1200, 1800, 3600)
+REBUILD_SECONDS = Histogram(
+    "llmgw_scheduler_rebuild_seconds", "Time from a replica failing (or being replaced) to its replacement being ready", ["deployment"], buckets=REBUILD_BUCKETS
+)
+APPLY_TO_READY_SECONDS = Histogram(
+    "llmgw_scheduler_apply_to_ready_seconds", "Time from a deployment's apply to all its replicas being ready", ["deployment"], buckets=REBUILD_BUCKETS
+)
+_ACTING: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()  # read by the capacity collector when scraped
+
+
+class _Capacity:
+    """``llmgw_scheduler_nodes{fabric, state, admin}`` and ``llmgw_scheduler_gpus{fabric, state}``
+    (free, used, out_of_service), computed from the acting scheduler's copies when
+    scraped, not on every reconcile. A node on no fabric counts under fabric=""."""
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        nodes = GaugeMetricFamily("llmgw_scheduler_nodes", "Nodes, by fabric, lease state (unknown: no lease) and admin state", labels=["fabric", "state", "admin"])
+        gpus = GaugeMetricFamily("llmgw_scheduler_gpus", "GPUs, by fabric and state (free, used, out_of_service)", labels=["fabric", "state"])
+        for sched in [s for s in list(_ACTING) if s.acting][:1]:
+            view = ClusterView.build(sched.nodes.items, sched.leases.items, sched.replicas.items.values(), ports=sched.rconfig.ports)
+            n: dict[tuple, int] = defaultdict(int)
+            g: dict[tuple, int] = defaultdict(int)
+            for v in view.nodes.values():
+                for fabric in list(v.fabrics) or [""]:
+                    n[(fabric, v.lease or "unknown", v.admin)] += 1
+                    free = v.free_gpu_count()
+                    blocked = len(set(v.blocked) & set(v.gpus))
+                    g[(fabric, "free")] += free
+                    g[(fabric, "out_of_service")] += blocked
+                    g[(fabric, "used")] += max(0, len(v.gpus) - free - blocked)
+            for k, c in sorted(n.items()):
+                nodes.add_metric(list(k), c)
+            for k, c in sorted(g.items()):
+                gpus.add_metric(list(k), c)
+        yield nodes
+        yield gpus
+
+
+REGISTRY.register(_Capacity())
+REBUILD_REASONS = ("node_lost", "hardware", "engine_exited", "peer_lost", "startup_timeout", "hang", "no_members", "spec_changed", "drained", "other")
+
+
+def rebuild_reason(reason: str) -> str:
+    """The bounded label for a replica's failure (or replacement) reason, from the
+    fixed phrases the pure core (reconcile.py) opens its reasons with."""
+    first = reason.split("; ", 1)[0]
+    if first.startswith("member rank "):  # "member rank 1 on node02 peer-lost: ..." / "... exited"
+        return "peer_lost" if f" {EngineState.PEER_LOST}" in first.split(":", 1)[0] else "engine_exited"
+    if first.startswith("not ready within "):
+        return "startup_timeout"
+    if first.startswith("leader on ") and " made no progress for " in first:
+        return "hang"
+    if first.startswith(("fabric ", "GPU ")):
+        return "hardware"
+    if first.startswith("node ") and first.endswith((" lost", " has no record")):
+        return "node_lost"
+    if first.startswith("node ") and first.endswith(" draining"):
+        return "drained"
+    if first == SPEC_CHANGED:
+        return "spec_changed"
+    if first == "no members recorded":
+        return "no_members"
+    return "other"
+
+
+class RebuildClock:
+    """Observes the rebuild metrics from a plan's events (the pure core's history):
+    a failure (or a replacement: counted, not timed) opens a rebuild of its deployment, the next replica of
+    that deployment to become ready from starting closes the oldest one. Kept by
+    the acting scheduler in memory: a takeover starts with none open."""
+
+    def __init__(self):
+        self.open: dict[str, list[float]] = defaultdict(list)  # deployment -> when each rebuild began
+        self.applied: dict[str, float] = {}  # deployment -> applied_at already observed ready
+
+    def events(self, events) -> None:
+        for ev in events:
+            if ev.kind != "replica":
+                continue
+            dep = ev.data.get("deployment", "")
+            prior = ev.data.get("from", "")
+            if ev.what == ReplicaState.FAILED or (ev.what == ReplicaState.REAPING and prior not in ("", ReplicaState.FAILED)):
+                why = rebuild_reason(ev.detail)
+                if ev.what == ReplicaState.REAPING and why not in ("spec_changed", "drained"):
+                    continue  # deleted or scaled down: nothing is rebuilt
+                REPLICA_FAILURES.labels(dep, why).inc()
+                if ev.what == ReplicaState.FAILED:  # a replacement replica is rolled in first, not rebuilt after
+                    self.open[dep] = (self.open[dep] + [ev.time])[-64:]
+            elif ev.what == ReplicaState.READY and prior != ReplicaState.DEGRADED and self.open.get(dep):
+                REBUILD_SECONDS.labels(dep).observe(max(0.0, ev.time - self.open[dep].pop(0)))
+
+    def deployments(self, specs, replicas, since: float) -> None:
+        """Apply to ready: a spec applied after ``since`` whose replicas are all ready now."""
+        ready: dict[str, int] = defaultdict(int)
+        for rep in replicas:
+            if rep.state == ReplicaState.READY:
+                ready[rep.deployment] += 1
+        stamp = now()
+        for name, spec in specs.items():
+            if spec.applied_at >= since and spec.replicas > 0 and self.applied.get(name) != spec.applied_at and ready[name] >= spec.replicas:
+                self.applied[name] = spec.applied_at
+                APPLY_TO_READY_SECONDS.labels(name).observe(max(0.0, stamp - spec.applied_at))
+        for name in [n for n in self.open if n not in specs]:
+            del self.open[name]  # deleted: nothing will be rebuilt
 
 
 class UnknownDeployment(LlmgwError):
@@ -139,6 +254,9 @@ class Scheduler(ServiceRuntime):
         # commands sent from handlers, which must never wait on a node
         self.background: set[asyncio.Task] = set()
         self.stops_in_flight: set[tuple[str, str, int]] = set()
+        self.rebuilds = RebuildClock()  # the rebuild and apply-to-ready metrics
+        _ACTING.add(self)
+        self.started_at = now()
         self.wake = asyncio.Event()
         self.acting = False
         for m in (self.nodes, self.deployments, self.replicas):
@@ -405,6 +523,8 @@ class Scheduler(ServiceRuntime):
                 plan.writes[rid] = rep
         if plan:
             await self.apply(plan)
+            self.rebuilds.events(plan.events)
+        self.rebuilds.deployments(self.deployments.items, self.replicas.items.values(), self.started_at)
         self._gauge()
         return plan
 
