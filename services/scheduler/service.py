@@ -32,6 +32,7 @@ import weakref
 from collections import defaultdict
 
 import msgspec
+from nats.errors import NoRespondersError
 from nats.js.errors import NoKeysError
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -594,7 +595,7 @@ class Scheduler(ServiceRuntime):
     async def _launch(self, launch: Launch) -> None:
         key = (launch.replica_id, launch.member.rank)
         try:
-            reply = await self.nc.request(S.cmd_launch(launch.node_id), encode(launch.command), timeout=self.cfg.scheduler.command_timeout)
+            reply = await self._request_launch(launch)
             ack = decode(reply.data, CommandAck)
         except Exception as e:
             # No answer: the node may be dying. Its lease decides; the startup timeout backs it up.
@@ -608,6 +609,25 @@ class Scheduler(ServiceRuntime):
             self.log.warning("launch of %s on %s refused: %s %s", launch.replica_id, launch.node_id, ack.code, ack.reason)
             self.absent.add(key)
             self.wake.set()
+
+    async def _request_launch(self, launch: Launch):
+        """The launch request, sent again on "no responders" (a few times, backing off).
+
+        "No responders" is not "no answer": the agent's subscription is missing
+        right now — it is reconnecting, or the server is re-registering
+        subscriptions after a configuration reload (a node onboarded or revoked),
+        which takes ~100 ms. A launch lost that way was never re-sent and left the
+        replica launching until its startup timeout. Launches are idempotent on
+        the agent, so re-sending is safe.
+        """
+        subject, data = S.cmd_launch(launch.node_id), encode(launch.command)
+        for delay in (0.2, 0.5, 1.0):
+            try:
+                return await self.nc.request(subject, data, timeout=self.cfg.scheduler.command_timeout)
+            except NoRespondersError:
+                COMMANDS.labels("launch", "no_responders_retry").inc()
+                await asyncio.sleep(delay)
+        return await self.nc.request(subject, data, timeout=self.cfg.scheduler.command_timeout)
 
     async def _send_stops(self, stops: list[Stop]) -> None:
         async def one(stop: Stop):
