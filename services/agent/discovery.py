@@ -603,6 +603,8 @@ def _gpus(cfg: AgentConfig, warnings: list[str]) -> list[Gpu]:
     return query_nvidia_smi(d.nvidia_smi)
 
 
+# The pids named per GPU (its memory counts them all): a GPU shared by many strangers is told by a few.
+MAX_FOREIGN_PIDS = 32
 _HEALTH_WARNED: set[str] = set()
 
 
@@ -644,7 +646,7 @@ def gpu_health(
         for g in previous or []:
             key = _bus_key(g.pci_bus_id)
             if key in lost and key not in listed and all(o.index != g.index for o in out):
-                out.append(msgspec.structs.replace(g, healthy=False, problem=_lost_problem(g.pci_bus_id, lost.pop(key))))
+                out.append(msgspec.structs.replace(g, healthy=False, problem=_trim(_lost_problem(g.pci_bus_id, lost.pop(key)), 1000)))
         for key, said in lost.items():
             if key not in listed:
                 msg = f"nvidia-smi cannot open the GPU at {key} ({said}) and no earlier inventory says which one it is"
@@ -689,7 +691,12 @@ def gpu_health(
             final.append(g)
             continue
         mib, pids = foreign.get(g.uuid, (0, []))
-        final.append(msgspec.structs.replace(g, healthy=not problem, problem=problem, foreign_mib=mib, foreign_pids=sorted(pids)))
+        # Within the wire bounds (shared/schemas.py), or the registry would refuse the whole inventory.
+        final.append(
+            msgspec.structs.replace(
+                g, healthy=not problem, problem=_trim(problem, 1000), foreign_mib=min(mib, 2**31), foreign_pids=sorted(pids)[:MAX_FOREIGN_PIDS]
+            )
+        )
     return final
 
 
