@@ -312,8 +312,9 @@ class GatewaySection:
     # conversation where its prompt prefix is cached (rendezvous hashing, the same in
     # every gateway) within a bounded load; "least-outstanding": the least busy.
     routing: str = "prefix"
-    # Bounded loads: no replica holds more than ceil(routing_load_bound x mean) in flight.
+    # Bounded loads: no replica holds more than ceil(routing_load_bound x mean) + routing_load_slack in flight.
     routing_load_bound: float = 1.15
+    routing_load_slack: int = 2
     # How much of a prompt's start (bytes) names its conversation.
     routing_prefix_chars: int = 16384
 
@@ -322,6 +323,8 @@ class GatewaySection:
             raise ConfigError(f"gateway.routing: {self.routing!r} is not one of prefix, least-outstanding")
         if not (isinstance(self.routing_load_bound, (int, float)) and 1.0 <= self.routing_load_bound <= 100):
             raise ConfigError(f"gateway.routing_load_bound: must be a number from 1 (strict balance) up, e.g. 1.25; got {self.routing_load_bound!r}")
+        if not 0 <= self.routing_load_slack <= 1000:
+            raise ConfigError(f"gateway.routing_load_slack: must be between 0 and 1000 requests, got {self.routing_load_slack}")
         if not 64 <= self.routing_prefix_chars <= 1024 * 1024:
             raise ConfigError(f"gateway.routing_prefix_chars: must be between 64 and 1048576, got {self.routing_prefix_chars}")
         for name in ("max_connections", "max_buffered_body_bytes", "max_response_bytes", "max_json_depth"):

@@ -32,6 +32,7 @@ def build_app(
     app.router.add_get("/v1/models", api.models)
     app.router.add_post("/v1/chat/completions", api.chat)
     app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/reset_prefix_cache", api.reset_prefix_cache)  # vLLM's (dev mode): benchmarks start cold
     return app
 
 
@@ -78,6 +79,10 @@ class _Api:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics_.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.core.reset_prefix_cache()
+        return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
         card = {"id": self.served_model, "object": "model", "created": self.created, "owned_by": "llmgw-sim", "root": self.model, "parent": None}

@@ -22,10 +22,11 @@ up when it is scheduled; the longest run of cached leading blocks is a hit
 (never the whole prompt: as in vLLM, the last token is always computed), and
 ``vllm:prefix_cache_queries``/``_hits`` count the tokens. With
 ``prefill_rate`` > 0 the uncached tokens then cost ``uncached/prefill_rate``
-seconds, one prefill at a time per engine (prefill is compute-bound: a GPU
-does not prefill two long prompts faster than one after the other), so a
-busy replica's time to first token grows with the uncached prompt tokens
-queued before it.
+seconds, one prefill chunk (``PREFILL_CHUNK`` tokens) at a time per engine,
+the prompts waiting taking turns chunk by chunk as vLLM's chunked prefill
+does (prefill is compute-bound: a GPU does not prefill two long prompts
+faster than one after the other), so a busy replica's time to first token
+grows with the uncached prompt tokens queued before it.
 
 Stalls, all of which leave ``/health`` answering 200:
 
@@ -49,6 +50,9 @@ from .tokens import Answer
 
 # Below this a step's delay is not worth a timer; the step still yields.
 MIN_DELAY = 1e-4
+# Prompt tokens prefilled per step (vLLM's chunked prefill): between steps the
+# other prefills waiting get their turn.
+PREFILL_CHUNK = 512
 
 Collective = Callable[[], Awaitable[None]]
 
@@ -195,9 +199,12 @@ class EngineCore:
         cache = self.cache
         if cache is None and not self.prefill_rate:
             return
-        async with contextlib.AsyncExitStack() as held:
+        lock = self._prefill
+        held = False
+        try:
             if self.prefill_rate:
-                await held.enter_async_context(self._prefill)  # scheduled now: looked up now
+                await lock.acquire()  # scheduled now: looked up now
+                held = True
             total = hits = 0
             named = []
             for ids in prompts:
@@ -207,16 +214,34 @@ class EngineCore:
                     hits += cache.hit(names, len(ids))
                     named.append(names)
             if cache is not None:
-                m = self.metrics
-                m.prefix_queries.inc(total)
-                m.prefix_hits.inc(hits)
-            if self.prefill_rate and total > hits:
-                await asyncio.sleep((total - hits) / self.prefill_rate)
+                self.metrics.prefix_queries.inc(total)
+                self.metrics.prefix_hits.inc(hits)
+            # Chunked prefill, as vLLM schedules it: PREFILL_CHUNK tokens a step, the
+            # prefills waiting taking turns (the lock is FIFO), so a short one is not
+            # stuck behind a long one.
+            left = total - hits if self.prefill_rate else 0
+            while left > 0:
+                n = min(left, PREFILL_CHUNK)
+                await asyncio.sleep(n / self.prefill_rate)
                 await self._gate()  # prefill is collective work too
+                left -= n
+                if left > 0 and lock._waiters:
+                    lock.release()
+                    held = False
+                    await lock.acquire()
+                    held = True
             if cache is not None:
                 for names in named:
                     cache.insert(names)
                 self.metrics.kv_usage.set(cache.usage)
+        finally:
+            if held:
+                lock.release()
+
+    def reset_prefix_cache(self) -> None:
+        if self.cache is not None:
+            self.cache.blocks.clear()
+            self.metrics.kv_usage.set(0.0)
 
     @contextlib.asynccontextmanager
     async def admit(self, prompt_tokens: int, prompts: Seq[Seq] = ()) -> AsyncIterator[Sequence]:

@@ -11,8 +11,11 @@ gateways agree without talking:
   order (role, then content as its JSON text, undecoded) up to and including
   the first ``user`` message (the system prompt(s) and the opening question;
   later turns resend all that and add to the end); for ``/v1/completions`` the
-  prompt. Only the first ``max_chars`` bytes count, so a 200 KB prompt costs
-  about what a 16 KB one does (the JSON decoder still skips over the rest). An
+  prompt. Only the first ``max_chars`` bytes of each message count (and at
+  most ``MAX_MESSAGES`` times that in all), so a 200 KB prompt costs about
+  what a 16 KB one does (the JSON decoder still skips over the rest), and a
+  long system prompt shared by many users does not crowd out the opening
+  question that tells their conversations apart. An
   opening shorter than one chunk is extended over the next messages to a
   chunk; a prompt shorter than a chunk in all has no key and is placed by load
   alone (a few cached blocks are not worth a busier replica);
@@ -27,9 +30,10 @@ gateways agree without talking:
   replica joining or leaving moves only the keys it wins or won (1/n of them);
 * bounded loads (Mirrokni, Thorup, Zadimoghaddam 2016): the request goes to the
   first replica in that ranking whose requests in flight through this gateway
-  are under ``capacity = ceil(load_bound * (in flight + 1) / replicas)``; the
-  capacities add up to at least the load, so one always has room, and no
-  replica takes more than its share while others idle. Loads are local: two
+  are under ``capacity = ceil(load_bound * (in flight + 1) / replicas) +
+  slack``; the capacities add up to at least the load, so one always has
+  room, and no replica takes more than its share (plus the slack) while
+  others idle. Loads are local: two
   gateways may disagree on them, and then on where an overflow goes, but never
   on the owner of a key (docs/architecture.md).
 
@@ -49,6 +53,7 @@ import msgspec
 
 CHUNK_CHARS = 256
 MAX_CHARS = 16384
+MAX_MESSAGES = 4  # an anchor spans at most this many messages' ``max_chars``
 _MASK = (1 << 64) - 1
 
 
@@ -68,7 +73,7 @@ _decode = msgspec.json.Decoder(_Body).decode
 
 
 def anchor(body: bytes, max_chars: int = MAX_CHARS, min_chars: int = CHUNK_CHARS) -> bytes | None:
-    """The conversation-stable start of the request's prompt (at most ``max_chars`` bytes),
+    """The conversation-stable start of the request's prompt (``max_chars`` bytes of each message),
     or None when the body has no prompt to go by (malformed ones included: the engine
     judges them) or one shorter than ``min_chars`` (a chunk: too little to be worth
     caching — such a request is better placed by load alone).
@@ -87,14 +92,16 @@ def anchor(body: bytes, max_chars: int = MAX_CHARS, min_chars: int = CHUNK_CHARS
             if opening and size >= min_chars:
                 break  # the opening question is in, and the anchor is a chunk long
             role = m.role.encode("utf-8", "surrogatepass") if isinstance(m.role, str) else b""
-            content = memoryview(m.content)[: max(max_chars - size, 0)].tobytes()
+            # Each message's start: a long system prompt shared by many users must not
+            # crowd out the question that tells their conversations apart.
+            content = memoryview(m.content)[:max_chars].tobytes()
             parts += (role, b"\n", content, b"\n")
             size += len(role) + len(content) + 2
             if not opening and role == b"user":
                 opening = size
-            if size >= max_chars:
+            if size >= MAX_MESSAGES * max_chars:
                 break
-        text = b"".join(parts)[: min(max(opening, min_chars), max_chars)]
+        text = b"".join(parts)[: max(opening, min_chars)]
     else:
         text = memoryview(b.prompt)[:max_chars].tobytes()
         if text == b"null":
@@ -143,18 +150,23 @@ def rank(key: int, rid_hashes: Sequence[int]) -> list[int]:
     return sorted(range(len(rid_hashes)), key=lambda i: (-weight(key, rid_hashes[i]), i))
 
 
-def capacity(total_in_flight: int, replicas: int, load_bound: float) -> int:
-    """The most requests in flight one replica may hold, counting the one being placed."""
-    return max(1, math.ceil(load_bound * (total_in_flight + 1) / replicas))
+def capacity(total_in_flight: int, replicas: int, load_bound: float, slack: int = 0) -> int:
+    """The most requests in flight one replica may hold, counting the one being placed:
+    ``ceil(load_bound * mean) + slack``. The slack keeps a light load from being spread
+    for the sake of it (two in flight on the owner while the others hold one each is
+    no imbalance worth a cache miss), as SGLang's router's absolute threshold does."""
+    return max(1, math.ceil(load_bound * (total_in_flight + 1) / replicas)) + slack
 
 
-def choose(key: int, rid_hashes: Sequence[int], loads: Sequence[int], load_bound: float, total: int | None = None) -> tuple[int, bool]:
+def choose(
+    key: int, rid_hashes: Sequence[int], loads: Sequence[int], load_bound: float, total: int | None = None, slack: int = 0
+) -> tuple[int, bool]:
     """The index to route to and whether it is the key's owner.
 
     ``loads``: requests in flight on each candidate; ``total``: in flight on the
     model's replicas altogether (default: the candidates'), which sets the capacity."""
     order = rank(key, rid_hashes)
-    cap = capacity(sum(loads) if total is None else total, len(rid_hashes), load_bound)
+    cap = capacity(sum(loads) if total is None else total, len(rid_hashes), load_bound, slack)
     for pos, i in enumerate(order):
         if loads[i] < cap:
             return i, pos == 0

@@ -99,6 +99,7 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         routing: str = "least-outstanding",
         load_bound: float = 1.15,
+        load_slack: int = 0,
         prefix_chars: int = prefix.MAX_CHARS,
     ):
         if routing not in ROUTINGS:
@@ -107,6 +108,7 @@ class Router:
             raise ValueError(f"load_bound must be at least 1, not {load_bound!r}")
         self.routing = routing
         self.load_bound = load_bound
+        self.load_slack = load_slack
         self.prefix_chars = prefix_chars
         self.decisions = dict.fromkeys(DECISIONS, 0)
         self.cooldown = cooldown
@@ -202,7 +204,7 @@ class Router:
             key = prefix.prefix_key(body, max_chars=self.prefix_chars)
             if key is not None:
                 loads = [b.outstanding for b in candidates]
-                i, owner = prefix.choose(key, [b.rid_hash for b in candidates], loads, self.load_bound)
+                i, owner = prefix.choose(key, [b.rid_hash for b in candidates], loads, self.load_bound, slack=self.load_slack)
                 best = candidates[i]
                 self.decisions["prefix" if owner else "load-bound-overflow"] += 1
                 best.outstanding += 1

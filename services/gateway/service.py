@@ -160,7 +160,7 @@ class Gateway(ServiceRuntime):
         self.tls = tls_context(cfg.source, g.tls_cert, g.tls_key) if g.tls_cert else None
         self.router = Router(
             cooldown=g.cooldown, failures_before_cooldown=g.failures_before_cooldown, retry_after=g.retry_after,
-            routing=g.routing, load_bound=g.routing_load_bound, prefix_chars=g.routing_prefix_chars,
+            routing=g.routing, load_bound=g.routing_load_bound, load_slack=g.routing_load_slack, prefix_chars=g.routing_prefix_chars,
         )  # fmt: skip
         self.metrics = GatewayMetrics(self.router)
         self.upstream = Upstream(g)

@@ -1,0 +1,363 @@
+"""Cache-aware routing, side by side: round robin, least-outstanding and
+prefix-aware routing over 4 ``sim`` engines with the prefix cache on, through
+one and through two real gateways (``llmgw gateway`` processes over a real
+nats-server, replica records written under the scheduler's identity).
+
+Not a test: it prints figures. Run from the repository root::
+
+    python -m bench.routing [--seconds 15] [--rate 16]
+    python -m bench.routing --long-prompts [--seconds 10] [--concurrency 150]
+
+The workload (seeded, the same for every policy), open loop: conversations
+start at random times in the first part of a run at ``--rate`` requests per
+second on average; each opens with a document to talk about, and each of its
+turns resends the whole history (its system prompt — one of a few long ones
+shared by many users — the document, the questions, and fixed answers) and is sent ``--think`` seconds after the previous one (or
+when it is answered, if later); a share of requests are one-off prompts that
+nothing else shares. Every request streams, so time to first token is the
+first chunk's arrival. Engines: ``--prefill-rate`` uncached prompt tokens per
+second, one prefill at a time each, ``--kv-cache-tokens`` of prefix cache; the
+caches are emptied (POST /reset_prefix_cache) before each run.
+
+Policies: round robin is the client itself rotating over the engines (no
+gateway); least-outstanding and prefix are gateways with
+``gateway.routing`` set so. With two gateways, requests alternate between
+them — each turn of a conversation may go through the other one. The cache
+hit ratio comes from the engines' own ``vllm:prefix_cache_hits`` /
+``vllm:prefix_cache_queries``; per-replica load is the requests each engine
+finished (``vllm:request_success``) over their mean.
+
+``--long-prompts``: ~200 KB unique prompts, ``--concurrency`` clients at once
+(closed loop), straight to the engines (client-side rotation) and through
+one prefix-routing gateway, turn about; prints the added p50/p99 and the
+gateway's CPU per request. The engines run with no prefill cost and no
+cache, and answer 4 tokens at 2 tokens/s (~2 s a request), so the 150 in
+flight do not saturate a small machine's CPUs by themselves: what differs
+is the gateway's path (everything shares this machine's cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+from llmgw.shared.natsserver import NatsServer, free_port
+
+from bench.gateway import cpu_seconds, pct, wait_http
+from tests.gateway_helpers import HOST, Board, Sim, metric_sum, replica
+
+MODEL = "sim"
+REPLICAS = 4
+WORDS = ("fabric", "node", "replica", "leader", "worker", "token", "model", "engine", "gpu", "link", "rank", "group", "cache", "layer", "tensor", "batch")
+
+
+def text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) + str(rng.randrange(1000)) for _ in range(n))
+
+
+@dataclass
+class Req:
+    at: float  # seconds from the start of the run
+    conv: int  # -1: a one-off
+    turn: int
+    body: bytes
+
+
+def workload(
+    seed: int, seconds: float, rate: float, *, systems: int, system_tokens: int, doc_tokens: int, turns: int, think: float, unique_share: float
+) -> list[list[Req]]:
+    """Per conversation (a one-off is a conversation of one), its requests in order."""
+    rng = random.Random(seed)
+    prompts = [f"You are assistant #{i}. " + text(rng, system_tokens) for i in range(systems)]
+    total = int(rate * seconds)
+    n_unique = int(total * unique_share)
+    n_conv = max(1, (total - n_unique) // turns)
+    window = max(seconds - turns * think, seconds / 2)
+    convs: list[list[Req]] = []
+    for c in range(n_conv):
+        start = rng.uniform(0, window)
+        history = [{"role": "system", "content": prompts[rng.randrange(systems)]}]
+        reqs = []
+        for t in range(turns):
+            # The opening brings a document to talk about; later turns are short questions.
+            asked = f"user {c} asks about this: " + text(rng, doc_tokens) if t == 0 else f"user {c} follows up: " + text(rng, 40)
+            history.append({"role": "user", "content": asked})
+            body = {"model": MODEL, "messages": list(history), "max_tokens": 8, "stream": True}
+            reqs.append(Req(start + t * think, c, t, json.dumps(body).encode()))
+            history.append({"role": "assistant", "content": text(rng, 120)})
+        convs.append(reqs)
+    for u in range(n_unique):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"one-off {u}: " + text(rng, doc_tokens)}], "max_tokens": 8, "stream": True}
+        convs.append([Req(rng.uniform(0, seconds), -1, 0, json.dumps(body).encode())])
+    return convs
+
+
+@dataclass
+class Result:
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    errors: int = 0
+    seconds: float = 0.0
+    served: list[float] = field(default_factory=list)  # per engine
+    hits: float = 0.0
+    queries: float = 0.0
+    replicas_seen: dict = field(default_factory=dict)  # conversation -> set of x-llmgw-replica
+
+
+async def one(session: aiohttp.ClientSession, url: str, body: bytes, into: Result, conv: int) -> None:
+    t0 = time.perf_counter()
+    first = None
+    try:
+        async with session.post(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}) as r:
+            tail = b""
+            async for chunk in r.content.iter_any():
+                if first is None:
+                    first = time.perf_counter()
+                tail = (tail + chunk)[-64:]
+            ok = r.status == 200 and b"[DONE]" in tail
+            rid = r.headers.get("x-llmgw-replica")
+    except aiohttp.ClientError:
+        ok = False
+    end = time.perf_counter()
+    if not ok or first is None:
+        into.errors += 1
+        return
+    into.ttft.append(first - t0)
+    into.e2e.append(end - t0)
+    if rid and conv >= 0:
+        into.replicas_seen.setdefault(conv, set()).add(rid)
+
+
+async def engine_counts(session: aiohttp.ClientSession, sims: list[Sim]) -> list[tuple[float, float, float]]:
+    out = []
+    for s in sims:
+        async with session.get(f"{s.endpoint}/metrics") as r:
+            t = await r.text()
+        out.append((metric_sum(t, "vllm:request_success_total"), metric_sum(t, "vllm:prefix_cache_hits_total"), metric_sum(t, "vllm:prefix_cache_queries_total")))
+    return out
+
+
+async def run_policy(session: aiohttp.ClientSession, sims: list[Sim], urls: list[str], convs: list[list[Req]]) -> Result:
+    """Send the workload, rotating over ``urls`` request by request."""
+    for s in sims:
+        async with session.post(f"{s.endpoint}/reset_prefix_cache") as r:
+            assert r.status == 200
+    before = await engine_counts(session, sims)
+    res = Result()
+    turn = 0
+    start = time.perf_counter()
+
+    def next_url() -> str:
+        nonlocal turn
+        turn += 1
+        return urls[turn % len(urls)]
+
+    async def conversation(reqs: list[Req]) -> None:
+        for q in reqs:
+            await asyncio.sleep(max(0.0, start + q.at - time.perf_counter()))
+            await one(session, next_url(), q.body, res, q.conv)
+
+    await asyncio.gather(*(conversation(c) for c in convs))
+    res.seconds = time.perf_counter() - start
+    after = await engine_counts(session, sims)
+    res.served = [a[0] - b[0] for a, b in zip(after, before)]
+    res.hits = sum(a[1] - b[1] for a, b in zip(after, before))
+    res.queries = sum(a[2] - b[2] for a, b in zip(after, before))
+    return res
+
+
+def start_gateway(work: Path, nats: NatsServer, name: str, routing: str, procs: list) -> tuple[str, subprocess.Popen, Path]:
+    tls = nats.tls_for(name, "gateway")
+    port = free_port(HOST)
+    conf = {"server": nats.url, "tls": {"ca": tls.ca, "cert": tls.cert, "key": tls.key}, "gateway": {"listen": f"{HOST}:{port}", "routing": routing}}
+    (work / f"{name}.yaml").write_text(yaml.safe_dump(conf))
+    log = work / f"{name}.log"
+    with open(log, "wb") as out:
+        p = subprocess.Popen([sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(work / f"{name}.yaml")], stdout=out, stderr=subprocess.STDOUT)
+    procs.append(p)
+    return f"http://{HOST}:{port}", p, log
+
+
+async def long_prompts(session: aiohttp.ClientSession, sims: list[Sim], gw_url: str, gw_pid: int, args) -> None:
+    rng = random.Random(args.seed)
+    # ~200 KB of words; each request a different one (a fresh start, so nothing is cached anywhere).
+    base = text(rng, 21_000)
+    bodies = [json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"{i}: " + base}], "max_tokens": 4, "stream": True}).encode() for i in range(32)]
+    print(f"\nlong prompts: {len(bodies[0]) / 1000:.0f} KB bodies, {args.concurrency} concurrent clients, {args.seconds:g}s per turn, {args.rounds} turns each\n")
+
+    async def drive(urls: list[str], into: Result) -> None:
+        deadline = time.perf_counter() + args.seconds
+        k = 0
+
+        async def client(c: int) -> None:
+            nonlocal k
+            while time.perf_counter() < deadline:
+                k += 1
+                await one(session, urls[k % len(urls)], bodies[k % len(bodies)], into, -1)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(args.concurrency)))
+        into.seconds += time.perf_counter() - t0
+
+    direct_urls = [s.endpoint for s in sims]
+    results = {"direct": Result(), "gateway": Result()}
+    await drive(direct_urls, Result())  # warm-up
+    await drive([gw_url], Result())
+    gw_cpu = 0.0
+    for _ in range(args.rounds):
+        await drive(direct_urls, results["direct"])
+        before = cpu_seconds(gw_pid)
+        await drive([gw_url], results["gateway"])
+        gw_cpu += cpu_seconds(gw_pid) - before
+    d = results["direct"]
+    print("| target | requests | req/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | added p50 ms | added p99 ms | errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        p50, p99 = pct(r.e2e, 0.5) * 1e3, pct(r.e2e, 0.99) * 1e3
+        added = "– | –" if name == "direct" else f"{p50 - pct(d.e2e, 0.5) * 1e3:.1f} | {p99 - pct(d.e2e, 0.99) * 1e3:.1f}"
+        print(f"| {name} | {len(r.e2e)} | {len(r.e2e) / r.seconds:.0f} | {pct(r.ttft, 0.5) * 1e3:.1f} | {pct(r.ttft, 0.99) * 1e3:.1f} | {p50:.1f} | {p99:.1f} | {added} | {r.errors} |")
+    g = results["gateway"]
+    if g.e2e:
+        print(f"\ngateway CPU per request (user + system, /proc): {gw_cpu / len(g.e2e) * 1e6:.0f} µs")
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=14.0, help="length of one run (default 14; --long-prompts: of one turn, default 14)")
+    ap.add_argument("--rate", type=float, default=16.0, help="mean arrival rate, requests/s (default 16)")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--systems", type=int, default=4, help="long system prompts shared by the users (default 4)")
+    ap.add_argument("--system-tokens", type=int, default=1000, help="tokens of each system prompt (default 1000)")
+    ap.add_argument("--doc-tokens", type=int, default=1500, help="tokens of the document a conversation opens with, and of a one-off (default 1500)")
+    ap.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
+    ap.add_argument("--think", type=float, default=1.5, help="seconds between a conversation's turns (default 1.5)")
+    ap.add_argument("--unique-share", type=float, default=0.2, help="share of one-off prompts (default 0.2)")
+    ap.add_argument("--prefill-rate", type=float, default=20000, help="engines' prefill, uncached tokens/s (default 20000)")
+    ap.add_argument("--kv-cache-tokens", type=int, default=40000, help="engines' prefix cache, tokens (default 40000)")
+    ap.add_argument("--token-rate", type=float, default=400, help="engines' decode, tokens/s per request (default 400)")
+    ap.add_argument("--policies", default="round-robin,least-outstanding,prefix", help="which to run (default all three)")
+    ap.add_argument("--long-prompts", action="store_true", help="the 200 KB prompts x --concurrency overhead run instead")
+    ap.add_argument("--concurrency", type=int, default=150, help="--long-prompts: clients at once (default 150)")
+    ap.add_argument("--rounds", type=int, default=2, help="--long-prompts: turns each target takes (default 2)")
+    ap.add_argument("--json", help="also write the raw figures here")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-routing-"))
+    procs: list[subprocess.Popen] = []
+    nats = NatsServer(root=work / "nats")
+    sims: list[Sim] = []
+    board = None
+    try:
+        nats.prepare()
+        nats.start()
+        if args.long_prompts:
+            extra = ("--max-model-len", "200000", "--max-num-seqs", "1024")
+            rate = 2.0  # 4 tokens: ~2 s a request, so 150 in flight leave the CPUs some room
+        else:
+            extra = ("--prefill-rate", str(args.prefill_rate), "--kv-cache-tokens", str(args.kv_cache_tokens), "--block-size", "16", "--max-model-len", "100000")
+            rate = args.token_rate
+        sims = [Sim(work, f"engine{i}", MODEL, token_rate=rate, extra=extra) for i in range(REPLICAS)]
+        policies = ["prefix"] if args.long_prompts else args.policies.split(",")
+        names = [(f"gw-{p}-{k}", p) for p in policies if p != "round-robin" for k in range(1 if args.long_prompts else 2)]
+        for name, _ in names:
+            nats.issue(name, "gateway")
+        board = await Board.open(nats)  # its reload admits the gateways' certificates too
+        await asyncio.gather(*(s.wait_serving() for s in sims))
+        for i, s in enumerate(sims):
+            await board.put(replica(f"sim-{i}", MODEL, s.endpoint))
+        gateways: dict[str, list[str]] = {}
+        for name, policy in names:
+            url, p, log = start_gateway(work, nats, name, policy, procs)
+            await wait_http(f"{url}/v1/models", p, name, log)
+            gateways.setdefault(policy, []).append(url)
+
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+            # Every gateway must see all four replicas before it is measured.
+            for urls in gateways.values():
+                for url in urls:
+                    async def four(url=url):
+                        async with session.get(f"{url}/metrics") as r:
+                            return metric_sum(await r.text(), "llmgw_gateway_ready_replicas") == REPLICAS
+                    deadline = time.monotonic() + 30
+                    while not await four():
+                        if time.monotonic() > deadline:
+                            raise SystemExit(f"{url} never saw {REPLICAS} replicas")
+                        await asyncio.sleep(0.1)
+            if args.long_prompts:
+                await long_prompts(session, sims, gateways["prefix"][0], procs[0].pid, args)
+                return 0
+
+            convs = workload(args.seed, args.seconds, args.rate, systems=args.systems, system_tokens=args.system_tokens, doc_tokens=args.doc_tokens, turns=args.turns, think=args.think, unique_share=args.unique_share)
+            n = sum(len(c) for c in convs)
+            print(f"\nmachine: {os.cpu_count()} cores; {n} requests in {args.seconds:g}s (mean {n / args.seconds:.1f}/s, open loop), "
+                  f"{sum(1 for c in convs if c[0].conv >= 0)} conversations x {args.turns} turns over {args.systems} system prompts of "
+                  f"{args.system_tokens} tokens, {sum(1 for c in convs if c[0].conv < 0)} one-offs; {REPLICAS} engines: prefill "
+                  f"{args.prefill_rate:g} tok/s, prefix cache {args.kv_cache_tokens} tokens, decode {args.token_rate:g} tok/s\n")  # fmt: skip
+            runs: list[tuple[str, int, list[str]]] = []
+            for p in policies:
+                if p == "round-robin":
+                    runs.append((p, 0, [s.endpoint for s in sims]))
+                else:
+                    runs.append((p, 1, gateways[p][:1]))
+                    runs.append((p, 2, gateways[p]))
+            await run_policy(session, sims, [s.endpoint for s in sims], convs[:8])  # warm-up: imports, pools
+            rows = []
+            print("| policy | gateways | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | req/s | cache hit ratio | max load / mean | per-replica requests | conversations on >1 replica | errors |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+            for policy, ngw, urls in runs:
+                r = await run_policy(session, sims, urls, convs)
+                mean = sum(r.served) / len(r.served) if r.served else 0
+                split = sum(1 for s in r.replicas_seen.values() if len(s) > 1)
+                row = {
+                    "policy": policy, "gateways": ngw, "ttft_p50_ms": pct(r.ttft, 0.5) * 1e3, "ttft_p99_ms": pct(r.ttft, 0.99) * 1e3,
+                    "e2e_p50_ms": pct(r.e2e, 0.5) * 1e3, "e2e_p99_ms": pct(r.e2e, 0.99) * 1e3, "rps": len(r.e2e) / r.seconds,
+                    "hit_ratio": r.hits / r.queries if r.queries else 0.0, "max_over_mean": max(r.served) / mean if mean else 0.0,
+                    "served": r.served, "split_conversations": split if ngw else None, "errors": r.errors,
+                }  # fmt: skip
+                rows.append(row)
+                gw_cell = "none (client rotates)" if not ngw else str(ngw)
+                split_cell = "–" if not ngw else f"{split} of {len(r.replicas_seen)}"
+                print(f"| {policy} | {gw_cell} | {row['ttft_p50_ms']:.1f} | {row['ttft_p99_ms']:.1f} | {row['e2e_p50_ms']:.1f} | {row['e2e_p99_ms']:.1f} | "
+                      f"{row['rps']:.1f} | {row['hit_ratio']:.3f} | {row['max_over_mean']:.2f} | {' '.join(str(int(x)) for x in r.served)} | {split_cell} | {r.errors} |")  # fmt: skip
+            by = {(r["policy"], r["gateways"]): r for r in rows}
+            if ("prefix", 1) in by and ("least-outstanding", 1) in by:
+                px, lo = by[("prefix", 1)], by[("least-outstanding", 1)]
+                print(f"\nprefix vs least-outstanding (one gateway): TTFT p50 {lo['ttft_p50_ms'] / px['ttft_p50_ms']:.1f}x lower; "
+                      f"two gateways' hit ratio {by[('prefix', 2)]['hit_ratio']:.3f} vs one's {px['hit_ratio']:.3f}")  # fmt: skip
+            if args.json:
+                Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        return 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        if board is not None:
+            await board.close()
+        for s in sims:
+            s.kill()
+        nats.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
