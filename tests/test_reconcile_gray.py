@@ -582,3 +582,46 @@ def test_console_story_of_a_hung_replica_starts_when_it_degraded():
     (story,) = [s for s in told if s is not None]
     assert story.steps[:2] == ["sim-g1 degraded", "sim-g1 failed"]
     assert story.steps[-1] == "ready (31.0 s)"
+
+
+# --------------------------------------------------------------------------
+# Case 3, peer loss: the replacement keeps off the node a peer reported lost
+# --------------------------------------------------------------------------
+
+
+def test_the_replacement_keeps_off_the_node_a_peer_reported_lost_until_it_is_heard_from():
+    """The seed's node kill: node01's leader says rank 1 (node02) is gone seconds before
+    node02's lease can run out. The replacement goes to ib-b, not back onto node02."""
+    w = ready_world()
+    w.member("sim-g1", "node01", E.PEER_LOST, "log: rank 1 lost (127.0.1.2 closed the connection)")
+    plan = w.step()
+    assert w.state("sim-g1") == RS.REAPING
+    (new,) = [r for r in w.replicas.values() if r.id != "sim-g1"]
+    assert new.fabric == "ib-b" and {l.node_id for l in plan.launches} == {"node03", "node04"}
+    # Still avoided while node02 says nothing (its old engine reaped, too)...
+    w.all_members("sim-g1", E.EXITED)
+    w.step()
+    w.deployments["big"] = make_deployment("big", replicas=1, nodes_per_replica=2, gpus_per_node=8)
+    w.step()
+    (big,) = [r for r in w.replicas.values() if r.deployment == "big"]
+    assert big.state == RS.PENDING and "peer_lost_suspect" in big.reason
+    # ...and offered again once a heartbeat after the report renewed its lease.
+    w.leases["node02"] = msgspec.structs.replace(w.leases["node02"], last_renew=w.now + 0.5)
+    plan = w.step()
+    assert w.replicas[big.id].state == RS.LAUNCHING
+    assert {l.node_id for l in plan.launches} == {"node01", "node02"}
+
+
+def test_a_replica_failed_by_a_lost_node_is_no_crash_loop_of_its_deployment():
+    """A node that dies under a replica still starting says nothing about the deployment:
+    the replacement is placed at once, with no backoff."""
+    w = single_node_world(nodes=2, config=ReconcileConfig(backoff_base=5.0))
+    w.step()
+    (first,) = list(w.replicas.values())
+    assert first.state == RS.LAUNCHING
+    node = first.members[0].node_id
+    w.leases[node] = msgspec.structs.replace(w.leases[node], state="lost")
+    plan = w.step()
+    assert not plan.backoffs and w.deployments["sim"].failures == 0
+    (repl,) = [r for r in w.replicas.values() if r.id != first.id]
+    assert repl.state == RS.LAUNCHING and repl.members[0].node_id != node

@@ -78,6 +78,8 @@ class LeaseReady:
             return Verdict(False, R.LEASE_NOT_READY, f"lease is {node.lease}")
         if node.quarantine:
             return Verdict(False, R.QUARANTINED, node.quarantine)
+        if node.suspect:
+            return Verdict(False, R.PEER_LOST_SUSPECT, node.suspect)
         return OK
 
 

@@ -63,6 +63,9 @@ class NodeFailure:
     node_id: str
     time: float
     reason: str
+    # "peer-lost": a peer of the node's member said it was gone. Until the node
+    # is heard from again (a heartbeat after ``time``), placement avoids it.
+    kind: str = ""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ NO_RECORD = "no_record"  # a lease but no node record: the registry has not seen
 NO_MGMT_ADDR = "no_mgmt_addr"  # nowhere for peers or the gateway to reach it
 NO_LEASE = "no_lease"  # a record but no lease: the health monitor has not heard it yet
 LEASE_NOT_READY = "lease_not_ready"  # suspect or lost
+PEER_LOST_SUSPECT = "peer_lost_suspect"  # a peer reported it lost; no heartbeat heard since
 QUARANTINED = "quarantined"  # two agents answer for the node's identity (issue #12)
 CORDONED = "cordoned"
 DRAINING = "draining"
@@ -27,6 +28,7 @@ DESCRIPTIONS: dict[str, str] = {
     NO_MGMT_ADDR: "node record has no management address",
     NO_LEASE: "no lease (health monitor has not heard from it)",
     LEASE_NOT_READY: "lease not ready",
+    PEER_LOST_SUSPECT: "reported lost by a peer, not heard from since",
     QUARANTINED: "quarantined (two agents with one identity)",
     CORDONED: "cordoned",
     DRAINING: "draining",

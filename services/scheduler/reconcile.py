@@ -201,7 +201,8 @@ def reconcile(
     for replica in sorted(replicas.values(), key=lambda r: (r.deployment, r.generation, r.id)):
         cycle.advance(replica)
     cycle.judge_nodes(failures or {})  # before placing: a node cordoned now takes nothing new
-    cycle.view = ClusterView.build(cycle.nodes, leases, cycle.replicas.values(), ports=cycle.config.ports)
+    suspects = cycle.peer_lost_suspects(failures or {})  # before placing: the replacement avoids them
+    cycle.view = ClusterView.build(cycle.nodes, leases, cycle.replicas.values(), ports=cycle.config.ports, suspects=suspects)
     by_deployment: dict[str, list[Replica]] = defaultdict(list)
     for replica in cycle.replicas.values():
         by_deployment[replica.deployment].append(replica)
@@ -224,6 +225,8 @@ class _Cycle:
         self.view: ClusterView | None = None
         # deployment -> reasons of its replicas that failed before serving, this cycle
         self.early_failures: dict[str, list[str]] = defaultdict(list)
+        # replica id -> the members' nodes that did not report the lost peer (case 3)
+        self.peer_lost_quiet: dict[str, list[str]] = {}
         # deployment -> the replica that became ready this cycle
         self.became_ready: dict[str, str] = {}
 
@@ -319,6 +322,7 @@ class _Cycle:
             )
             # The one that says a peer is gone is not the suspect; the peers are.
             quiet = [m.node_id for m in replica.members if m.engine_state not in BROKEN_ENGINE]
+            self.peer_lost_quiet[replica.id] = _unique(quiet)
             return why, _unique(quiet or [m.node_id for m in replica.members])
         spec = self.deployments.get(replica.deployment)
         leader = replica.members[0]
@@ -360,10 +364,35 @@ class _Cycle:
 
     def failed(self, replica: Replica, why: str, implicated: list[str]) -> None:
         """Evidence from a failure: towards the deployment's backoff and the nodes' records."""
-        if replica.state in _STARTING and not self.hardware(replica):  # case 11 is no crash loop
+        # A lost node and broken hardware are the node's failure, not the
+        # deployment's crash loop (cases 3, 11): its replacement is placed at once.
+        node_failure = any(self.node_down(m.node_id) for m in replica.members) or bool(self.hardware(replica))
+        if replica.state in _STARTING and not node_failure:
             self.early_failures[replica.deployment].append(f"{replica.id}: {why}")
+        quiet = set(self.peer_lost_quiet.get(replica.id, ()))
         for node_id in implicated:
-            self.plan.implicated.append(NodeFailure(node_id, self.now, f"{replica.id} {why}"))
+            kind = "peer-lost" if node_id in quiet else ""
+            self.plan.implicated.append(NodeFailure(node_id, self.now, f"{replica.id} {why}", kind))
+
+    def peer_lost_suspects(self, history: Mapping[str, Sequence[NodeFailure]]) -> dict[str, str]:
+        """Nodes a peer reported lost (case 3) and not heard from since: node -> why.
+
+        A peer's word comes seconds before the node's lease can go lost; without
+        this the replacement of the replica that just failed is placed right back
+        on the dead node (its lease still ready), fails there when the lease runs
+        out, and costs a crash-loop backoff — the seed story's node kill took 8 s
+        more that way. A node that is alive is heard from within a heartbeat
+        (its lease renewed after the report), and offered again."""
+        out: dict[str, str] = {}
+        for f in [*(f for fs in history.values() for f in fs), *self.plan.implicated]:
+            if f.kind != "peer-lost":
+                continue
+            lease = self.leases.get(f.node_id)
+            if lease is not None and lease.last_renew > f.time:
+                continue  # heard from since
+            when = dt.datetime.fromtimestamp(f.time).strftime("%H:%M:%S")
+            out[f.node_id] = f"a peer reported it lost at {when} ({f.reason.split(':', 1)[0]}); no heartbeat heard since"
+        return out
 
     def progress(self, replica: Replica) -> None:
         leader = replica.members[0]

@@ -67,6 +67,9 @@ class NodeView:
     blocked: dict[int, str] = field(default_factory=dict)
     unhealthy: frozenset[int] = frozenset()
     quarantine: str = ""  # the lease's: two agents answer for this node (issue #12)
+    # Why the node is suspect since a peer reported it lost (no heartbeat heard
+    # after that); "" when it is not.
+    suspect: str = ""
 
     @property
     def admin(self) -> str:
@@ -181,8 +184,11 @@ class ClusterView:
         replicas: Iterable[Replica],
         *,
         ports: PortRange | None = None,
+        suspects: Mapping[str, str] | None = None,
     ) -> ClusterView:
+        """``suspects``: node -> why it is suspect (``NodeView.suspect``)."""
         ports = ports or PortRange()
+        suspects = suspects or {}
         views: dict[str, NodeView] = {}
         for node_id in sorted(set(nodes) | set(leases)):
             record = nodes.get(node_id)
@@ -196,6 +202,7 @@ class ClusterView:
                 blocked=gpu_blocks(record) if record else {},
                 unhealthy=frozenset(g.index for g in record.gpus if not g.healthy) if record else frozenset(),
                 quarantine=lease.quarantine if lease is not None else "",
+                suspect=suspects.get(node_id, ""),
             )
         view = cls(views, ports, Counter())
         for replica in replicas:
