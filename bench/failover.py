@@ -43,6 +43,11 @@ worker-hang           the same for a worker: every generation step is a
 stall                 ``llmgw sim stall-replica`` (SIGUSR1 to the leader's sim
                       engine: no more tokens, /health still 200); killed after
                       ``--fault-timeout`` if never detected, so the run heals
+hca-down              ``llmgw sim hca-down`` of the worker node's HCA of the
+                      replica's fabric (its sysfs port state), ``hca-up`` once
+                      the replica is rebuilt: the node must not be declared lost
+gpu-fault             ``llmgw sim gpu-fault`` (XID 79) of the leader's first GPU,
+                      ``gpu-ok`` once the replica is rebuilt
 agent-kill            SIGKILL of the agent of a leader's node, restarted after
                       ``--outage``: must disturb nothing
 nats-restart          SIGKILL of the nats-server, restarted on the same store and
@@ -88,7 +93,7 @@ from pathlib import Path
 
 import aiohttp
 
-FAULTS = ("node-kill", "leader-kill", "worker-kill", "leader-hang", "worker-hang", "stall", "agent-kill", "nats-restart")
+FAULTS = ("node-kill", "leader-kill", "worker-kill", "leader-hang", "worker-hang", "stall", "hca-down", "gpu-fault", "agent-kill", "nats-restart")
 LLMGW = [sys.executable, "-m", "llmgw.services"]
 STOPPED_REPLICA = ("failed", "reaping", "gone")
 
@@ -238,12 +243,12 @@ class Watch:
     async def open_mirrors(self) -> None:
         from llmgw.shared import subjects as S
         from llmgw.shared.kvmirror import KvMirror, open_bucket
-        from llmgw.shared.schemas import DeploymentSpec, Lease, Replica
+        from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRecord, Replica
 
         for m in self.mirrors.values():
             await m.stop()
         self.mirrors = {}
-        for name, bucket, schema in (("replicas", S.BUCKET_REPLICAS, Replica), ("leases", S.BUCKET_LEASES, Lease), ("deployments", S.BUCKET_DEPLOYMENTS, DeploymentSpec)):
+        for name, bucket, schema in (("replicas", S.BUCKET_REPLICAS, Replica), ("leases", S.BUCKET_LEASES, Lease), ("deployments", S.BUCKET_DEPLOYMENTS, DeploymentSpec), ("nodes", S.BUCKET_NODES, NodeRecord)):
             self.mirrors[name] = await KvMirror(await open_bucket(self.js, bucket, wait=30), schema).start(timeout=20)
 
     async def reopen(self) -> None:
@@ -680,9 +685,60 @@ class Bench:
 
     def start_agent(self, node: str) -> None:
         """Start a node's agent as 'llmgw up' and 'sim start-node' do (it adopts the engines still running)."""
-        from llmgw.services.simcluster import SIM_ENV
+        from llmgw.services.simcluster import cluster_env
 
-        self.c.spawn(f"agent-{node}", [*LLMGW, "agent", "--config", self.c.agent_configs[node]], env={SIM_ENV: node})
+        self.c.spawn(f"agent-{node}", [*LLMGW, "agent", "--config", self.c.agent_configs[node]], env=cluster_env(self.c.dir, node))
+
+    def node_record(self, node: str):
+        return self.w.mirrors["nodes"].items.get(node)
+
+    async def fault_hca_down(self, res, before):
+        """A live node's InfiniBand port goes DOWN under a 2-node replica: its fabric is
+        unusable there, the replica fails within a discovery interval and is rebuilt on the
+        other fabric; the node stays alive (its lease must not go lost)."""
+        r = self.target()
+        if len(r.members) < 2 or not r.fabric:
+            raise Unsupported(f"{r.id} is a single-node replica: an HCA going down under it changes nothing")
+        node = r.members[1].node_id
+        rec = self.node_record(node)
+        fabric = next((f for f in rec.fabrics if f.name == r.fabric), None) if rec is not None else None
+        if fabric is None or not fabric.hcas:
+            raise RuntimeError(f"{node}'s record lists no HCA of fabric {r.fabric}")
+        hca = fabric.hcas[0]
+        await self.c.sim("hca-down", node, hca)
+        self.begin(res, f"{hca} on {node} under {r.id}", f"llmgw sim hca-down {node} {hca}", r.id, node)
+        await self.wait_replacement(res, before, r.id)
+        await self.c.sim("hca-up", node, hca)
+
+        def usable() -> bool:
+            rec = self.node_record(node)
+            return rec is not None and all(f.usable for f in rec.fabrics)
+
+        if not await self.until(usable, self.args.fault_timeout):
+            res.note = (res.note + "; " if res.note else "") + f"{node}'s fabric not usable again after hca-up"
+        lost = [ev for ev in self.w.events if ev.time >= res.t0 and ev.kind == "node" and ev.subject == node and ev.what == "lost"]
+        if lost:
+            res.note = (res.note + "; " if res.note else "") + f"{node} was declared lost (it should stay alive)"
+
+    async def fault_gpu_fault(self, res, before):
+        """A GPU of the leader falls off the bus (XID 79): exactly the replica holding it
+        fails and is rebuilt; the GPU takes no work until it is healthy again."""
+        r = self.target()
+        leader = r.members[0]
+        if not leader.gpus:
+            raise Unsupported(f"{r.id}'s leader holds no GPU")
+        gpu = str(leader.gpus[0])
+        await self.c.sim("gpu-fault", leader.node_id, gpu, "--xid", "79")
+        self.begin(res, f"GPU {gpu} of {leader.node_id} under {r.id}", f"llmgw sim gpu-fault {leader.node_id} {gpu} --xid 79", r.id, leader.node_id)
+        await self.wait_replacement(res, before, r.id)
+        await self.c.sim("gpu-ok", leader.node_id, gpu)
+
+        def healthy() -> bool:
+            rec = self.node_record(leader.node_id)
+            return rec is not None and all(g.healthy for g in rec.gpus)
+
+        if not await self.until(healthy, self.args.fault_timeout):
+            res.note = (res.note + "; " if res.note else "") + f"GPU {gpu} of {leader.node_id} not healthy again after gpu-ok"
 
     async def fault_nats_restart(self, res, before):
         pid = self.c.live_pid("nats-server")
@@ -757,6 +813,7 @@ def parse_args(argv=None):
     ap.add_argument("--probe-interval", default="1s", help="agents' canary interval, passed to 'llmgw up' when it offers it (default 1s)")
     ap.add_argument("--stall-after", default="2s", help="no byte this long with requests in flight is a stall; passed on when offered (default 2s)")
     ap.add_argument("--hang-timeout", default="10s", help="degraded this long fails a replica; passed on when offered (default 10s)")
+    ap.add_argument("--discovery-interval", default="1s", help="agents' hardware re-read interval, passed on when offered (default 1s)")
     ap.add_argument("--up-attempts", type=int, default=3, help="tries of 'llmgw up' before giving up (default 3)")
     ap.add_argument("--up-args", default="", help="further 'llmgw up' arguments, space-separated")
     ap.add_argument("--json", help="write the raw figures (and every request) here")
@@ -777,7 +834,7 @@ async def up_cluster(args, d: Path) -> None:
             "--heartbeat-interval", args.heartbeat_interval, "--node-lost-after", args.node_lost_after,
             "--engine-load-time", args.engine_load_time]  # fmt: skip
     offered = []
-    for opt, value in (("--probe-interval", args.probe_interval), ("--stall-after", args.stall_after), ("--hang-timeout", args.hang_timeout)):
+    for opt, value in (("--probe-interval", args.probe_interval), ("--stall-after", args.stall_after), ("--hang-timeout", args.hang_timeout), ("--discovery-interval", args.discovery_interval)):
         if opt in helptext:
             argv += [opt, value]
             offered.append(f"{opt} {value}")
