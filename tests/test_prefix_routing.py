@@ -84,6 +84,12 @@ def test_a_short_opening_is_anchored_on_its_first_chunk_once_the_conversation_is
     assert len(keys) == 1 and None not in keys
 
 
+def test_a_long_shared_system_prompt_does_not_hide_the_opening_question():
+    system = "rules " * 10000  # 60 KB, past max_chars
+    keys = {prefix.prefix_key(chat(("system", system), ("user", q(f"question {i}")))) for i in range(20)}
+    assert len(keys) == 20
+
+
 def test_only_the_first_max_chars_count():
     long_a = chat(("user", "x" * 20000 + "tail one"))
     long_b = chat(("user", "x" * 20000 + "tail two"))
@@ -108,6 +114,17 @@ def test_chain_links_cover_their_predecessors_and_the_key_is_the_last_link():
 )
 def test_capacity_is_ceil_bound_times_mean(in_flight, replicas, bound, cap):
     assert prefix.capacity(in_flight, replicas, bound) == cap
+    assert prefix.capacity(in_flight, replicas, bound, slack=2) == cap + 2
+
+
+def test_with_a_slack_a_light_load_stays_on_the_owner_and_a_heavy_one_still_spreads():
+    r = router(IDS, load_bound=1.15, load_slack=2)
+    body = chat(("user", q("one conversation")))
+    held = [r.pick("m", body=body) for _ in range(3)]
+    assert len({b.id for b in held}) == 1  # 3 in flight: capacity ceil(1.15 * 3 / 4) + 2 = 3
+    held += [r.pick("m", body=body) for _ in range(37)]
+    loads = sorted(b.outstanding for b in r.backends())
+    assert sum(loads) == 40 and loads[-1] <= prefix.capacity(39, 4, 1.15, 2) == 14, loads
 
 
 def test_same_conversation_same_replica_in_two_routers_that_learned_replicas_in_another_order():
