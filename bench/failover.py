@@ -471,6 +471,9 @@ class Result:
     requests: int = 0
     errors: dict = field(default_factory=lambda: {"http": 0, "conn": 0, "timeout": 0, "stream-error": 0})
     slow: int = 0
+    # The longest wait of a request that was in flight at the fault or started after it,
+    # answered or not (the target: no longer than detection + 2 s).
+    longest: float = 0.0
     launches: int = 0  # replicas of the deployment launched in the window (a storm shows here)
     replica_events: list = field(default_factory=list)
     note: str = ""
@@ -584,6 +587,7 @@ class Bench:
             if r.error:
                 res.errors[r.error] += 1
         res.slow = sum(1 for r in window if not r.error and r.seconds > 2 * self.steady_p99)
+        res.longest = max((r.seconds for r in window), default=0.0)
         if sick_replica:
             to_sick = [r.start - t0 for r in window if r.start >= t0 and r.replica == sick_replica]
             res.last_to_sick = max(to_sick) if to_sick else None
@@ -768,11 +772,11 @@ def fmt(v: float | None) -> str:
 
 def table(results: list[Result], steady_p99: float) -> None:
     print(f"\nsteady p99 {steady_p99 * 1e3:.0f} ms; slow = longer than {2 * steady_p99 * 1e3:.0f} ms; times in seconds from the fault\n")
-    print("| fault | victim | detected | last to sick | replacement ready | launches | requests | non-2xx | conn | timeout | stream error | slow | healed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| fault | victim | detected | last to sick | replacement ready | launches | requests | non-2xx | conn | timeout | stream error | slow | longest | healed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         e = r.errors
-        print(f"| {r.fault} | {r.victim or '-'} | {fmt(r.detected)} | {fmt(r.last_to_sick)} | {fmt(r.replacement)} | {r.launches} | {r.requests} | {e['http']} | {e['conn']} | {e['timeout']} | {e['stream-error']} | {r.slow} | {'yes' if r.healed else 'no'} |")
+        print(f"| {r.fault} | {r.victim or '-'} | {fmt(r.detected)} | {fmt(r.last_to_sick)} | {fmt(r.replacement)} | {r.launches} | {r.requests} | {e['http']} | {e['conn']} | {e['timeout']} | {e['stream-error']} | {r.slow} | {fmt(r.longest)} | {'yes' if r.healed else 'no'} |")
     print()
     for r in results:
         print(f"{r.fault}: {r.how or '-'}")
