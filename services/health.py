@@ -71,7 +71,9 @@ class HealthMonitor(ServiceRuntime):
 
     async def setup(self) -> None:
         h = self.cfg.health
-        self.book = LeaseBook(Timings(h.heartbeat_interval, h.suspect_after_missed, h.node_lost_after), on_refuse=self._refused)
+        self.book = LeaseBook(Timings(h.heartbeat_interval, h.suspect_after_missed, h.node_lost_after, self.cfg.reconnect_grace), on_refuse=self._refused)
+        # Set while lease writes fail (no quorum, or the bus away): countdowns pause.
+        self.write_blocked = False
         self.leases_kv = self.kv[S.BUCKET_LEASES]
         self.acting = False
         self.heard: dict[str, tuple[Heartbeat, float]] = {}
@@ -95,6 +97,14 @@ class HealthMonitor(ServiceRuntime):
         self.book.load(leases, time.time())
         self.log.info("continuing from %d stored leases", len(leases))
 
+    async def on_bus_disconnect(self) -> None:
+        self.book.disconnected(time.time())
+        self.log.warning("lost the bus: no node goes suspect or lost until it is back and %.1fs have passed", self.book.grace())
+
+    async def on_bus_reconnect(self) -> None:
+        self.book.reconnected(time.time())
+        self.log.info("bus back: every node has %.1fs (health.reconnect_grace) to be heard before anything expires", self.book.grace())
+
     async def on_heartbeat(self, msg) -> None:
         hb = self.node_message(msg, Heartbeat, HEARTBEATS, "heartbeat")
         if hb is None:
@@ -111,7 +121,10 @@ class HealthMonitor(ServiceRuntime):
         else:
             HEARTBEATS.labels("accepted").inc()
         if tr:
-            await self._apply([tr])
+            try:
+                await self._apply([tr])
+            except Exception:
+                pass  # counted and logged by _store; the lease is written again
 
     _refusing = False
 
@@ -152,10 +165,22 @@ class HealthMonitor(ServiceRuntime):
             if not self.acting:
                 continue
             try:
+                if self.write_blocked:
+                    # Writes failed: judge nothing until one succeeds (the outage rule).
+                    # One write probes; the rest follow once it is acknowledged.
+                    due = self.book.due_writes(time.time())
+                    if due:
+                        await self._store(due[0])
+                    await self._flush()
+                    if not self.book.dirty:
+                        self.write_blocked = False
+                        self.book.reconnected(time.time())
+                        self.log.info("lease writes work again: every node has %.1fs to be heard before anything expires", self.book.grace())
+                    continue
                 await self._apply(self.book.expire(time.time()))
                 await self._flush()
             except Exception as e:
-                self.log.warning("lease tick failed: %s", e)
+                self.log.warning("lease tick failed: %s", e or type(e).__name__)
 
     async def _apply(self, transitions: list[Transition]) -> None:
         for tr in transitions:
@@ -170,8 +195,15 @@ class HealthMonitor(ServiceRuntime):
     async def _store(self, lease: Lease) -> None:
         try:
             await self.leases_kv.put(lease.node_id, encode(lease))
-        except Exception:
+        except Exception as e:
             WRITE_ERRORS.inc()
+            self.write_failed(f"lease {lease.node_id}", e)
+            # Written again once the bus takes writes; meanwhile nothing expires:
+            # a monitor that cannot record a verdict does not reach new ones.
+            self.book.dirty.add(lease.node_id)
+            if not self.write_blocked:
+                self.write_blocked = True
+                self.book.disconnected(time.time())
             raise
         self.book.stored(lease)
 

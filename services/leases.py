@@ -5,12 +5,22 @@ Times are the monitor's own clock, passed in; the agents' clocks never matter.
     ready ──(no heartbeat for suspect_after_missed × interval)──▶ suspect
     suspect ──(heartbeat)──▶ ready
     ready/suspect ──(no heartbeat for node_lost_after)──▶ lost
-    lost ──(heartbeat with a NEW boot id: the agent restarted)──▶ ready
+    lost ──(a newer heartbeat, same or new boot id)──▶ ready
 
-A lost node is sticky: heartbeats from the same agent incarnation (a healed
-partition) do not bring it back, because the scheduler has already failed and
-replaced its replicas; it rejoins when its agent restarts, which also fences
-(stops) whatever stale engines it still runs.
+A lost node returns when it is heard again: with a new boot id (its agent
+restarted) or with the same one (a healed partition, or an agent that took
+longer than the grace to reconnect after a bus outage). Its replicas were
+failed and replaced while it was lost; the scheduler asks a node whose lease
+returns for its full engine list and fences (stops) the stale engines it still
+runs, so the node comes back empty.
+
+The bus outage rule (issue #13). The monitor judges silence only while it
+can hear: while it is disconnected from the bus (``disconnected``) nothing
+expires, and when it reconnects (``reconnected``) or takes over (``load``)
+every node gets ``Timings.reconnect_grace`` — the agents' worst reconnect
+time — before anything can go suspect or lost. A node still silent after the
+grace goes lost then (its countdown is not restarted, so a node that died
+during the outage is not given a second full ``node_lost_after``).
 
 What a heartbeat may claim (issue #12). A node's certificate says who sends,
 not that the sender is sane or alone:
@@ -53,6 +63,9 @@ class Timings:
     heartbeat_interval: float
     suspect_after_missed: int
     node_lost_after: float
+    # After the monitor reconnects to the bus or takes over, no lease expires for this
+    # long: the agents' worst reconnect time (health.reconnect_grace).
+    reconnect_grace: float = 0.0
 
     @property
     def suspect_after(self) -> float:
@@ -94,18 +107,36 @@ class LeaseBook:
     dirty: set[str] = field(default_factory=set)
     # Called with (node, reason, detail) for every refused heartbeat, e.g. ("seq_jump", …).
     on_refuse: Callable[[str, str, str], None] | None = None
+    # When the monitor lost the bus (None while connected): nothing expires meanwhile.
+    outage_since: float | None = None
+
+    def grace(self) -> float:
+        """How long nothing expires after a reconnect or takeover."""
+        return max(2 * self.timings.heartbeat_interval, self.timings.reconnect_grace)
+
+    def disconnected(self, at: float) -> None:
+        """The monitor lost the bus: the silence it cannot hear is not the nodes'."""
+        if self.outage_since is None:
+            self.outage_since = at
+
+    def reconnected(self, at: float) -> None:
+        """The bus is back: every node gets the grace to reconnect and be heard."""
+        self.outage_since = None
+        self.not_before = max(self.not_before, at + self.grace())
 
     def load(self, leases: dict[str, Lease], at: float) -> None:
         """Continue from stored leases after a restart: countdowns resume where they were.
 
-        Heartbeats sent while no monitor listened are gone, so live nodes get
-        two heartbeat intervals to be heard again before anything expires; a
-        node that died meanwhile is declared lost right after that grace, its
-        countdown not restarted.
+        Heartbeats sent while no monitor listened are gone, and a takeover may
+        follow a bus outage the agents are still reconnecting from, so live
+        nodes get the grace (``grace()``: at least two heartbeat intervals and
+        the agents' worst reconnect time) to be heard again before anything
+        expires; a node that died meanwhile is declared lost right after that
+        grace, its countdown not restarted.
         """
         self.leases = dict(leases)
         self.stored_renew = {n: l.last_renew for n, l in leases.items()}
-        self.not_before = at + 2 * self.timings.heartbeat_interval
+        self.not_before = at + self.grace()
 
     def _refuse(self, node: str, reason: str, detail: str) -> None:
         if self.on_refuse is not None:
@@ -143,9 +174,7 @@ class LeaseBook:
             if old.state != "ready":
                 return Transition(node, old.state, "ready", lease, "heartbeats resumed (still quarantined)")
             return None
-        if old.state == "lost":
-            if hb.boot_id == old.boot_id:
-                return None  # sticky: see the module docstring
+        if old.state == "lost" and hb.boot_id != old.boot_id:
             self._boot_change(node, old, hb.boot_id, at)
             lease = Lease(node_id=node, state="ready", boot_id=hb.boot_id, last_seq=hb.seq, last_renew=at, since=at, boot_since=at, boot_heartbeats=1, quarantine=old.quarantine)
             self.leases[node] = lease
@@ -187,6 +216,8 @@ class LeaseBook:
         )
         self.leases[node] = lease
         if state_changes:
+            if not detail and old.state == "lost":
+                detail = f"heartbeats resumed (same agent, boot {hb.boot_id[:8]}); its stale engines are fenced"
             return Transition(node, old.state, "ready", lease, detail or "heartbeats resumed")
         return None
 
@@ -207,8 +238,8 @@ class LeaseBook:
     def expire(self, at: float) -> list[Transition]:
         """Leases whose heartbeats stopped: ready → suspect → lost."""
         out: list[Transition] = []
-        if at < self.not_before:
-            return out
+        if at < self.not_before or self.outage_since is not None:
+            return out  # a grace, or the monitor cannot hear: see the module docstring
         t = self.timings
         for node, lease in list(self.leases.items()):
             if lease.state == "lost":

@@ -8,11 +8,12 @@ import logging
 import os
 import signal
 import socket
+import time
 import uuid
 
 from nats.micro import add_service
 from nats.micro.request import Request
-from prometheus_client import start_http_server
+from prometheus_client import Counter, start_http_server
 
 from llmgw.shared import bus, subjects as S
 from llmgw.shared.config import ServiceConfig, load_service_config
@@ -23,6 +24,10 @@ from llmgw.shared.names import is_valid_name
 from llmgw.shared.schemas import ApiError, decode, encode
 
 VERSION = "0.1.0"
+# Control-plane writes (KV puts, event publishes) the bus refused or did not
+# acknowledge: while a NATS cluster has no quorum, this grows and the service
+# keeps its last view (docs/operations.md, "While a NATS server is down").
+BUS_WRITE_FAILURES = Counter("llmgw_bus_write_failures_total", "Control-plane writes (KV, events) the bus refused or did not acknowledge", ["service"])
 
 
 class ServiceRuntime:
@@ -67,16 +72,34 @@ class ServiceRuntime:
             reconnect_base=cfg.reconnect_base,
             reconnect_max=cfg.reconnect_max,
             logger=self.log,
+            on_disconnect=self.on_bus_disconnect,
+            on_reconnect=self.on_bus_reconnect,
+            pending_size=0,  # a write that failed is never replayed later (shared/bus.py)
         )
         self.js = self.nc.jetstream(timeout=5)
         # Its own buckets and the event stream: created with kv_replicas, and
         # brought to it when they exist with another count (a grown cluster).
         self.kv = await bus.provision(self.js, self.buckets, events=True, replicas=cfg.kv_replicas, adjust=True, logger=self.log)
-        self.events = EventPublisher(self.js, self.role)
+        self.events = EventPublisher(self.js, self.role, on_failure=self.write_failed)
         await self.setup()
 
     async def setup(self) -> None:
         """Subscriptions, watchers and API endpoints of the concrete service."""
+
+    async def on_bus_disconnect(self) -> None:
+        """The connection to NATS dropped (the concrete service may pause judgements)."""
+
+    async def on_bus_reconnect(self) -> None:
+        """The connection to NATS is back."""
+
+    def write_failed(self, what: str, e: BaseException | None = None) -> None:
+        """Count (and log) a control-plane write the bus refused or did not acknowledge."""
+        BUS_WRITE_FAILURES.labels(self.role).inc()
+        stamp = time.monotonic()
+        if stamp - getattr(self, "_write_failed_logged", -60.0) < 5.0:
+            return  # counted; logged at most every 5 s (a batch fails together)
+        self._write_failed_logged = stamp
+        self.log.warning("bus write failed (%s): %s; keeping the last view", what, (e and (str(e) or type(e).__name__)) or "no ack")
 
     async def add_api(self, endpoints: dict) -> None:
         """Expose request/reply endpoints as a nats.micro service (``nats micro ls`` finds it)."""

@@ -80,8 +80,17 @@ async def connect(
     on_reconnect: Callback | None = None,
     on_error: Callable[[Exception], Awaitable[None]] | None = None,
     logger: logging.Logger | None = None,
+    pending_size: int = 256 * 1024,
 ) -> NATS:
     """Connect under ``tls``'s identity. Retries the first connect with backoff.
+
+    ``pending_size`` bounds what nats-py buffers while disconnected and replays
+    on reconnect. The control-plane services pass 0: a publish while
+    disconnected then raises at once (``OutboundBufferLimitError``) instead of
+    being buffered, timing out, being reported failed — and then applied when
+    the server returns (a lease written late over a newer one). Agents keep a
+    small buffer: what they publish (heartbeats, statuses) is true when it
+    arrives, and the health monitor drops heartbeats whose sequence is old.
 
     ``initial_attempts`` bounds the first connection's attempts (0 = forever,
     as a service under systemd wants); each failure is logged with the reason
@@ -136,9 +145,9 @@ async def connect(
                 disconnected_cb=disconnected,
                 reconnected_cb=reconnected,
                 error_cb=error,
-                # Buffer little while disconnected: heartbeats and statuses are
-                # re-sent fresh after a reconnect rather than replayed stale.
-                pending_size=256 * 1024,
+                # Buffer little (or nothing, for services) while disconnected:
+                # heartbeats and statuses are re-sent fresh after a reconnect.
+                pending_size=pending_size,
             )
             nc.options["max_reconnect_attempts"] = -1
             lg.info("connected to NATS at %s as %s/%s", nc.connected_url.netloc, role, ident)

@@ -227,8 +227,15 @@ class HealthSection:
     suspect_after_missed: int = 3
     node_lost_after: float = field(default=60.0, metadata=DURATION)
     leader_ttl: float = field(default=5.0, metadata=DURATION)
+    # After the monitor reconnects to the bus or takes over, no node goes suspect or
+    # lost for this long: the agents' worst reconnect time. 0 (the default) derives
+    # it from this file: reconnect_max + 20 % jitter + one heartbeat_interval (41 s
+    # with the defaults), assuming the agents use the same reconnect_max.
+    reconnect_grace: float = field(default=0.0, metadata=DURATION)
 
     def __post_init__(self):
+        if self.reconnect_grace < 0:
+            raise ConfigError("health.reconnect_grace: must not be negative (0 derives it from reconnect_max)")
         if self.heartbeat_interval <= 0 or self.node_lost_after <= 0:
             raise ConfigError("health: heartbeat_interval and node_lost_after must be positive")
         if self.suspect_after_missed < 1:
@@ -365,6 +372,13 @@ class ServiceConfig:
 
     def tls_files(self) -> TlsFiles:
         return TlsFiles(ca=self.tls.ca, cert=self.tls.cert, key=self.tls.key)
+
+    @property
+    def reconnect_grace(self) -> float:
+        """health.reconnect_grace, or when 0 the agents' worst reconnect time:
+        reconnect_max with its +20 % jitter, plus a heartbeat to be heard."""
+        h = self.health
+        return h.reconnect_grace or self.reconnect_max * 1.2 + h.heartbeat_interval
 
 
 def _resolve(base: Path, p: str) -> str:

@@ -39,14 +39,14 @@ def book_with(*events):
         ([("hb", 0, 1, "b1"), ("tick", 3), ("tick", 10)], [("", "ready"), ("ready", "suspect"), ("suspect", "lost")], "lost"),
         # one coarse tick past the deadline goes straight to lost
         ([("hb", 0, 1, "b1"), ("tick", 12)], [("", "ready"), ("ready", "lost")], "lost"),
-        # lost is sticky for the same agent incarnation…
-        ([("hb", 0, 1, "b1"), ("tick", 10), ("hb", 11, 2, "b1")], [("", "ready"), ("ready", "lost")], "lost"),
-        # …and ends when the agent restarts with a new boot id
+        # lost ends when the same agent incarnation is heard again (issue #13: a slow reconnect)…
+        ([("hb", 0, 1, "b1"), ("tick", 10), ("hb", 11, 2, "b1")], [("", "ready"), ("ready", "lost"), ("lost", "ready")], "ready"),
+        # …and when the agent restarts with a new boot id
         ([("hb", 0, 1, "b1"), ("tick", 10), ("hb", 11, 1, "b2")], [("", "ready"), ("ready", "lost"), ("lost", "ready")], "ready"),
         # a duplicate (old seq) heartbeat does not renew a suspect lease
         ([("hb", 0, 5, "b1"), ("tick", 3), ("hb", 3.5, 5, "b1")], [("", "ready"), ("ready", "suspect")], "suspect"),
     ],
-    ids=["first", "quiet-but-fine", "suspect", "suspect-recovers", "suspect-not-yet-lost", "lost", "coarse-tick", "lost-sticky", "rejoin-new-boot", "stale-seq"],
+    ids=["first", "quiet-but-fine", "suspect", "suspect-recovers", "suspect-not-yet-lost", "lost", "coarse-tick", "rejoin-same-boot", "rejoin-new-boot", "stale-seq"],
 )
 def test_lease_transitions(events, transitions, final):
     book, seen = book_with(*events)
