@@ -48,7 +48,9 @@ class _LeaseAges:
     def collect(self):
         ages = GaugeMetricFamily("llmgw_health_lease_age_seconds", "Seconds since the node's lease was last renewed by a heartbeat (acting monitor only)", labels=["node"])
         stamp = time.time()
-        for monitor in [m for m in list(_ACTING) if m.acting][:1]:  # one acts; one book, no duplicate series
+        # One acts (one book, no duplicate series): the acting one still on the bus, not
+        # one that crashed or stopped in this process (tests, a restart in place).
+        for monitor in [m for m in list(_ACTING) if m.acting and getattr(m, "nc", None) is not None and m.nc.is_connected][:1]:
             for node, lease in sorted(monitor.book.leases.items()):
                 ages.add_metric([node], max(0.0, stamp - lease.last_renew))
         yield ages

@@ -111,7 +111,9 @@ class _Capacity:
     def collect(self):
         nodes = GaugeMetricFamily("llmgw_scheduler_nodes", "Nodes, by fabric, lease state (unknown: no lease) and admin state", labels=["fabric", "state", "admin"])
         gpus = GaugeMetricFamily("llmgw_scheduler_gpus", "GPUs, by fabric and state (free, used, out_of_service)", labels=["fabric", "state"])
-        for sched in [s for s in list(_ACTING) if s.acting][:1]:
+        # The acting one still on the bus: a scheduler that crashed or stopped in
+        # this process (tests, a restart in place) must not answer for the live one.
+        for sched in [s for s in list(_ACTING) if s.acting and getattr(s, "nc", None) is not None and s.nc.is_connected][:1]:
             view = ClusterView.build(sched.nodes.items, sched.leases.items, sched.replicas.items.values(), ports=sched.rconfig.ports)
             n: dict[tuple, int] = defaultdict(int)
             g: dict[tuple, int] = defaultdict(int)
