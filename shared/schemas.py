@@ -406,6 +406,11 @@ class Replica(Base, kw_only=True):
     # env) this replica was made from; a different one means it is outdated
     # and is replaced (rolling update). "" (records from before): never outdated.
     spec_digest: str = ""
+    # The event outbox (issue #13): the events of the transition that produced this
+    # record, written with it. The acting scheduler (or one taking over after a
+    # crash between the record and its events) publishes any LLMGW_EVENTS lacks,
+    # under a Nats-Msg-Id (shared/events.py), so none is lost and none doubled.
+    pending_events: list[Event] = []
 
 
 class LeaderLease(Base, kw_only=True):

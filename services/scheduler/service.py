@@ -38,7 +38,9 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from llmgw.shared import subjects as S
+from llmgw.shared.bus import EVENT_MAX_AGE
 from llmgw.shared.errors import BusError, ConfigError, LlmgwError, WireError
+from llmgw.shared.events import event_id
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.names import check_name
 from llmgw.shared.schemas import (
@@ -258,6 +260,8 @@ class Scheduler(ServiceRuntime):
         self.background: set[asyncio.Task] = set()
         self.stops_in_flight: set[tuple[str, str, int]] = set()
         self.rebuilds = RebuildClock()  # the rebuild and apply-to-ready metrics
+        # ids of outbox events (Replica.pending_events) known to be in the stream
+        self.published: set[str] = set()
         _ACTING.add(self)
         self.started_at = now()
         self.wake = asyncio.Event()
@@ -289,10 +293,13 @@ class Scheduler(ServiceRuntime):
         return ""
 
     def _on_lease(self, node: str, old: Lease | None, new: Lease | None) -> None:
-        """A lease changed hands (new boot id) or left quarantine: ask the node what it runs."""
+        """A lease changed hands (new boot id), left quarantine or returned from lost
+        (same boot id: a partition healed, or an agent slow to reconnect after a bus
+        outage): ask the node what it runs, and fence it (``_take_report``)."""
         if new is None or new.quarantine or not (self.leadership and self.leadership.is_leader):
             return
-        if old is not None and old.boot_id == new.boot_id and not old.quarantine:
+        returned = old is not None and old.state == "lost" and new.state != "lost"
+        if old is not None and old.boot_id == new.boot_id and not old.quarantine and not returned:
             return
         if old is None and node in self.full_report_boot and self.full_report_boot[node] == new.boot_id:
             return
@@ -459,6 +466,9 @@ class Scheduler(ServiceRuntime):
         and launches are idempotent on the agent, so resending is safe.
         """
         self.log.info("acting as the scheduler; asking %d nodes what they run", len(self.nodes.items))
+        sent = await self.flush_outbox()
+        if sent:
+            self.log.info("published %d events a previous leader wrote into replica records but did not publish", sent)
         await asyncio.gather(*(self._ask_status(n) for n in self.nodes.items))
         resend = []
         for rep in self.replicas.items.values():
@@ -527,6 +537,7 @@ class Scheduler(ServiceRuntime):
         if plan:
             await self.apply(plan)
             self.rebuilds.events(plan.events)
+        await self.flush_outbox()
         self.rebuilds.deployments(self.deployments.items, self.replicas.items.values(), self.started_at)
         self._gauge()
         return plan
@@ -548,11 +559,28 @@ class Scheduler(ServiceRuntime):
             if new != spec:
                 await self.deployments_kv.put(name, encode(new))
                 self.spec_writes[name] = (time.time(), new)
-        # 2. records.
-        await asyncio.gather(*(self.replicas_kv.put(rid, encode(rep)) for rid, rep in plan.writes.items()))
+        # 2. records, each carrying its transition's events (the outbox): a crash
+        # between a record and its events loses none (``flush_outbox``). A deleted
+        # record cannot carry them: its events go out before the delete (a later
+        # leader re-derives the delete and re-publishes them under the same id).
+        outbox: dict[str, list] = defaultdict(list)
+        for ev in plan.events:
+            if ev.kind == "replica":
+                outbox[ev.subject].append(ev)
+        writes = {rid: msgspec.structs.replace(rep, pending_events=outbox.get(rid, [])) for rid, rep in plan.writes.items()}
+        try:
+            await asyncio.gather(*(self.replicas_kv.put(rid, encode(rep)) for rid, rep in writes.items()))
+        except Exception as e:
+            self.write_failed("replica records", e)
+            raise
         stamp = time.time()
-        for rid, rep in plan.writes.items():
+        for rid, rep in writes.items():
             self.recent[rid] = (stamp, rep)
+        published: set[int] = set()
+        for rid in plan.deletes:
+            for ev in outbox.get(rid, []):
+                await self._publish(ev)
+                published.add(id(ev))
         for rid in plan.deletes:
             self.recent[rid] = (stamp, None)
             try:
@@ -562,9 +590,10 @@ class Scheduler(ServiceRuntime):
             self.absent = {k for k in self.absent if k[0] != rid}
         # 3. commands, concurrently: a rebuild should not wait on one slow agent.
         await asyncio.gather(*(self._launch(l) for l in plan.launches), self._send_stops(plan.stops))
-        # 4. history.
+        # 4. history (a replica's events are in its record already).
         for ev in plan.events:
-            await self.events.emit(ev.kind, ev.subject, ev.what, ev.detail, at=ev.time, **ev.data)
+            if id(ev) not in published:
+                await self._publish(ev)
             self.log.info("replica %s → %s %s", ev.subject, ev.what, ev.detail)
         for name, why in plan.pending.items():
             self.log.info("deployment %s: replica pending: %s", name, why)
@@ -574,6 +603,41 @@ class Scheduler(ServiceRuntime):
             self.cordoning[c.node_id] = (time.time(), c.reason)
             self._background(self._cordon(c))
         AUTO_CORDONS.labels("withheld").inc(sum(1 for e in plan.events if e.what == "auto-cordon-withheld"))
+
+    async def _publish(self, ev) -> None:
+        """Publish one event under its id; a replica's, once stored, leaves the outbox."""
+        msg_id = event_id(ev)
+        if await self.events.publish(ev, msg_id=msg_id) and ev.kind == "replica":
+            self.published.add(msg_id)
+
+    async def flush_outbox(self) -> int:
+        """Publish the events the replica records hold and the stream lacks: those of
+        a previous leader that died between a record and its events, or of our own
+        apply that failed half-way. Each is published once, under its id; one we
+        do not know about is first looked up (the newest event on its subject).
+        Returns how many were published."""
+        pending = {}
+        for rid, rep in self.replicas.items.items():
+            for ev in rep.pending_events:
+                pending[event_id(ev)] = ev
+        self.published &= set(pending)  # forget what no record holds any more
+        horizon = now() - EVENT_MAX_AGE + 3600  # older ones may have aged out of the stream
+        sent = 0
+        for msg_id, ev in pending.items():
+            if msg_id in self.published or ev.time < horizon:
+                continue
+            try:
+                if await self.events.stored(ev, msg_id):
+                    self.published.add(msg_id)
+                    continue
+            except Exception as e:
+                self.write_failed(f"outbox look-up of {msg_id}", e)
+                return sent  # the stream is away: next cycle
+            await self._publish(ev)
+            if msg_id in self.published:
+                sent += 1
+                self.log.info("outbox: event %s %s of replica %s published (its record was written, the event was not)", ev.what, ev.detail, ev.subject)
+        return sent
 
     async def _cordon(self, c: Cordon) -> None:
         """Ask the registry (the single writer of node records) to cordon; it records and announces it."""
