@@ -232,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true", help="return once ready; stop later with 'llmgw down'")
     p.add_argument("--discovery-interval", help="agents re-read GPUs and HCA ports this often (agent default 10s)")
     p.add_argument("--nats-servers", type=int, default=1, help="NATS servers: 1 (default), or 3, 5… as a cluster on 127.0.0.1, .2, .3…")
+    p.add_argument("--ha", action="store_true", help="also a standby scheduler, a standby health monitor and a second gateway")
+    p.add_argument("--supervise", metavar="DIR", help=argparse.SUPPRESS)  # the supervisor 'up --detach' leaves behind
     p.add_argument(
         "--scenario", choices=("seed", "fabric"),
         help="run a story and print its timeline: seed (node02 dies), fabric (node02's ib-a HCA port goes DOWN)",

@@ -9,6 +9,13 @@ progress. In the foreground, Ctrl-C stops everything; with ``--detach`` it
 returns once ready and ``llmgw down`` stops everything later. What it started
 is recorded in ``DIR/pids.json`` (pid + process start time, so a reused pid is
 never killed) and ``DIR/cluster.json``.
+
+A service process that exits is started again, as systemd's
+``Restart=on-failure`` would (``supervise``): by the foreground ``up`` itself,
+or, with ``--detach``, by a small supervisor process (``llmgw up --supervise
+DIR``, recorded in pids.json as ``supervisor``) that ``llmgw down`` stops
+first. ``--ha`` adds a standby scheduler, a standby health monitor and a
+second gateway (``cluster.json``: ``gateway_urls``).
 """
 
 from __future__ import annotations
@@ -38,6 +45,13 @@ from . import simcluster
 from .simcluster import SimNode, Timings
 
 SERVICES = ("registry", "health", "scheduler", "gateway")
+# With --ha: a second instance of each (the same identity, its own process and ports).
+HA_SERVICES = ("health-b", "scheduler-b", "gateway-b")
+# Restart=on-failure with systemd's default start limit: at most this many
+# restarts of one service within RESTART_WINDOW, each after RESTART_DELAY.
+RESTART_DELAY = 1.0
+RESTART_BURST = 5
+RESTART_WINDOW = 60.0
 DEMO_MODEL = "sim-70b"
 
 
@@ -87,6 +101,8 @@ class Cluster:
     nats: NatsServer | None = None  # the (first) server
     nats_cluster: NatsCluster | None = None  # with --nats-servers 3: all of them
     gateway_url: str = ""
+    gateway_urls: list[str] = field(default_factory=list)
+    ha: bool = False
     t0: float = field(default_factory=time.monotonic)
 
     def say(self, msg: str) -> None:
@@ -102,11 +118,11 @@ class Cluster:
         return self.nats_urls if self.nats_cluster else self.nats.url
 
     # -- files ---------------------------------------------------------------
-    def _service_config(self, role: str, extra: dict) -> Path:
+    def _service_config(self, role: str, extra: dict, file: str = "") -> Path:
         tls = self.nats.tls_for(role, role)
         if not Path(tls.cert).exists():
             tls = self.nats.issue(role, role)
-        path = self.dir / "config" / f"{role}.yaml"
+        path = self.dir / "config" / f"{file or role}.yaml"
         if self.nats_cluster and role != "operator":
             extra = {"kv_replicas": 3, **extra}
         write_config(path, {"server": self.server_setting, "tls": {"ca": tls.ca, "cert": tls.cert, "key": tls.key}, **extra})
@@ -169,6 +185,8 @@ class Cluster:
         )
         gw_port = _preferred_port("127.0.0.1", args.gateway_port)
         self.gateway_url = f"http://127.0.0.1:{gw_port}"
+        self.gateway_urls = [self.gateway_url]
+        self.ha = bool(getattr(args, "ha", False))
         common = {"reconnect_base": format_duration(self.timings.reconnect_base), "reconnect_max": format_duration(self.timings.reconnect_max)}
         self.configs = {
             "registry": self._service_config("registry", {**common, "metrics_listen": f"127.0.0.1:{free_port()}"}),
@@ -182,6 +200,18 @@ class Cluster:
             ),
             "gateway": self._service_config("gateway", {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "gateway": {"listen": f"127.0.0.1:{gw_port}", **({"stall_after": format_duration(stall_after)} if stall_after else {}), **({"routing": args.routing} if getattr(args, "routing", None) else {})}}),
         }
+        if self.ha:
+            # Standbys read the same files but for their metrics (and the gateway's port).
+            for name in HA_SERVICES:
+                role = name.removesuffix("-b")
+                extra = write_safe_copy(self.configs[role])
+                extra["metrics_listen"] = f"127.0.0.1:{free_port()}"
+                if role == "gateway":
+                    port = free_port()
+                    extra["gateway"] = {**extra["gateway"], "listen": f"127.0.0.1:{port}"}
+                    self.gateway_urls.append(f"http://127.0.0.1:{port}")
+                extra.pop("server", None), extra.pop("tls", None), extra.pop("kv_replicas", None)
+                self.configs[name] = self._service_config(role, extra, file=name)
         self.operator_config = self._service_config("operator", {})
         os.replace(self.operator_config, self.dir / "operator.yaml")
         self.operator_config = self.dir / "operator.yaml"
@@ -193,6 +223,7 @@ class Cluster:
     def _write_cluster_json(self) -> None:
         data = {
             "gateway_url": self.gateway_url,
+            "gateway_urls": self.gateway_urls,
             "nats_url": self.nats.url,
             "nats_monitor_url": self.nats.monitor_url,
             "operator_config": str(self.operator_config.resolve()),
@@ -229,9 +260,13 @@ class Cluster:
         self.say(f"nats-server ready on {self.nats.url} (monitoring {self.nats.monitor_url})")
 
     def start_services(self) -> None:
-        for role in SERVICES:
-            self._spawn(role, self.llmgw(role, "--config", str(self.configs[role])))
-        self.say("started " + ", ".join(SERVICES))
+        names = SERVICES + (HA_SERVICES if self.ha else ())
+        argv = {name: self.llmgw(name.removesuffix("-b"), "--config", str(self.configs[name])) for name in names}
+        # What the supervisor restarts (``supervise``), by name.
+        (self.dir / "services.json").write_text(json.dumps(argv, indent=2) + "\n")
+        for name in names:
+            self._spawn(name, argv[name])
+        self.say("started " + ", ".join(names) + (" (health-b and scheduler-b stand by; gateway-b is a second gateway)" if self.ha else ""))
 
     def start_agent(self, node: SimNode) -> None:
         self._spawn(f"agent-{node.spec.node_id}", self.llmgw("agent", "--config", str(node.config)), env=simcluster.cluster_env(self.dir, node.spec.node_id))
@@ -348,11 +383,18 @@ class Cluster:
 
 
 def stop_recorded(d: Path, node_ids: list[str] | None = None, say=print) -> int:
-    """Stop what ``up`` recorded: agents and their engines, services, then NATS."""
+    """Stop what ``up`` recorded: the supervisor (so nothing is restarted), agents and
+    their engines, services, then NATS."""
     pids_file = d / "pids.json"
     if not pids_file.exists():
         return 0
     procs = json.loads(pids_file.read_text())
+    sup = procs.pop("supervisor", None)
+    if sup and _alive(sup["pid"], sup.get("start")):
+        _signal(sup["pid"], signal.SIGTERM)
+        _wait_gone([sup], 5.0)
+        procs = json.loads(pids_file.read_text())  # what it restarted last
+        procs.pop("supervisor", None)
     if node_ids is None:
         try:
             node_ids = [n["node_id"] for n in json.loads((d / "cluster.json").read_text())["nodes"]]
@@ -451,6 +493,8 @@ def _ready_banner(cluster: Cluster, args) -> None:
     print()
     print(f"llmgw is up: {len(cluster.nodes)} simulated nodes, NATS at {cluster.nats.url}")
     print(f"  gateway (OpenAI API): {cluster.gateway_url}/v1")
+    for url in cluster.gateway_urls[1:]:
+        print(f"  second gateway:       {url}/v1 (--ha: standby scheduler and health monitor too)")
     print(f"  operator config:      {cfg}")
     print(f"  logs:                 {cluster.dir / 'logs'}")
     print()
@@ -467,6 +511,8 @@ def _ready_banner(cluster: Cluster, args) -> None:
 
 
 def up(args) -> int:
+    if getattr(args, "supervise", None):
+        return supervise_detached(Path(args.supervise).resolve())
     _durations(args)
     simcluster.layout(args.nodes, args.fabrics, args.gpus_per_node)  # refuse bad sizes before touching DIR
     check_cluster_size(getattr(args, "nats_servers", 1))
@@ -491,7 +537,8 @@ def up(args) -> int:
                 cluster.stop_all()
         return 0
     if args.detach:
-        print(f"running in the background; stop with: llmgw down --dir {d}")
+        sup = cluster._spawn("supervisor", cluster.llmgw("up", "--supervise", str(d)))
+        print(f"running in the background (a crashed service is restarted by the supervisor, pid {sup.pid}); stop with: llmgw down --dir {d}")
         return 0
     print("running; press Ctrl-C to stop everything")
     stop = {"flag": False}
@@ -499,18 +546,120 @@ def up(args) -> int:
     # with SIGINT ignored, and "stop everything" must still work there.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.update(flag=True))
+    sup = Supervisor(d, cluster.say, {n: p for n, p in cluster.procs.items()})
     try:
         while not stop["flag"]:
             time.sleep(0.5)
-            for name, p in cluster.procs.items():
-                # (a cluster's server may be killed and restarted: llmgw sim kill-nats/start-nats)
-                if p.poll() is not None and not name.startswith(("agent-", "nats-server-")):
-                    cluster.say(f"{name} exited with code {p.returncode}; see {d / 'logs' / (name + '.log')}")
-                    stop["flag"] = True
+            # A service that exits is restarted (agents and NATS servers are simulated
+            # machines: llmgw sim kill-node/kill-nats and start-node/start-nats).
+            sup.check()
     except KeyboardInterrupt:
         pass
     cluster.say("stopping")
     cluster.stop_all()
+    return 0
+
+
+def write_safe_copy(path: Path) -> dict:
+    """A service config's keys, to derive a standby's from."""
+    from llmgw.shared.config import read_yaml
+
+    return dict(read_yaml(path))
+
+
+class Supervisor:
+    """Restart=on-failure for the service processes ``up`` started.
+
+    ``procs`` holds what this process started (their exit codes are known); a
+    service recorded in pids.json by another process (``up --detach`` before it
+    exited) is watched by pid and start time. Each restart is said and logged:
+    "scheduler (pid 1234) exited with -9; restarted as pid 1240". More than
+    RESTART_BURST restarts of one service within RESTART_WINDOW: it stays down,
+    and that is said too (systemd's start limit).
+    """
+
+    def __init__(self, d: Path, say, procs: dict[str, subprocess.Popen]):
+        self.dir = d
+        self.say = say
+        self.procs = procs
+        try:
+            self.argv: dict[str, list[str]] = json.loads((d / "services.json").read_text())
+        except (OSError, ValueError):
+            self.argv = {}
+        self.restarts: dict[str, list[float]] = {}
+        self.given_up: set[str] = set()
+        self.down_since: dict[str, float] = {}
+
+    def _recorded(self) -> dict:
+        try:
+            return json.loads((self.dir / "pids.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _status(self, name: str, rec: dict) -> tuple[bool, int | None, str]:
+        """(running, pid, how it ended)."""
+        p = self.procs.get(name)
+        if p is not None and rec.get(name, {}).get("pid") in (None, p.pid):
+            code = p.poll()
+            return code is None, p.pid, f"exited with {code}"
+        r = rec.get(name)
+        if r is None:
+            return False, None, "is not running"
+        return _alive(r["pid"], r.get("start")), r["pid"], "exited"
+
+    def check(self) -> list[str]:
+        said = []
+        rec = self._recorded()
+        stamp = time.monotonic()
+        for name, argv in self.argv.items():
+            running, pid, how = self._status(name, rec)
+            if running or name in self.given_up:
+                self.down_since.pop(name, None)
+                continue
+            if stamp - self.down_since.setdefault(name, stamp) < RESTART_DELAY:
+                continue  # RestartSec
+            recent = [t for t in self.restarts.get(name, []) if stamp - t < RESTART_WINDOW]
+            if len(recent) >= RESTART_BURST:
+                self.given_up.add(name)
+                msg = f"{name} (pid {pid}) {how}; restarted {len(recent)} times within {RESTART_WINDOW:.0f}s, left stopped; see {self.dir / 'logs' / (name + '.log')}"
+                self.say(msg)
+                said.append(msg)
+                continue
+            logs = self.dir / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            with open(logs / f"{name}.log", "ab") as log:
+                p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.dir)
+            self.procs[name] = p
+            self.restarts[name] = recent + [stamp]
+            self.down_since.pop(name, None)
+            rec = self._recorded()
+            rec[name] = {"pid": p.pid, "start": _start_time(p.pid), "cmd": argv[3:5]}
+            tmp = self.dir / "pids.json.tmp"
+            tmp.write_text(json.dumps(rec, indent=2) + "\n")
+            os.replace(tmp, self.dir / "pids.json")
+            msg = f"{name} (pid {pid}) {how}; restarted as pid {p.pid}"
+            self.say(msg)
+            said.append(msg)
+        return said
+
+
+def supervise_detached(d: Path) -> int:
+    """``llmgw up --supervise DIR``: what ``up --detach`` leaves behind to restart
+    crashed services; ``llmgw down`` stops it first. Says what it does on stdout
+    (DIR/logs/supervisor.log)."""
+    stop = {"flag": False}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.update(flag=True))
+    t0 = time.monotonic()
+    sup = Supervisor(d, lambda m: print(f"[{time.monotonic() - t0:8.1f}s] {m}", flush=True), {})
+    print(f"supervising {', '.join(sup.argv) or 'nothing (no services.json)'} in {d}", flush=True)
+    while not stop["flag"]:
+        time.sleep(0.5)
+        if stop["flag"]:
+            break
+        sup.check()
+        for p in list(sup.procs.values()):
+            p.poll()  # reap what exited (it is restarted next round)
     return 0
 
 

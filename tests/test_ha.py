@@ -96,3 +96,112 @@ async def test_scheduler_killed_between_record_and_event_loses_no_event(cluster,
     seen = await replica_events(cluster.ops, first.id)
     assert seen.count("failed") == 1, seen
     assert seen[-1] == "gone" or "reaping" in seen, seen
+
+
+# --------------------------------------------------------------------------
+# llmgw up --ha: real processes
+# --------------------------------------------------------------------------
+
+UP_ARGS = ["--nodes", "2", "--fabrics", "1", "--gpus-per-node", "8", "--heartbeat-interval", "0.5s", "--node-lost-after", "3s", "--engine-load-time", "0.5s", "--gateway-port", "0"]
+
+
+def _llmgw(*args, timeout=150):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "llmgw.services", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def ha_dir(tmp_path):
+    d = tmp_path / "ha"
+    yield d
+    _llmgw("down", "--dir", str(d), timeout=60)
+
+
+def _pids(d) -> dict:
+    import json
+
+    return json.loads((d / "pids.json").read_text())
+
+
+def _proc_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _chat(url: str) -> str:
+    import json
+    import urllib.request
+
+    body = json.dumps({"model": "sim-70b", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())["choices"][0]["message"]["content"]
+
+
+@pytest.mark.slow
+async def test_up_ha_survives_killing_the_acting_scheduler_health_monitor_and_a_gateway(ha_dir):
+    import json
+
+    from llmgw.shared import bus
+    from llmgw.shared.config import load_service_config
+    from llmgw.shared.kvmirror import KvMirror, open_bucket
+    from llmgw.shared.schemas import LeaderLease, Replica
+
+    from .waiting import eventually
+
+    done = _llmgw("up", "--dir", str(ha_dir), "--ha", "--detach", *UP_ARGS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    info = json.loads((ha_dir / "cluster.json").read_text())
+    assert info["gateway_url"] == info["gateway_urls"][0] and len(info["gateway_urls"]) == 2
+    assert {"health-b", "scheduler-b", "gateway-b", "supervisor"} <= set(_pids(ha_dir))
+    cfg = load_service_config(ha_dir / "operator.yaml")
+    nc = await bus.connect(cfg.server, cfg.tls_files(), name="test-ha", initial_attempts=5, reconnect_base=0.1, reconnect_max=0.5)
+    js = nc.jetstream()
+    leaders = await KvMirror(await open_bucket(js, S.BUCKET_LEADERS, wait=10), LeaderLease).start()
+    replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS, wait=10), Replica).start()
+    try:
+        ready = lambda: sorted(r.id for r in replicas.items.values() if r.state == "ready")  # noqa: E731
+        before = await eventually(lambda: (ids := ready()) and len(ids) == 2 and ids, timeout=20, what="two replicas ready")
+
+        def acting_pid(service):
+            lease = leaders.items.get(service)
+            return int(lease.holder.split(":")[-2]) if lease else None
+
+        for service in ("scheduler", "health"):
+            victim = await eventually(lambda: acting_pid(service), timeout=10, what=f"an acting {service}")
+            name = next(n for n, p in _pids(ha_dir).items() if p["pid"] == victim)
+            os.kill(victim, signal.SIGKILL)
+            # The standby takes over (a live process other than the victim holds the lease) …
+            heir = await eventually(
+                lambda: (p := acting_pid(service)) not in (None, victim) and _proc_alive(p) and p, timeout=20, what=f"standby {service} takes over"
+            )
+            # … and the supervisor restarts the killed one, and says so.
+            await eventually(lambda: _pids(ha_dir)[name]["pid"] != victim and _proc_alive(_pids(ha_dir)[name]["pid"]), timeout=20, what=f"{name} restarted")
+            log = (ha_dir / "logs" / "supervisor.log").read_text()
+            assert f"{name} (pid {victim}) exited; restarted as pid {_pids(ha_dir)[name]['pid']}" in log, log
+            assert heir != victim
+
+        gw = _pids(ha_dir)["gateway"]["pid"]
+        os.kill(gw, signal.SIGKILL)
+        assert _chat(info["gateway_urls"][1])  # the other gateway answers at once
+        await eventually(lambda: _pids(ha_dir)["gateway"]["pid"] != gw and _proc_alive(_pids(ha_dir)["gateway"]["pid"]), timeout=20, what="gateway restarted")
+        # Nothing was rebuilt or doubled: the same two replicas, ready, and no others.
+        assert ready() == before
+        assert sorted(replicas.items) == before
+        # The restarted gateway serves again (it reads the replicas anew).
+        async def restarted_gateway_answers():
+            try:
+                return bool(await asyncio.to_thread(_chat, info["gateway_urls"][0]))
+            except Exception:
+                return False
+
+        await eventually(restarted_gateway_answers, timeout=20, what="the restarted gateway answers")
+    finally:
+        await leaders.stop()
+        await replicas.stop()
+        await nc.close()
