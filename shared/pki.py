@@ -339,29 +339,35 @@ def issue(
             x509.NameAttribute(NameOID.COMMON_NAME, name),
         ]
     )
+    return _sign_and_record(
+        pki, name=name, role=role, subject=subject, key=key, usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+        sans=[], not_before=nb, not_after=na, now=now, paths=(out / f"{name}.pem", out / f"{name}-key.pem"),
+    )  # fmt: skip
+
+
+def _sign_and_record(
+    pki: Path, *, name: str, role: str, subject: x509.Name, key, usage, sans: list, not_before, not_after, now,
+    paths: tuple[Path, Path], ledger_sans: list[str] | None = None,
+) -> Issued:  # fmt: skip
+    """Sign, record the identity in the ledger (replacing an earlier entry), and
+    write its certificate and key — under the ledger lock, so two issuers never
+    interleave."""
+    cert_path, key_path = paths
     with _locked(pki):
-        cert = _sign(
-            pki,
-            subject=subject,
-            public_key=key.public_key(),
-            usage=ExtendedKeyUsageOID.CLIENT_AUTH,
-            sans=[],
-            not_before=nb,
-            not_after=na,
-        )
+        cert = _sign(pki, subject=subject, public_key=key.public_key(), usage=usage, sans=sans, not_before=not_before, not_after=not_after)
         entry = LedgerEntry(
             name=name,
             role=role,
             serial=format(cert.serial_number, "x"),
             subject=cert.subject.rfc4514_string(),
-            not_before=_iso(nb),
-            not_after=_iso(na),
+            not_before=_iso(not_before),
+            not_after=_iso(not_after),
             issued_at=_iso(now),
             spki_sha256=spki_sha256(cert),
+            **({"sans": ledger_sans} if ledger_sans is not None else {}),
         )
         entries = _load_ledger(pki)
         entries[entry.key] = entry
-        cert_path, key_path = out / f"{name}.pem", out / f"{name}-key.pem"
         _write_private(key_path, _key_pem(key))
         _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
         _save_ledger(pki, entries)
@@ -469,37 +475,12 @@ def issue_route(
             x509.NameAttribute(NameOID.COMMON_NAME, name),
         ]
     )
-    with _locked(pki):
-        cert = _sign(
-            pki,
-            subject=subject,
-            public_key=key.public_key(),
-            usage=[ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
-            sans=sans,
-            not_before=nb,
-            not_after=na,
-        )
-        entry = LedgerEntry(
-            name=name,
-            role=ROUTE_ROLE,
-            serial=format(cert.serial_number, "x"),
-            subject=cert.subject.rfc4514_string(),
-            not_before=_iso(nb),
-            not_after=_iso(na),
-            issued_at=_iso(now),
-            sans=list(hosts),
-            spki_sha256=spki_sha256(cert),
-        )
-        entries = _load_ledger(pki)
-        entries[entry.key] = entry
-        if out_dir:
-            cert_path, key_path = Path(out_dir) / f"{name}.pem", Path(out_dir) / f"{name}-key.pem"
-        else:
-            cert_path, key_path = route_cert_paths(pki, name)
-        _write_private(key_path, _key_pem(key))
-        _write_public(cert_path, cert.public_bytes(serialization.Encoding.PEM))
-        _save_ledger(pki, entries)
-    return Issued(entry=entry, cert_path=cert_path, key_path=key_path, ca_path=pki / CA_CERT)
+    paths = (Path(out_dir) / f"{name}.pem", Path(out_dir) / f"{name}-key.pem") if out_dir else route_cert_paths(pki, name)
+    return _sign_and_record(
+        pki, name=name, role=ROUTE_ROLE, subject=subject, key=key,
+        usage=[ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+        sans=sans, not_before=nb, not_after=na, now=now, paths=paths, ledger_sans=list(hosts),
+    )  # fmt: skip
 
 
 def revoke(pki_dir: str | os.PathLike, name: str, role: str | None = None) -> LedgerEntry:
