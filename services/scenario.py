@@ -81,24 +81,7 @@ async def observe_seed_story(js, *, gateway_url: str, model: str, addresses: dic
                 story.lost_at = lease.since
                 story.mark(lease.since, f"{victim} declared lost")
                 say(f"{victim} lost at t+{lease.since - story.killed_at:.1f}s")
-            for rid in doomed:
-                r = replicas.items.get(rid)
-                if r and r.state in ("failed", "reaping") and story.failed is None:
-                    story.failed, story.failed_at = r, r.since
-                    # failed and reaping happen in one scheduler cycle; the record shows the latter
-                    story.mark(r.since, f"{rid} failed → reaping ({r.reason})")
-                if r is None and story.gone_at is None and story.failed is not None:
-                    story.gone_at = time.time()
-                    story.mark(story.gone_at, f"{rid} reaped (record gone)")
-            if story.failed is not None and story.replacement_ready_at is None:
-                for r in replicas.items.values():
-                    if r.id not in story.before and r.state == "ready":
-                        story.replacement, story.replacement_ready_at = r, r.since
-                        story.mark(r.since, f"replacement {r.id} ready on {r.fabric}")
-                        say(f"replacement {r.id} ready on {r.fabric} at t+{r.since - story.killed_at:.1f}s")
-            if story.replacement_ready_at is not None and (story.gone_at is not None or all(rid not in replicas.items for rid in doomed)):
-                if story.gone_at is None:
-                    story.gone_at = time.time()
+            if _follow_rebuild(story, replicas.items, doomed, story.killed_at, say, say_failed=False):
                 break
             await asyncio.sleep(0.1)
         story.after = {k: v for k, v in replicas.items.items() if v.state not in ("gone",)}
@@ -234,24 +217,7 @@ async def observe_fabric_story(
             if story.seen_unusable_at is None and fab is not None and not fab.usable:
                 story.seen_unusable_at, story.problem = rec.updated_at or time.time(), fab.problem
                 story.mark(story.seen_unusable_at, f"registry: {story.fabric} unusable on {victim} ({fab.problem})")
-            for rid in doomed:
-                r = replicas.items.get(rid)
-                if r and r.state in ("failed", "reaping") and story.failed is None:
-                    story.failed, story.failed_at = r, r.since
-                    story.mark(r.since, f"{rid} failed → reaping ({r.reason})")
-                    say(f"{rid} failed at t+{r.since - story.down_at:.1f}s: {r.reason}")
-                if r is None and story.gone_at is None and story.failed is not None:
-                    story.gone_at = time.time()
-                    story.mark(story.gone_at, f"{rid} reaped (record gone)")
-            if story.failed is not None and story.replacement_ready_at is None:
-                for r in replicas.items.values():
-                    if r.id not in story.before and r.state == "ready":
-                        story.replacement, story.replacement_ready_at = r, r.since
-                        story.mark(r.since, f"replacement {r.id} ready on {r.fabric}")
-                        say(f"replacement {r.id} ready on {r.fabric} at t+{r.since - story.down_at:.1f}s")
-            if story.replacement_ready_at is not None and (story.gone_at is not None or all(rid not in replicas.items for rid in doomed)):
-                if story.gone_at is None:
-                    story.gone_at = time.time()
+            if _follow_rebuild(story, replicas.items, doomed, story.down_at, say, say_failed=True):
                 break
             await asyncio.sleep(0.1)
         story.after = {k: v for k, v in replicas.items.items() if v.state != "gone"}
@@ -276,6 +242,34 @@ async def observe_fabric_story(
     story.timeline.sort()
     return story
 
+
+
+def _follow_rebuild(story, replicas: dict, doomed, t0: float, say, *, say_failed: bool) -> bool:
+    """One look at the replicas for a failover story (seed or fabric): note when a
+    doomed replica failed and was reaped and when its replacement became ready;
+    True once the replacement is ready and the doomed ones are gone."""
+    for rid in doomed:
+        r = replicas.get(rid)
+        if r and r.state in ("failed", "reaping") and story.failed is None:
+            story.failed, story.failed_at = r, r.since
+            # failed and reaping happen in one scheduler cycle; the record shows the latter
+            story.mark(r.since, f"{rid} failed → reaping ({r.reason})")
+            if say_failed:
+                say(f"{rid} failed at t+{r.since - t0:.1f}s: {r.reason}")
+        if r is None and story.gone_at is None and story.failed is not None:
+            story.gone_at = time.time()
+            story.mark(story.gone_at, f"{rid} reaped (record gone)")
+    if story.failed is not None and story.replacement_ready_at is None:
+        for r in replicas.values():
+            if r.id not in story.before and r.state == "ready":
+                story.replacement, story.replacement_ready_at = r, r.since
+                story.mark(r.since, f"replacement {r.id} ready on {r.fabric}")
+                say(f"replacement {r.id} ready on {r.fabric} at t+{r.since - t0:.1f}s")
+    if story.replacement_ready_at is not None and (story.gone_at is not None or all(rid not in replicas for rid in doomed)):
+        if story.gone_at is None:
+            story.gone_at = time.time()
+        return True
+    return False
 
 def report_fabric(story: FabricStory, say=print) -> None:
     t0 = story.down_at
