@@ -150,7 +150,7 @@ class ServiceRuntime:
     def lead(self, ttl: float) -> Leadership:
         from llmgw.shared import subjects
 
-        self.leadership = Leadership(self.kv[subjects.BUCKET_LEADERS], self.role, self.instance, ttl)
+        self.leadership = Leadership(_CountedWrites(self.kv[subjects.BUCKET_LEADERS], self.write_failed), self.role, self.instance, ttl)
         self.spawn(self.leadership.run())
         return self.leadership
 
@@ -180,6 +180,32 @@ class ServiceRuntime:
         await self.stopping.wait()
         self.log.info("%s stopping", self.role)
         await self.stop()
+
+
+class _CountedWrites:
+    """A KV bucket whose failed writes count as bus write failures (the leadership
+    renewals: while a cluster has no quorum they are the first writes to fail).
+    A lost compare-and-set race is an answer, not a failure."""
+
+    def __init__(self, kv, failed):
+        self._kv, self._failed = kv, failed
+
+    def __getattr__(self, name):
+        return getattr(self._kv, name)
+
+    async def _write(self, op, *args, **kw):
+        try:
+            return await getattr(self._kv, op)(*args, **kw)
+        except Exception as e:
+            if type(e).__name__ not in ("KeyWrongLastSequenceError", "KeyNotFoundError"):
+                self._failed(f"leadership {op}", e)
+            raise
+
+    async def create(self, *args, **kw):
+        return await self._write("create", *args, **kw)
+
+    async def update(self, *args, **kw):
+        return await self._write("update", *args, **kw)
 
 
 LOOP_ENV = "LLMGW_EVENT_LOOP"  # asyncio | uvloop: overrides a service's choice (A/B benchmarks)
