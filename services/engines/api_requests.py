@@ -202,3 +202,107 @@ def _prompts(raw: object) -> list[Prompt]:
         if all(token_ids(p) for p in raw):
             return [Prompt.of(prompt_key("ids", p), p) for p in raw]
     raise bad("'prompt' must be a string, a non-empty list of strings, or token ids", "prompt")
+
+
+# -- the other endpoints (vLLM's shapes) ------------------------------------------------
+
+
+def _served(body: dict, served_model: str) -> str:
+    model = body.get("model")
+    if model is None:
+        return served_model
+    if not isinstance(model, str):
+        raise bad("'model' must be a string", "model")
+    if model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist; this engine serves `{served_model}`.", code="model_not_found", param="model")
+    return model
+
+
+@dataclass(frozen=True)
+class Embedding:
+    model: str
+    prompts: list[Prompt]
+    dimensions: int
+    base64: bool
+
+
+DEFAULT_DIMENSIONS = 64
+MAX_DIMENSIONS = 4096
+
+
+def embedding_request(body: dict, served_model: str, max_model_len: int = MAX_MODEL_LEN) -> Embedding:
+    model = _served(body, served_model)
+    raw = body.get("input")
+    if raw is None:
+        raise bad("'input' is required", "input", code="missing_field")
+    try:
+        prompts = _prompts(raw)
+    except ApiError:
+        raise bad("'input' must be a string, a non-empty list of strings, or token ids", "input") from None
+    longest = max(p.tokens for p in prompts)
+    if longest > max_model_len:
+        raise bad(f"this model's maximum context length is {max_model_len} tokens; an input has {longest}", "input", code="context_length_exceeded")
+    dimensions = _int_field(body, "dimensions", DEFAULT_DIMENSIONS, 1, MAX_DIMENSIONS)
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64", None):
+        raise bad(f"'encoding_format' must be 'float' or 'base64', got {json.dumps(fmt)[:40]}", "encoding_format")
+    return Embedding(model, prompts, dimensions, fmt == "base64")
+
+
+def _response_turns(body: dict) -> list[tuple[str, str]]:
+    turns: list[tuple[str, str]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad("'instructions' must be a string", "instructions")
+        turns.append(("system", instructions))
+    raw = body.get("input")
+    if raw is None:
+        raise bad("'input' is required", "input", code="missing_field")
+    if isinstance(raw, str):
+        return turns + [("user", raw)]
+    if not isinstance(raw, list) or not raw:
+        raise bad("'input' must be a string or a non-empty list of input items", "input")
+    for i, item in enumerate(raw):
+        if isinstance(item, dict) and isinstance(item.get("content"), list):
+            # Responses' content parts are typed input_text (chat's are text).
+            parts = [{"type": "text", "text": p.get("text")} if isinstance(p, dict) and p.get("type") in ("input_text", "output_text") else p for p in item["content"]]
+            item = {**item, "content": parts}
+        role, text = _message_text(i, item)
+        turns.append((role, text))
+    return turns
+
+
+def responses_request(body: dict, served_model: str, max_model_len: int = MAX_MODEL_LEN) -> Generation:
+    turns = _response_turns(body)
+    prompt = Prompt.of(prompt_key("chat", turns), chat_tokens(turns))
+    n = body.get("n")
+    if n not in (None, 1):
+        raise bad("'n' is not supported by /v1/responses", "n")
+    return _common(body, served_model, [prompt], max_tokens_names=("max_output_tokens",), max_model_len=max_model_len)
+
+
+def tokenize_request(body: dict, served_model: str) -> tuple[str, list[str]]:
+    """vLLM's TokenizeCompletionRequest (``prompt``) or TokenizeChatRequest (``messages``): the tokens."""
+    model = _served(body, served_model)
+    if body.get("messages") is not None:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise bad("'messages' must be a non-empty list", "messages")
+        return model, chat_tokens([_message_text(i, m) for i, m in enumerate(messages)])
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad("'prompt' (or 'messages') is required", "prompt", code="missing_field")
+    if not isinstance(prompt, str):
+        raise bad("'prompt' must be a string", "prompt")
+    return model, tokenize(prompt)
+
+
+def detokenize_request(body: dict, served_model: str) -> tuple[str, list[int]]:
+    model = _served(body, served_model)
+    ids = body.get("tokens")
+    if ids is None:
+        raise bad("'tokens' is required", "tokens", code="missing_field")
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise bad("'tokens' must be a list of integer token ids", "tokens")
+    return model, ids

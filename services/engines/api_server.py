@@ -6,17 +6,31 @@ Response shapes follow OpenAI's (and vLLM's) exactly, so the official
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import struct
 import time
 import uuid
 
 from aiohttp import web
 
-from .api_requests import MAX_MODEL_LEN, ApiError, Generation, chat_request, completion_request, parse_body
+from .api_requests import (
+    MAX_MODEL_LEN,
+    ApiError,
+    Generation,
+    bad,
+    chat_request,
+    completion_request,
+    detokenize_request,
+    embedding_request,
+    parse_body,
+    responses_request,
+    tokenize_request,
+)
 from .core import EngineCore
 from .metrics import CONTENT_TYPE, EngineMetrics
-from .tokens import Answer
+from .tokens import Answer, detokenize, embedding, token_id
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
@@ -32,6 +46,11 @@ def build_app(
     app.router.add_get("/v1/models", api.models)
     app.router.add_post("/v1/chat/completions", api.chat)
     app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/responses", api.responses)
+    app.router.add_post("/v1/embeddings", api.embeddings)
+    app.router.add_post("/tokenize", api.tokenize)
+    app.router.add_post("/detokenize", api.detokenize)
+    # Not simulated (a 404 from the engine, as from one that lacks them): /v1/rerank, /v1/score, audio.
     app.router.add_post("/reset_prefix_cache", api.reset_prefix_cache)  # vLLM's (dev mode): benchmarks start cold
     return app
 
@@ -97,6 +116,68 @@ class _Api:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         gen = completion_request(parse_body(await request.read()), self.served_model, self.max_model_len)
         return await self._generate(request, gen, chat=False)
+
+    # -- the other endpoints (vLLM's shapes) ----------------------------------
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        req = embedding_request(parse_body(await request.read()), self.served_model, self.max_model_len)
+        data = []
+        for i, p in enumerate(req.prompts):
+            vector = embedding(p.key, req.dimensions)
+            if req.base64:  # what the openai client asks for by default: little-endian float32
+                value: list | str = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            else:
+                value = vector
+            data.append({"index": i, "object": "embedding", "embedding": value})
+        tokens = sum(p.tokens for p in req.prompts)
+        return web.json_response(
+            {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()), "model": req.model, "data": data,
+             "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}}
+        )  # fmt: skip
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        _, tokens = tokenize_request(parse_body(await request.read()), self.served_model)
+        ids = [token_id(t) for t in tokens]
+        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        _, ids = detokenize_request(parse_body(await request.read()), self.served_model)
+        try:
+            return web.json_response({"prompt": detokenize(ids)})
+        except ValueError as e:
+            raise bad(str(e), "tokens") from None
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(await request.read())
+        gen = responses_request(body, self.served_model, self.max_model_len)
+        p = gen.prompts[0]
+        answer = Answer(p.key, 0, gen.max_tokens, gen.ignore_eos)
+        shape = _Response(gen.model, body, gen.max_tokens)
+        if not gen.stream:
+            text: list[str] = []
+            async with self.core.admit(p.tokens, [p.ids]) as seq:
+                async for batch in seq.decode([answer]):
+                    text += [token for _, token in batch]
+                seq.finish([answer])
+            return web.json_response(shape.whole("".join(text), answer, p.tokens))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+            for event in shape.opening():
+                await resp.write(shape.event(event))
+            text = []
+            async with self.core.admit(p.tokens, [p.ids]) as seq:
+                async for batch in seq.decode([answer]):
+                    for _, token in batch:
+                        text.append(token)
+                        await resp.write(shape.event({"type": "response.output_text.delta", **shape.where(), "delta": token, "logprobs": []}))
+                seq.finish([answer])
+            for event in shape.closing("".join(text), answer, p.tokens):
+                await resp.write(shape.event(event))
+            await resp.write_eof()
+        except ConnectionResetError:
+            self.log.debug("client left a stream of %s early", request.path)
+        return resp
 
     async def _generate(self, request: web.Request, gen: Generation, *, chat: bool) -> web.StreamResponse:
         answers = [Answer(p.key, j, gen.max_tokens, gen.ignore_eos) for p in gen.prompts for j in range(gen.n)]
@@ -177,3 +258,74 @@ class _Shape:
         obj = self._head("chat.completion.chunk" if self.chat else "text_completion")
         obj.update(choices=choices, **extra)
         return obj
+
+
+class _Response:
+    """vLLM's /v1/responses objects (ResponsesResponse) and stream events, one message of output text."""
+
+    def __init__(self, model: str, body: dict, max_tokens: int):
+        self.model = model
+        self.id = "resp_" + uuid.uuid4().hex
+        self.item_id = "msg_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.body = body
+        self.max_tokens = max_tokens
+        self.seq = 0
+
+    def where(self) -> dict:
+        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+
+    def event(self, obj: dict) -> bytes:
+        obj["sequence_number"] = self.seq
+        self.seq += 1
+        return b"event: " + obj["type"].encode() + b"\ndata: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    def _part(self, text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": None}
+
+    def _item(self, text: str | None, status: str) -> dict:
+        content = [] if text is None else [self._part(text)]
+        return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+    def _object(self, status: str, output: list, usage: dict | None, incomplete: str | None = None) -> dict:
+        b = self.body
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "model": self.model, "status": status,
+            "output": output, "usage": usage, "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": b.get("instructions"), "max_output_tokens": self.max_tokens, "metadata": b.get("metadata"),
+            "parallel_tool_calls": b.get("parallel_tool_calls", True), "previous_response_id": b.get("previous_response_id"),
+            "reasoning": None, "service_tier": "auto", "temperature": b.get("temperature"), "text": None,
+            "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [], "top_p": b.get("top_p"),
+            "truncation": "disabled", "user": b.get("user"), "error": None,
+        }  # fmt: skip
+
+    @staticmethod
+    def _usage(prompt_tokens: int, answer: Answer) -> dict:
+        return {
+            "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": answer.length, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + answer.length,
+        }  # fmt: skip
+
+    def whole(self, text: str, answer: Answer, prompt_tokens: int) -> dict:
+        cut = answer.finish_reason == "length"
+        status = "incomplete" if cut else "completed"
+        return self._object(status, [self._item(text, "incomplete" if cut else "completed")], self._usage(prompt_tokens, answer), "max_output_tokens" if cut else None)
+
+    def opening(self) -> list[dict]:
+        started = self._object("in_progress", [], None)
+        return [
+            {"type": "response.created", "response": started},
+            {"type": "response.in_progress", "response": started},
+            {"type": "response.output_item.added", "output_index": 0, "item": self._item(None, "in_progress")},
+            {"type": "response.content_part.added", **self.where(), "part": self._part("")},
+        ]
+
+    def closing(self, text: str, answer: Answer, prompt_tokens: int) -> list[dict]:
+        final = self.whole(text, answer, prompt_tokens)
+        return [
+            {"type": "response.output_text.done", **self.where(), "text": text, "logprobs": []},
+            {"type": "response.content_part.done", **self.where(), "part": self._part(text)},
+            {"type": "response.output_item.done", "output_index": 0, "item": final["output"][0]},
+            {"type": "response.completed" if final["status"] == "completed" else "response.incomplete", "response": final},
+        ]

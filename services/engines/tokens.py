@@ -76,3 +76,58 @@ class Answer:
 
     def tokens(self) -> list[str]:
         return [self.token(i) for i in range(self.length)]
+
+
+# Token ids (/tokenize, /detokenize, prompts of ids): a word of VOCAB is its index; any
+# other token of up to ID_BYTES UTF-8 bytes is spelled into its id (so it comes back
+# from /detokenize as it went in); a longer one is hashed into [HASHED_BASE, SPELLED_BASE)
+# and comes back as UNKNOWN. Every id is below 2**53, so JSON clients of any language
+# read it exactly.
+ID_BYTES = 5
+HASHED_BASE = 64
+SPELLED_BASE = 1 << 20
+MAX_TOKEN_ID = SPELLED_BASE + (ID_BYTES + 1) * (1 << (8 * ID_BYTES)) - 1
+UNKNOWN = "<unk>"
+_VOCAB_IDS = {w: i for i, w in enumerate(VOCAB)}
+
+
+def token_id(token: str) -> int:
+    i = _VOCAB_IDS.get(token.strip())
+    if i is not None:
+        return i
+    raw = token.encode("utf-8", "surrogatepass")
+    if len(raw) <= ID_BYTES:
+        return SPELLED_BASE + (len(raw) << (8 * ID_BYTES)) + int.from_bytes(raw, "big")
+    h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
+    return HASHED_BASE + h % (SPELLED_BASE - HASHED_BASE)
+
+
+def token_str(i: int) -> str:
+    """The token an id stands for (UNKNOWN for a hashed one); ValueError for no id at all."""
+    if not 0 <= i <= MAX_TOKEN_ID:
+        raise ValueError(f"token id {i} is outside the vocabulary (0..{MAX_TOKEN_ID})")
+    if i < len(VOCAB):
+        return VOCAB[i]
+    if i < SPELLED_BASE:
+        return UNKNOWN
+    n, value = divmod(i - SPELLED_BASE, 1 << (8 * ID_BYTES))
+    if n > ID_BYTES or value >= 1 << (8 * n):
+        raise ValueError(f"token id {i} is outside the vocabulary")
+    return value.to_bytes(n, "big").decode("utf-8", "replace")
+
+
+def detokenize(ids: list[int]) -> str:
+    return " ".join(token_str(i) for i in ids)
+
+
+def embedding(key: bytes, dimensions: int) -> list[float]:
+    """A deterministic unit vector for a prompt (its key), ``dimensions`` long."""
+    out: list[float] = []
+    counter = 0
+    while len(out) < dimensions:
+        d = hashlib.blake2b(key + counter.to_bytes(4, "big"), digest_size=64).digest()
+        out += [(int.from_bytes(d[k : k + 2], "big") / 32767.5) - 1.0 for k in range(0, 64, 2)]
+        counter += 1
+    out = out[:dimensions]
+    norm = sum(x * x for x in out) ** 0.5 or 1.0
+    return [x / norm for x in out]

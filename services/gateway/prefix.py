@@ -15,7 +15,9 @@ gateways agree without talking:
   most ``MAX_MESSAGES`` times that in all), so a 200 KB prompt costs about
   what a 16 KB one does (the JSON decoder still skips over the rest), and a
   long system prompt shared by many users does not crowd out the opening
-  question that tells their conversations apart. An
+  question that tells their conversations apart; for ``/v1/responses`` and
+  ``/v1/embeddings`` the ``input`` as its JSON text (other bodies, and multipart
+  forms, have no key and go by load). An
   opening shorter than one chunk is extended over the next messages to a
   chunk; a prompt shorter than a chunk in all has no key and is placed by load
   alone (a few cached blocks are not worth a busier replica);
@@ -67,6 +69,7 @@ class _Body(msgspec.Struct):
 
     messages: list[_Message] | None = None
     prompt: msgspec.Raw = msgspec.Raw(b"null")
+    input: msgspec.Raw = msgspec.Raw(b"null")  # /v1/responses and /v1/embeddings: taken as its JSON text
 
 
 _decode = msgspec.json.Decoder(_Body).decode
@@ -105,7 +108,9 @@ def anchor(body: bytes, max_chars: int = MAX_CHARS, min_chars: int = CHUNK_CHARS
     else:
         text = memoryview(b.prompt)[:max_chars].tobytes()
         if text == b"null":
-            return None
+            text = memoryview(b.input)[:max_chars].tobytes()
+            if text == b"null":
+                return None
     # A short opening: the conversation is anchored on its first chunk (opening,
     # answer, ...) from the turn that makes it a chunk long, the same for every later one.
     return text if len(text) >= min_chars else None

@@ -78,7 +78,8 @@ from .upstream import (
 log = logging.getLogger("llmgw.gateway")
 
 # Headers sent upstream are fixed (upstream.py: Content-Type: application/json,
-# the body was checked to be JSON) plus the client's X-Request-Id: nothing else
+# the body was checked to be JSON; for a multipart form, the client's own
+# Content-Type, whose boundary the body needs) plus the client's X-Request-Id: nothing else
 # of the client's (its API key above all) travels to the engine.
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"
 # No proxy buffering (nginx honours X-Accel-Buffering) or caching on the way to the client.
@@ -141,15 +142,16 @@ class Forwarder:
         self.too_large_log = Throttled(log)
         self.dropped = 0  # bytes of answers read and let go unsent (too large): so far, in all
 
-    async def forward(self, request: Request, path: str, body: bytes, model: str, stream: bool = False) -> Response | Stream:
+    async def forward(self, request: Request, path: str, body: bytes, model: str, stream: bool = False, form: bytes = b"") -> Response | Stream:
         """Answer ``request`` from a replica of ``model``; raises UnknownModel / NoReadyReplica before any attempt.
-        ``stream``: the client asked for a stream (what the stall watch goes by)."""
+        ``stream``: the client asked for a stream (what the stall watch goes by).
+        ``form``: the client's Content-Type when the body is not JSON (a multipart form), sent on as is."""
         started = time.perf_counter()
         backend = self.router.pick(model, body=body)
         status = CLIENT_CLOSED  # what is counted if the client's leaving cancels us
         try:
             try:
-                resp, status = await self._attempt(request, backend, path, body, model, started, stream)
+                resp, status = await self._attempt(request, backend, path, body, model, started, stream, form)
             except _Retryable as first:
                 self.metrics.retried(model, first.kind)
                 try:
@@ -159,7 +161,7 @@ class Forwarder:
                     status = resp.status
                 else:
                     try:
-                        resp, status = await self._attempt(request, backend, path, body, model, started, stream)
+                        resp, status = await self._attempt(request, backend, path, body, model, started, stream, form)
                     except _Retryable as second:
                         resp = errors.bad_gateway(f"two replicas of '{model}' failed: {first}; then {second}")
                         status = resp.status
@@ -171,7 +173,7 @@ class Forwarder:
                 self.access.answered(request, model, status, seconds, backend.id)
 
     async def _attempt(
-        self, request: Request, b: Backend, path: str, body: bytes, model: str, started: float, stream: bool
+        self, request: Request, b: Backend, path: str, body: bytes, model: str, started: float, stream: bool, form: bytes = b""
     ) -> tuple[Response | Stream, int]:
         """One try on ``b``: the response and the status to count. Raises _Retryable while nothing was sent."""
         self.metrics.attempt(b.id)
@@ -180,9 +182,11 @@ class Forwarder:
         extra = b""
         if rid := request.headers.get(b"x-request-id"):
             extra = _request_id_line(rid)
+        if form:
+            extra += b"Content-Type: " + form + b"\r\n"
         try:
             try:
-                upstream = await self.upstream.client.post(b.endpoint, path, body, extra, b.flights, stream)
+                upstream = await self.upstream.client.post(b.endpoint, path, body, extra, b.flights, stream, not form)
                 streaming = upstream.status == 200 and upstream.mimetype == "text/event-stream"
                 if streaming:
                     first = await upstream.read_some()

@@ -34,7 +34,17 @@ from .proxy import Forwarder
 from .router import NoReadyReplica, Router, UnknownModel
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
-_KNOWN_PATHS = {"/v1/models": "GET", "/healthz": "GET", "/metrics": "GET", "/sd/engines": "GET", **{p: "POST" for p in GENERATION_PATHS}}
+# The other OpenAI-compatible (and vLLM / SGLang) endpoints, proxied the same way:
+# JSON bodies naming their model, and the audio ones, multipart forms with a
+# ``model`` field. An engine that does not implement one answers for itself (a 404
+# passed through as its answer, not counted against the replica).
+JSON_PATHS = (
+    "/v1/embeddings", "/v1/responses", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score",
+    "/tokenize", "/detokenize", "/pooling", "/classify",
+)  # fmt: skip
+FORM_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+_PROXIED = {**{p: False for p in GENERATION_PATHS + JSON_PATHS}, **{p: True for p in FORM_PATHS}}  # path -> is a form
+_KNOWN_PATHS = {"/v1/models": "GET", "/healthz": "GET", "/metrics": "GET", "/sd/engines": "GET", **{p: "POST" for p in _PROXIED}}
 _NEED_KEY = "a valid API key is required: send 'Authorization: Bearer KEY'"
 
 
@@ -81,6 +91,58 @@ def json_depth_over(body: bytes, limit: int) -> bool:
     return any(map(limit.__lt__, peaks))
 
 
+class BadForm(ValueError):
+    """A multipart body the gateway cannot read its ``model`` from; the message says why."""
+
+
+_DISPOSITION = re.compile(rb"(?i)^content-disposition[ \t]*:[ \t]*form-data[ \t]*(;.*)?$")
+_NAME = re.compile(rb'(?i);[ \t]*name[ \t]*=[ \t]*(?:"([^"]*)"|([^;\s"]+))')
+_BOUNDARY = re.compile(rb'(?i);[ \t]*boundary[ \t]*=[ \t]*(?:"([^"]{1,70})"|([^;\s"]{1,70}))')
+
+
+def form_fields(content_type: bytes | None, body: bytes, names: tuple[bytes, ...] = (b"model",)) -> dict[bytes, bytes]:
+    """The values of the parts named ``names`` in a ``multipart/form-data`` body (RFC 7578),
+    read in place: the parts are found with ``bytes.find`` (C speed) and none is copied but
+    those asked for; a file part is skipped over. Raises BadForm naming what is wrong."""
+    ctype = content_type or b""
+    if ctype.partition(b";")[0].strip().lower() != b"multipart/form-data":
+        shown = ctype[:60].decode("latin-1") or "none"
+        raise BadForm(f"the body must be multipart/form-data (Content-Type was {shown!r})")
+    m = _BOUNDARY.search(ctype)
+    if m is None:
+        raise BadForm("the Content-Type multipart/form-data has no boundary=... parameter (1 to 70 characters)")
+    delim = b"--" + (m.group(1) or m.group(2))
+    pos = 0 if body.startswith(delim) else body.find(b"\r\n" + delim)
+    if pos < 0:
+        raise BadForm("the body has no part: its boundary from the Content-Type never occurs in it")
+    pos = body.index(delim, pos) + len(delim)
+    found: dict[bytes, bytes] = {}
+    part = 0
+    while True:
+        if body.startswith(b"--", pos):
+            return found  # the closing delimiter
+        if not body.startswith(b"\r\n", pos):
+            raise BadForm(f"part {part} of the form: its boundary line does not end with CRLF")
+        head_end = body.find(b"\r\n\r\n", pos + 2)
+        end = body.find(b"\r\n" + delim, pos + 2) if head_end >= 0 else -1
+        if head_end < 0 or end < 0 or end < head_end:
+            what = "headers do not end with an empty line" if head_end < 0 or (0 <= end < head_end) else "part is not closed by the boundary"
+            raise BadForm(f"part {part} of the form: its {what} (a body cut short?)")
+        name = None
+        for line in body[pos + 2 : head_end].split(b"\r\n"):
+            d = _DISPOSITION.match(line)
+            if d is not None:
+                n = _NAME.search(d.group(1) or b"")
+                if n is not None:
+                    name = n.group(1) if n.group(1) is not None else n.group(2)
+        if name is None:
+            raise BadForm(f"part {part} of the form has no 'Content-Disposition: form-data; name=...' header")
+        if name in names and name not in found:
+            found[name] = body[head_end + 4 : end]
+        pos = end + 2 + len(delim)
+        part += 1
+
+
 class GatewayApp:
     def __init__(
         self, router: Router, forwarder: Forwarder, metrics: GatewayMetrics, *, max_body_bytes: int, keys: ApiKeys | None, bounds: GatewaySection | None = None
@@ -111,7 +173,8 @@ class GatewayApp:
         return server
 
     async def handle(self, request: Request) -> Response | Stream:
-        """The routes: POST the two generation paths; GET (and HEAD) the rest; anything else -> fallback."""
+        """The routes: POST the proxied paths (the two generation ones first: one compare each,
+        then one dict lookup for the rest); GET (and HEAD) the rest; anything else -> fallback."""
         method = request.method
         path = request.path
         if method == "POST":
@@ -119,6 +182,9 @@ class GatewayApp:
                 return await self._generate(request, "/v1/chat/completions")
             if path == "/v1/completions":
                 return await self._generate(request, "/v1/completions")
+            form = _PROXIED.get(path)
+            if form is not None:
+                return await (self._form(request, path) if form else self._generate(request, path))
         elif method == "GET" or method == "HEAD":
             if path == "/v1/models":
                 return self.models(request)
@@ -161,6 +227,30 @@ class GatewayApp:
             return self._refused(request, started, errors.bad_request("'model' is required: name one of GET /v1/models", code="missing_field", param="model"))
         try:
             return await self.forwarder.forward(request, path, body, model, head.stream is True)
+        except UnknownModel as e:
+            return self._refused(request, started, errors.not_found(f"{e}; GET /v1/models lists the models served"), UNKNOWN_MODEL)
+        except NoReadyReplica as e:
+            return self._refused(request, started, errors.unavailable(str(e), e.retry_after), model)
+
+    async def _form(self, request: Request, path: str) -> Response | Stream:
+        """A multipart form (audio): the model from its ``model`` field; the body forwarded as sent."""
+        started = time.perf_counter()
+        if self.keys is not None and not self.keys.allows(request.header("authorization")):
+            return self._refused(request, started, errors.unauthorized(_NEED_KEY))
+        if request.too_large:
+            return self._refused(request, started, errors.too_large(self.max_body_bytes))
+        content_type = request.headers.get(b"content-type")
+        try:
+            raw = form_fields(content_type, request.body).get(b"model")
+            model = raw.decode("utf-8").strip() if raw is not None else ""
+        except BadForm as e:
+            return self._refused(request, started, errors.bad_request(f"malformed multipart form: {e}", code="invalid_form"))
+        except UnicodeDecodeError:
+            return self._refused(request, started, errors.bad_request("the form field 'model' is not UTF-8", code="invalid_form", param="model"))
+        if not model:
+            return self._refused(request, started, errors.bad_request("the form field 'model' is required: name one of GET /v1/models", code="missing_field", param="model"))
+        try:
+            return await self.forwarder.forward(request, path, request.body, model, False, content_type)
         except UnknownModel as e:
             return self._refused(request, started, errors.not_found(f"{e}; GET /v1/models lists the models served"), UNKNOWN_MODEL)
         except NoReadyReplica as e:

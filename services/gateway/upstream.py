@@ -411,11 +411,12 @@ class _Pool:
 class _Target:
     """One endpoint + path: its pool, and the request head up to Content-Length, encoded once."""
 
-    __slots__ = ("pool", "head")
+    __slots__ = ("pool", "head", "bare")
 
-    def __init__(self, pool: _Pool, head: bytes):
+    def __init__(self, pool: _Pool, head: bytes, bare: bytes):
         self.pool = pool
-        self.head = head
+        self.head = head  # with Content-Type: application/json
+        self.bare = bare  # without a Content-Type: the caller sends the client's (a multipart form)
 
 
 class UpstreamClient:
@@ -440,10 +441,9 @@ class UpstreamClient:
                 u = urlsplit(endpoint)
                 port = u.port  # a ValueError for a port that is not a number 0-65535
                 host = u.netloc.rpartition("@")[2]
-                head = (
-                    f"POST {u.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {host}\r\n"
-                    "Content-Type: application/json\r\nAccept-Encoding: identity\r\nContent-Length: "
-                ).encode("latin-1")  # a UnicodeEncodeError (a ValueError) for a host latin-1 cannot spell
+                start = f"POST {u.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {host}\r\n"
+                head = (start + "Content-Type: application/json\r\nAccept-Encoding: identity\r\nContent-Length: ").encode("latin-1")
+                bare = (start + "Accept-Encoding: identity\r\nContent-Length: ").encode("latin-1")  # a UnicodeEncodeError (a ValueError) for a host latin-1 cannot spell
             except ValueError as e:
                 raise BadEndpoint(OSError(f"cannot parse the endpoint {endpoint!r}: {e}")) from None
             if u.scheme not in ("http", "https") or not u.hostname:
@@ -458,17 +458,19 @@ class UpstreamClient:
                 pool = self._pools[pkey] = _Pool(self, u.hostname, port, self._tls if tls else None)
             if len(self._targets) > 4096:
                 self._targets.clear()
-            t = self._targets[key] = _Target(pool, head)
+            t = self._targets[key] = _Target(pool, head, bare)
         return t
 
     async def post(
-        self, endpoint: str, path: str, body: bytes, extra_headers: bytes = b"", flights: set | None = None, stream: bool = False
+        self, endpoint: str, path: str, body: bytes, extra_headers: bytes = b"", flights: set | None = None, stream: bool = False, json: bool = True
     ) -> Connection:
         """Send ``body`` and read the answer's head. ``extra_headers``: whole ``Name: value\\r\\n`` lines.
 
         ``flights``: a set the connection joins before its request is sent (so it
         can be ``abort``-ed while the head is awaited) and leaves if this raises;
         after a return the caller removes it. ``stream``: the client asked for one.
+        ``json``: the body is JSON (sent as ``application/json``); otherwise
+        ``extra_headers`` carries the client's own ``Content-Type`` line.
 
         The caller reads the body off the returned connection and then must
         ``release()`` it (read to the end) or ``close()`` it (anything else).
@@ -483,7 +485,7 @@ class UpstreamClient:
             if flights is not None:
                 flights.add(conn)
             # One write, so one send(): head and body together.
-            conn.send(b"%s%d\r\n%s\r\n%s" % (t.head, len(body), extra_headers, body))
+            conn.send(b"%s%d\r\n%s\r\n%s" % (t.head if json else t.bare, len(body), extra_headers, body))
             await conn.read_head()
         except BaseException:
             conn.close()
