@@ -180,10 +180,9 @@ async def test_up_ha_survives_killing_the_acting_scheduler_health_monitor_and_a_
             heir = await eventually(
                 lambda: (p := acting_pid(service)) not in (None, victim) and _proc_alive(p) and p, timeout=20, what=f"standby {service} takes over"
             )
-            # … and the supervisor restarts the killed one, and says so.
-            await eventually(lambda: _pids(ha_dir)[name]["pid"] != victim and _proc_alive(_pids(ha_dir)[name]["pid"]), timeout=20, what=f"{name} restarted")
-            log = (ha_dir / "logs" / "supervisor.log").read_text()
-            assert f"{name} (pid {victim}) exited; restarted as pid {_pids(ha_dir)[name]['pid']}" in log, log
+            # … and the supervisor restarts the killed one, and says so (recorded, then said).
+            said = lambda: f"{name} (pid {victim}) exited; restarted as pid {_pids(ha_dir)[name]['pid']}" in (ha_dir / "logs" / "supervisor.log").read_text()  # noqa: E731
+            await eventually(lambda: _pids(ha_dir)[name]["pid"] != victim and _proc_alive(_pids(ha_dir)[name]["pid"]) and said(), timeout=20, what=f"{name} restarted, and said so")
             assert heir != victim
 
         gw = _pids(ha_dir)["gateway"]["pid"]
