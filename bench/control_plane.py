@@ -25,7 +25,11 @@ What runs where:
 
 Phases: (1) bring-up, (2) steady-state CPU, (3) placement of ``--replicas``
 replicas x 2 nodes x 4 GPUs applied as the operator, (4) failover of one member
-node whose heartbeats stop. Everything started is stopped on exit, Ctrl-C or
+node whose heartbeats stop; with ``--nats-servers 3`` (three servers as a
+cluster on 127.0.0.1-3, services at ``kv_replicas: 3``, as ``llmgw up
+--nats-servers 3``) also (5) the meta leader SIGKILLed while the operator applies
+a small deployment every 100 ms: how long control-plane writes are blocked (the
+gap between the last apply acknowledged before the kill and the first after). Everything started is stopped on exit, Ctrl-C or
 failure; if this process is killed outright, ``llmgw down --dir DIR`` (the
 directory is printed first) stops what is left.
 """
@@ -57,7 +61,7 @@ from llmgw.services.up import Cluster
 from llmgw.shared import bus, pki, subjects as S
 from llmgw.shared.durations import format_duration, parse_duration
 from llmgw.shared.kvmirror import KvMirror, open_bucket
-from llmgw.shared.natsserver import NatsServer, free_port
+from llmgw.shared.natsserver import NatsCluster, NatsServer, free_port
 from llmgw.shared.schemas import (
     CommandAck,
     DeploymentSpec,
@@ -305,8 +309,13 @@ class Bench:
 
     def prepare(self) -> None:
         a = self.args
-        nats = self.cluster.nats = NatsServer(root=self.root)
-        nats.prepare()
+        if a.nats_servers > 1:
+            self.cluster.nats_cluster = NatsCluster(root=self.root, size=a.nats_servers, hosts=[f"127.0.0.{i + 1}" for i in range(a.nats_servers)])
+            self.cluster.nats_cluster.prepare()
+            nats = self.cluster.nats = self.cluster.nats_cluster.members[0]
+        else:
+            nats = self.cluster.nats = NatsServer(root=self.root)
+            nats.prepare()
         ids = self.node_ids()
         per = -(-a.nodes // a.fabrics)
         t = time.monotonic()
@@ -338,7 +347,7 @@ class Bench:
 
     async def connect_operator(self) -> None:
         tls = self.cluster.nats.tls_for("operator", "operator")
-        self.nc = await bus.connect(self.cluster.nats.url, tls, name="bench", initial_attempts=20, reconnect_base=0.2, reconnect_max=1.0)
+        self.nc = await bus.connect(self.cluster.nats_urls, tls, name="bench", initial_attempts=20, reconnect_base=0.2, reconnect_max=1.0)
         self.js = self.nc.jetstream(timeout=10)
 
     async def wait_services(self, timeout: float = 60.0) -> None:
@@ -380,7 +389,9 @@ class Bench:
         return out
 
     def pids(self) -> dict[str, int]:
-        p = {r: self.cluster.procs[r].pid for r in ("registry", "health", "scheduler", "nats-server")}
+        p = {r: self.cluster.procs[r].pid for r in ("registry", "health", "scheduler")}
+        servers = [n for n in self.cluster.procs if n.startswith("nats-server")]
+        p["nats-server"] = self.cluster.procs[servers[0]].pid  # the first (of a cluster: its CPU stands for each)
         p["bench (agents)"] = os.getpid()
         return p
 
@@ -409,7 +420,7 @@ class Bench:
         async def one(agent: SimAgent):
             nonlocal done, last_print
             async with sem:
-                await agent.connect(self.cluster.nats.url)
+                await agent.connect(self.cluster.nats_urls)
                 await agent.announce(a.heartbeat)
             done += 1
             if time.monotonic() - last_print >= 2 or done == len(self.agents):
@@ -627,12 +638,79 @@ class Bench:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.gather(*(close(nc) for nc in conns)), 15)
 
+    # -- phase 5 ---------------------------------------------------------------
+    async def meta_leader_kill(self) -> None:
+        """SIGKILL the JetStream meta leader while the operator applies a deployment
+        (a scheduler KV write and an event) every 100 ms: the longest gap between
+        acknowledged applies around the kill is how long control-plane writes are blocked."""
+        nc = self.cluster.nats_cluster
+        self.phase(5, "meta leader killed")
+        meta = None
+        for m in nc.members:
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(f"{m.monitor_url}/jsz", timeout=3) as r:
+                    meta = (json.load(r).get("meta_cluster") or {}).get("leader")
+                if meta:
+                    break
+        victim = next((i for i, m in enumerate(nc.members) if m.name == meta), None)
+        if victim is None:
+            raise BenchError(f"cannot tell the meta leader from the servers' monitoring (saw {meta!r})")
+        dep_leader = (await self.js.stream_info(S.kv_stream(S.BUCKET_DEPLOYMENTS))).cluster.leader
+        spec = DeploymentSpec(name="bench-probe", model="sim-7b", engine="sim", replicas=0, nodes_per_replica=1, gpus_per_node=0)
+        acked: list[float] = []
+        stop = asyncio.Event()
+
+        async def writer():
+            while not stop.is_set():
+                t = time.monotonic()
+                with contextlib.suppress(Exception):
+                    reply = await self.nc.request(S.api("scheduler", "apply"), encode(spec), timeout=2)
+                    if not (reply.headers or {}).get("Nats-Service-Error-Code"):
+                        acked.append(time.monotonic())
+                await asyncio.sleep(max(0.0, 0.1 - (time.monotonic() - t)))
+
+        task = asyncio.create_task(writer())
+        try:
+            await asyncio.sleep(2.0)
+            if not acked:
+                raise BenchError("no apply acknowledged before the kill")
+            name = f"nats-server-{meta}"
+            t_kill = time.monotonic()
+            proc = self.cluster.procs.get(name)
+            if proc is not None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                nc.kill(victim)
+            self.out(f"SIGKILLed {meta}, the meta leader ({'also' if dep_leader == meta else 'not'} the leader of {S.kv_stream(S.BUCKET_DEPLOYMENTS)}: {dep_leader})")
+            deadline = time.monotonic() + 60
+            while not [t for t in acked if t > t_kill] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(2.0)
+        finally:
+            stop.set()
+            await task
+        after = [t for t in acked if t > t_kill]
+        if not after:
+            raise BenchError("no apply acknowledged within 60s of killing the meta leader")
+        before = max(t for t in acked if t <= t_kill)
+        gaps = [b - a for a, b in zip(acked, acked[1:]) if b > t_kill]
+        self.fig["meta_kill_blocked_s"] = after[0] - before
+        self.fig["meta_kill_first_ack_s"] = after[0] - t_kill
+        self.fig["meta_kill_max_gap_s"] = max(gaps) if gaps else 0.0
+        self.fig["meta_kill_victim_led_deployments"] = dep_leader == meta
+        self.out(
+            f"control-plane writes blocked {self.fig['meta_kill_blocked_s']:.2f}s (last ack before the kill -> first after; "
+            f"first ack {self.fig['meta_kill_first_ack_s']:.2f}s after the kill; the longest gap after it {self.fig['meta_kill_max_gap_s']:.2f}s)"
+        )
+
     async def run(self) -> None:
         try:
             await self.bring_up()
             await self.steady()
             await self.placement()
             await self.failover()
+            if self.cluster.nats_cluster is not None:
+                await self.meta_leader_kill()
         finally:
             t = time.monotonic()
             await self.close()
@@ -655,7 +733,7 @@ def summary(args, fig: Figures, argv: list[str]) -> str:
         "== SUMMARY ==",
         f"command:  {' '.join(shlex.quote(x) for x in argv)}",
         f"machine:  {os.cpu_count()} cores ({_cpu_model()}), python {sys.version.split()[0]}",
-        f"cluster:  {args.nodes} nodes x {args.gpus} GPUs, {args.fabrics} fabrics, heartbeat {format_duration(args.heartbeat)}, lost after {format_duration(args.node_lost_after)}",
+        f"cluster:  {args.nodes} nodes x {args.gpus} GPUs, {args.fabrics} fabrics, heartbeat {format_duration(args.heartbeat)}, lost after {format_duration(args.node_lost_after)}, {args.nats_servers} NATS server(s)",
         "",
         f"| {'phase':10s} | {'figure':44s} | {'value':>14s} | {'target':>8s} | {'check':6s} |",
         "|" + "-" * 12 + "|" + "-" * 46 + "|" + "-" * 16 + "|" + "-" * 10 + "|" + "-" * 8 + "|",
@@ -688,9 +766,16 @@ def summary(args, fig: Figures, argv: list[str]) -> str:
         lines.append(row("failover", f"lost -> last replacement launch ({v['failover_replicas']} repl.)", f"{1000 * v['failover_last_s']:.0f} ms", f"< {1000 * TARGETS['failover']:.0f} ms", v["failover_last_s"] < TARGETS["failover"]))
         if "failover_ready_s" in v:
             lines.append(row("failover", "lost -> replacements ready", f"{1000 * v['failover_ready_s']:.0f} ms"))
-    phases = [p for p, k in (("bring-up", "bringup_s"), ("steady", "steady_cpu_rh"), ("placement", "place_ready_s"), ("failover", "failover_last_s")) if k in v]
+    if "meta_kill_blocked_s" in v:
+        led = " (it led the deployments stream)" if v.get("meta_kill_victim_led_deployments") else ""
+        lines.append(row("meta kill", f"writes blocked, meta leader SIGKILLed{led}"[:44], f"{v['meta_kill_blocked_s']:.2f} s"))
+        lines.append(row("meta kill", "kill -> first acknowledged write", f"{v['meta_kill_first_ack_s']:.2f} s"))
+    wanted = (("bring-up", "bringup_s"), ("steady", "steady_cpu_rh"), ("placement", "place_ready_s"), ("failover", "failover_last_s"))
+    if args.nats_servers > 1:
+        wanted += (("meta kill", "meta_kill_blocked_s"),)
+    phases = [p for p, k in wanted if k in v]
     lines.append("")
-    lines.append(f"phases completed: {', '.join(phases) or 'none'} ({len(phases)}/4)")
+    lines.append(f"phases completed: {', '.join(phases) or 'none'} ({len(phases)}/{len(wanted)})")
     return "\n".join(lines)
 
 
@@ -715,7 +800,7 @@ def stop_processes(cluster: Cluster) -> None:
     zombies; here they are our children, so wait on them directly, then let it
     clean up whatever is left (and the pids file).
     """
-    for group in ([r for r in ("scheduler", "health", "registry") if r in cluster.procs], ["nats-server"] if "nats-server" in cluster.procs else []):
+    for group in ([r for r in ("scheduler", "health", "registry") if r in cluster.procs], [n for n in cluster.procs if n.startswith("nats-server")]):
         procs = [cluster.procs[r] for r in group if cluster.procs[r].poll() is None]
         for p in procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -744,7 +829,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dir", help="work directory, kept (default: a fresh temporary one, removed after a successful run)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, configs)")
     p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument("--nats-servers", type=int, default=1, help="1 (default), or 3, 5…: a cluster on 127.0.0.1-N; adds phase 5 (meta leader killed)")
     args = p.parse_args(argv)
+    if args.nats_servers < 1 or (args.nats_servers > 1 and args.nats_servers % 2 == 0):
+        p.error(f"--nats-servers {args.nats_servers}: use 1, or an odd number of 3 or more")
     for name in ("heartbeat", "node_lost_after", "steady"):
         setattr(args, name, parse_duration(getattr(args, name), "--" + name.replace("_", "-")))
     if args.fabrics is None:
