@@ -115,7 +115,23 @@ class Cluster:
         try:
             return await eventually(observe, expected, timeout=timeout, what=what, interval=0.05)
         except AssertionError as e:
-            raise AssertionError(f"{e}; replicas: {[(r.id, r.state, r.reason) for r in self.replicas.items.values()]}") from None
+            replicas = [(r.id, r.state, r.reason) for r in self.replicas.items.values()] if hasattr(self, "replicas") else "no mirror yet"
+            raise AssertionError(f"{e}; replicas: {replicas}{self.agents_report()}") from None
+
+    def agents_report(self) -> str:
+        """Each agent's state and the tail of its log: a wait that fails on a node
+        says whether its agent died, and why, instead of only that it was not ready."""
+        lines = []
+        for node_id, p in sorted(self.agents.items()):
+            rc = p.poll()
+            lease = getattr(getattr(self, "leases", None), "items", {}).get(node_id)
+            lines.append(f"\n  {node_id}: agent pid {p.pid} {'running' if rc is None else f'exited {rc}'}, lease {getattr(lease, 'state', 'none')}")
+            try:
+                tail = self.nodes[node_id].log.read_text(errors="replace").splitlines()[-6:]
+            except OSError:
+                tail = []
+            lines += [f"\n    | {t[:200]}" for t in tail]
+        return "".join(lines)
 
     def ids(self, deployment: str) -> list[str]:
         return sorted(r.id for r in self.live(deployment))
