@@ -34,7 +34,7 @@ async def bring_up(cluster, connector, nodes=2, fabrics=1, schedulers=1):
     for n in cluster.nodes:
         cluster.start_agent(n)
     await cluster.operator(connector)
-    await cluster.wait(lambda: len([l for l in cluster.leases.items.values() if l.state == "ready"]) == nodes, what="all nodes ready")
+    await cluster.wait(lambda: len([l for l in cluster.leases.items.values() if l.state == "ready"]) == nodes, timeout=45, what="all nodes ready")
     return scheds
 
 

@@ -55,7 +55,7 @@ async def bring_up(cluster, connector, *, nodes, fabrics, gpus=4):
         cluster.start_agent(n)
     await cluster.operator(connector)
     cluster.nodes_kv = await KvMirror(await open_bucket(cluster.ops.jetstream(), S.BUCKET_NODES, wait=10), NodeRecord).start()
-    await cluster.wait(lambda: len([x for x in cluster.leases.items.values() if x.state == "ready"]) == nodes, what="all nodes ready")
+    await cluster.wait(lambda: len([x for x in cluster.leases.items.values() if x.state == "ready"]) == nodes, timeout=45, what="all nodes ready")
 
 
 def record(cluster, node_id) -> NodeRecord | None:

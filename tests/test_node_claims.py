@@ -108,7 +108,7 @@ async def bring_up(cluster: Cluster, connector, nodes: int, record: bool = True)
             assert ok, data
     for n in cluster.nodes:
         cluster.start_agent(n)
-    await cluster.wait(lambda: len([l for l in cluster.leases.items.values() if l.state == "ready"]) == nodes, what="all nodes ready")
+    await cluster.wait(lambda: len([l for l in cluster.leases.items.values() if l.state == "ready"]) == nodes, timeout=45, what="all nodes ready")
     nodes_kv = await open_bucket(ops.jetstream(), S.BUCKET_NODES, wait=10)
     cluster.node_records = await KvMirror(nodes_kv, NodeRecord).start()
     await cluster.wait(lambda: all(r.boot_id for r in cluster.node_records.items.values()) and len(cluster.node_records.items) == nodes, what="all nodes registered")
