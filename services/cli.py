@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=what)
         p.add_argument("--config", "-c", required=True, help=f"{name}.yaml (server, tls, metrics_listen, …)")
+        if name == "gateway":
+            p.add_argument("--workers", type=int, help="gateway processes on one port (SO_REUSEPORT); default gateway.workers, 0 there: one per core")
+            p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # INDEX:PORT, set by the supervising parent
         p.set_defaults(func=_lazy(target) if target else _not_yet(name))
 
     p = sub.add_parser("agent", help="the node agent: inventory, heartbeats, engine processes")
@@ -228,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-peer-timeout", help="the demo's sim ranks call a silent peer lost after this (sim default 1.6s)")
     p.add_argument("--gateway-port", type=int, default=8080, help="preferred gateway port (a free one is used if taken)")
     p.add_argument("--routing", choices=("prefix", "least-outstanding"), help="the gateway's routing: prefix-cache aware (default) or least outstanding requests")
+    p.add_argument("--gateway-workers", type=int, help="gateway processes on its port (SO_REUSEPORT; default 1 here, 0 = one per core)")
     p.add_argument("--no-demo", action="store_true", help="do not apply the seed's demo deployment")
     p.add_argument("--detach", action="store_true", help="return once ready; stop later with 'llmgw down'")
     p.add_argument("--discovery-interval", help="agents re-read GPUs and HCA ports this often (agent default 10s)")

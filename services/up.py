@@ -198,7 +198,7 @@ class Cluster:
                 "scheduler",
                 {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "scheduler": {"reconcile_interval": format_duration(min(1.0, hb)), "leader_ttl": format_duration(max(1.0, hb * 2)), **({"hang_timeout": format_duration(hang_timeout)} if hang_timeout else {})}},
             ),
-            "gateway": self._service_config("gateway", {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "gateway": {"listen": f"127.0.0.1:{gw_port}", **({"stall_after": format_duration(stall_after)} if stall_after else {}), **({"routing": args.routing} if getattr(args, "routing", None) else {})}}),
+            "gateway": self._service_config("gateway", {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "gateway": {"listen": f"127.0.0.1:{gw_port}", "workers": 1 if getattr(args, "gateway_workers", None) is None else args.gateway_workers, **({"stall_after": format_duration(stall_after)} if stall_after else {}), **({"routing": args.routing} if getattr(args, "routing", None) else {})}}),
         }
         if self.ha:
             # Standbys read the same files but for their metrics (and the gateway's port).

@@ -324,8 +324,13 @@ class GatewaySection:
     routing_load_slack: int = 2
     # How much of a prompt's start (bytes) names its conversation.
     routing_prefix_chars: int = 16384
+    # Gateway processes on one port (SO_REUSEPORT), each its own NATS connection and
+    # mirrors; 0: one per core this process may run on. 'llmgw gateway --workers N' overrides.
+    workers: int = 0
 
     def __post_init__(self):
+        if not (type(self.workers) is int and 0 <= self.workers <= 1024):
+            raise ConfigError(f"gateway.workers: must be a whole number from 0 (one per core) to 1024, got {self.workers!r}")
         if self.routing not in ("prefix", "least-outstanding"):
             raise ConfigError(f"gateway.routing: {self.routing!r} is not one of prefix, least-outstanding")
         if not (isinstance(self.routing_load_bound, (int, float)) and 1.0 <= self.routing_load_bound <= 100):

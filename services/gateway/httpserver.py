@@ -664,9 +664,10 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
-    async def start(self, host: str, port: int, *, backlog: int = 1024, tls: ssl.SSLContext | None = None) -> int:
-        """Listen (HTTPS with ``tls``); returns the bound port (``port`` may be 0)."""
-        self._server = await self.loop.create_server(lambda: HttpConnection(self), host, port, backlog=backlog, ssl=tls)
+    async def start(self, host: str, port: int, *, backlog: int = 1024, tls: ssl.SSLContext | None = None, reuse_port: bool = False) -> int:
+        """Listen (HTTPS with ``tls``); returns the bound port (``port`` may be 0).
+        ``reuse_port``: SO_REUSEPORT, one of several processes' sockets on the port."""
+        self._server = await self.loop.create_server(lambda: HttpConnection(self), host, port, backlog=backlog, ssl=tls, reuse_port=reuse_port or None)
         self._watch_accept_errors()
         self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
         return self._server.sockets[0].getsockname()[1]

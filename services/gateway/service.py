@@ -33,7 +33,7 @@ from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.schemas import DeploymentSpec, Replica, ReplicaTraffic, TrafficReport, encode
 from prometheus_client import start_http_server
 
-from ..runtime import ServiceRuntime, run_service
+from ..runtime import ServiceRuntime
 from .access import AccessLog
 from .auth import ApiKeys
 from .metrics import GatewayMetrics
@@ -172,6 +172,8 @@ class Gateway(ServiceRuntime):
         self.port = 0  # the bound port (listen may say 0)
         self.as_process = False  # serve() (the llmgw gateway command) rather than embedded
         self.give_back: MallocGiveBack | None = None  # as a process only: it tunes the process's malloc
+        self.reuse_port = False  # a worker of 'llmgw gateway --workers N': its own SO_REUSEPORT socket on the shared port
+        self.worker: int | None = None  # that worker's index
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -222,13 +224,14 @@ class Gateway(ServiceRuntime):
         self.http = self.app.server()
         host, port = self.listen
         try:
-            self.port = await self.http.start(host, port, backlog=1024, tls=self.tls)
+            self.port = await self.http.start(host, port, backlog=1024, tls=self.tls, reuse_port=self.reuse_port)
         except OSError as e:
             self.http = None
             raise ConfigError(f"{self.cfg.source}: gateway.listen {host}:{port}: {e.strerror or e}") from None
         self.spawn(self.watch())
         scheme = "https" if self.tls else "http"
-        self.log.info("gateway serving the OpenAI API on %s://%s:%d%s", scheme, host, self.port, " (API keys required)" if self.keys else "")
+        worker = f" (worker {self.worker})" if self.worker is not None else ""
+        self.log.info("gateway serving the OpenAI API on %s://%s:%d%s%s", scheme, host, self.port, worker, " (API keys required)" if self.keys else "")
 
     async def watch(self) -> None:
         """The stall watch every tick, and the traffic reports every ``traffic_interval``."""
@@ -280,4 +283,9 @@ class Gateway(ServiceRuntime):
 
 
 def main(args) -> int:
-    return run_service(Gateway, args)
+    """One gateway in this process, or with ``--workers N`` (``gateway.workers``) a supervisor of N (workers.py)."""
+    from llmgw.shared.config import load_service_config
+
+    from .workers import main as run
+
+    return run(args, load_service_config(args.config))
