@@ -7,7 +7,9 @@ Not a test: it prints figures. Run from the repository root::
 
 One ``sim`` engine (zero load time, ``--token-rate 0``: no simulated delay)
 serves all three. Both gateways run as their own single process (LiteLLM:
-one uvicorn worker, its default; llmgw: one process), fed the same engine.
+one uvicorn worker, its default; llmgw: one process), fed the same engine;
+``--workers 1,2`` adds llmgw with 2 worker processes (``llmgw gateway --workers
+2``, target ``llmgw-w2``; its CPU is the workers' summed).
 llmgw's gateway gets its routing the real way: a nats-server with one ready
 Replica record written under the scheduler's identity. The load generator is
 one asyncio process (uvloop when installed) with keep-alive connections: a
@@ -76,13 +78,21 @@ class Sample:
         return None if spent is None or not self.count else spent / self.count * 1e6
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process so far (Linux /proc; None elsewhere)."""
+def cpu_seconds(pid: int, children: bool = False) -> float | None:
+    """User + system CPU time of a process so far (Linux /proc; None elsewhere); with
+    ``children``, plus its live children's (the workers of ``llmgw gateway --workers N``)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    if children:
+        try:
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            kids = []
+        total += sum(cpu_seconds(int(k)) or 0.0 for k in kids)
+    return total
 
 
 def pct(values: list[float], q: float) -> float:
@@ -194,12 +204,12 @@ async def drive(session: LeanClient | AiohttpClient, target: Target, clients: in
                 into.first.append(first - t0)
 
     watch = watch or {}
-    before = {name: cpu_seconds(pid) for name, pid in watch.items()}
+    before = {name: cpu_seconds(pid, name == "proxy") for name, pid in watch.items()}
     start = time.perf_counter()
     await asyncio.gather(*(client(k) for k in range(clients)))
     into.seconds += time.perf_counter() - start
     for name, pid in watch.items():
-        after = cpu_seconds(pid)
+        after = cpu_seconds(pid, name == "proxy")
         if after is not None and before[name] is not None:
             into.cpu[name] = into.cpu.get(name, 0.0) + after - before[name]
 
@@ -239,13 +249,15 @@ async def main() -> int:
     ap.add_argument("--access-log", action="store_true", help="run llmgw's gateway with gateway.access_log on (to a file)")
     ap.add_argument("--modes", default="plain,stream", help="which answers to measure (default plain,stream)")
     ap.add_argument("--json", help="also write the raw figures here")
+    ap.add_argument("--workers", default="1", help="llmgw gateways to compare by worker processes, e.g. 1,2 (default 1; targets llmgw, llmgw-w2, ...)")
     args = ap.parse_args()
     clients_list = [int(c) for c in args.clients.split(",")]
     modes = [{"plain": False, "stream": True}[m] for m in args.modes.split(",")]
     litellm = find_litellm(args.litellm)
 
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen] = []  # LiteLLM (its own session: killed as a group)
+    gateways: list[subprocess.Popen] = []
     nats = NatsServer(root=work / "nats")
     sim = None
     board = None
@@ -258,16 +270,22 @@ async def main() -> int:
         await sim.wait_serving()
         await board.put(replica("sim-1", MODEL, sim.endpoint))
 
-        gw_port = free_port(HOST)
-        conf = {"server": nats.url, "tls": {"ca": gw_tls.ca, "cert": gw_tls.cert, "key": gw_tls.key}, "gateway": {"listen": f"{HOST}:{gw_port}", "access_log": args.access_log}}
-        (work / "gateway.yaml").write_text(yaml.safe_dump(conf))
-        gw_log = work / "gateway.log"
-        with open(gw_log, "wb") as out:
-            gw = subprocess.Popen([sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(work / "gateway.yaml")], stdout=out, stderr=subprocess.STDOUT)
-        procs.append(gw)
-        await wait_http(f"http://{HOST}:{gw_port}/v1/models", gw, "llmgw gateway", gw_log)
-
-        targets = [Target("direct", sim.endpoint), Target("llmgw", f"http://{HOST}:{gw_port}", pid=gw.pid)]
+        targets = [Target("direct", sim.endpoint)]
+        for workers in (int(w) for w in args.workers.split(",")):
+            gw_port = free_port(HOST)
+            conf = {"server": nats.url, "tls": {"ca": gw_tls.ca, "cert": gw_tls.cert, "key": gw_tls.key}, "gateway": {"listen": f"{HOST}:{gw_port}", "access_log": args.access_log}}
+            (work / f"gateway-{workers}.yaml").write_text(yaml.safe_dump(conf))
+            gw_log = work / f"gateway-{workers}.log"
+            with open(gw_log, "wb") as out:
+                argv = [sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(work / f"gateway-{workers}.yaml"), "--workers", str(workers)]
+                gw = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+            gateways.append(gw)
+            name = "llmgw" if workers == 1 else f"llmgw-w{workers}"
+            await wait_http(f"http://{HOST}:{gw_port}/v1/models", gw, name, gw_log)
+            if workers > 1:  # every worker routing (each answers /v1/models only once its records are in)
+                await wait_for(lambda: len(Path(f"/proc/{gw.pid}/task/{gw.pid}/children").read_text().split()) == workers, f"{name}'s workers", timeout=60)
+                await asyncio.sleep(2.0)  # their mirrors load after the fork: a settle, not a measurement
+            targets.append(Target(name, f"http://{HOST}:{gw_port}", pid=gw.pid))
         litellm_note = "not run (--litellm '')" if args.litellm == "" else "not installed"
         if litellm:
             lport = free_port(HOST)
@@ -301,7 +319,7 @@ async def main() -> int:
                             await drive(session, t, clients, stream, args.seconds, sample, watch=watch(t))
             if args.paced:
                 for _ in range(args.rounds):
-                    for t in targets[:2]:  # LiteLLM cannot keep up with a rate the others idle at
+                    for t in [t for t in targets if t.name != "litellm"]:  # LiteLLM cannot keep up with a rate the others idle at
                         await drive(session, t, 16, False, args.seconds, results.setdefault(("paced", 16, t.name), Sample()), rate=args.paced)
 
         rows = []
@@ -333,7 +351,7 @@ async def main() -> int:
                                  "cpu_us_per_request": {n: s.cpu_us(n) for n in ("proxy", "engine", "client")}})  # fmt: skip
         if args.paced:
             direct = results[("paced", 16, "direct")]
-            for t in targets[:2]:
+            for t in [t for t in targets if t.name != "litellm"]:
                 s = results[("paced", 16, t.name)]
                 p50, p99 = pct(s.latencies, 0.5) * 1e3, pct(s.latencies, 0.99) * 1e3
                 d50, d99 = pct(direct.latencies, 0.5) * 1e3, pct(direct.latencies, 0.99) * 1e3
@@ -345,13 +363,13 @@ async def main() -> int:
             Path(args.json).write_text(json.dumps({"litellm": litellm_note, "cores": os.cpu_count(), "rows": rows}, indent=1))
         return 0
     finally:
-        for p in procs:
+        for p in procs + gateways:
             if p.poll() is None:
                 try:
-                    os.killpg(p.pid, signal.SIGTERM) if p is not procs[0] else p.terminate()
+                    os.killpg(p.pid, signal.SIGTERM) if p in procs else p.terminate()  # a gateway passes it on to its workers
                 except ProcessLookupError:
                     pass
-        for p in procs:
+        for p in procs + gateways:
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
