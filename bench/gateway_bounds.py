@@ -291,7 +291,7 @@ async def main() -> int:
         nofile = args.nofile
         with open(log, "wb") as out:
             gw = subprocess.Popen(
-                [sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(work / "gateway.yaml")],
+                [sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(work / "gateway.yaml"), "--workers", "1"],
                 stdout=out, stderr=subprocess.STDOUT, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)),
             )  # fmt: skip
 

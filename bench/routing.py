@@ -185,7 +185,7 @@ def start_gateway(work: Path, nats: NatsServer, name: str, routing: str, procs: 
     (work / f"{name}.yaml").write_text(yaml.safe_dump(conf))
     log = work / f"{name}.log"
     with open(log, "wb") as out:
-        p = subprocess.Popen([sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(work / f"{name}.yaml")], stdout=out, stderr=subprocess.STDOUT)
+        p = subprocess.Popen([sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(work / f"{name}.yaml"), "--workers", "1"], stdout=out, stderr=subprocess.STDOUT)
     procs.append(p)
     return f"http://{HOST}:{port}", p, log
 

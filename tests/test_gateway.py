@@ -289,7 +289,7 @@ async def test_keys_limits_and_bad_bodies_reach_no_replica(stack, nats_server, t
     }
     (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(conf))
     log = open(tmp_path / "gateway.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "llmgw.services", "gateway", "-c", str(tmp_path / "gateway.yaml")], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "llmgw.services", "gateway", "-c", str(tmp_path / "gateway.yaml"), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT)
     base = f"http://{HOST}:{port}"
     try:
         async with aiohttp.ClientSession() as http:

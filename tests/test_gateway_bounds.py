@@ -303,7 +303,7 @@ def gateway_process(nats_server, work: Path, *, nofile: int | None = None, **gat
 
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(path)],
+            [sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(path), "--workers", "1"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=limit,
         )  # fmt: skip
     return proc, port, log
