@@ -21,6 +21,7 @@ second gateway (``cluster.json``: ``gateway_urls``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -77,6 +78,22 @@ def _start_time(pid: int) -> int | None:
 def _alive(pid: int, start: int | None) -> bool:
     st = _start_time(pid)
     return st is not None and (start is None or st == start)
+
+
+def _free_node_net(nodes: int) -> str:
+    """The first 127.0.M.0/24 (M from 1) where none of this cluster's node addresses
+    has a listening socket: two clusters on one machine (or one and a leftover
+    engine) on the same 127.0.1.N and the same engine ports would health-check
+    and route to each other's engines — or, now that an agent proves a port is
+    its engine's, refuse every launch as port_busy."""
+    from llmgw.shared.procnet import listening_sockets
+
+    taken = {addr for addr, _port in listening_sockets()}
+    for m in range(1, 255):
+        net = f"127.0.{m}"
+        if not any(f"{net}.{i + 1}" in taken for i in range(nodes)):
+            return net
+    raise UpError("every 127.0.M.0/24 (M 1-254) has a listener on a node address: too many clusters on this machine")
 
 
 def _preferred_port(host: str, preferred: int) -> int:
@@ -216,6 +233,10 @@ class Cluster:
         os.replace(self.operator_config, self.dir / "operator.yaml")
         self.operator_config = self.dir / "operator.yaml"
         specs = simcluster.layout(args.nodes, args.fabrics, args.gpus_per_node)
+        net = _free_node_net(len(specs))
+        if net != "127.0.1":
+            self.say(f"127.0.1.0/24 is in use on this machine (another cluster's engines?): this cluster's nodes use {net}.0/24")
+        specs = [dataclasses.replace(s, mgmt_addr=f"{net}.{s.mgmt_addr.rsplit('.', 1)[1]}") for s in specs]
         self.nodes = [simcluster.write_node(self.dir, self.dir / "pki", self.server_setting, s, self.timings) for s in specs]
         self.say(f"onboarded {len(self.nodes)} simulated nodes: " + ", ".join(f"{n.spec.node_id} ({n.spec.fabric or 'no fabric'}, {n.spec.mgmt_addr})" for n in self.nodes))
         self._write_cluster_json()

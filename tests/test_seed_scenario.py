@@ -68,11 +68,14 @@ def test_seed_failover_story(cluster):
     d, info, up_output = cluster
     assert "llmgw is up" in up_output and info["gateway_url"] in up_output
     nodes = {n["node_id"]: n for n in info["nodes"]}
+    # 127.0.1.N, or the next free 127.0.M.0/24 when another cluster on this machine holds it.
+    net = nodes["node01"]["mgmt_addr"].rsplit(".", 1)[0]
+    assert net.startswith("127.0.")
     assert {n: (v["fabric"], v["mgmt_addr"]) for n, v in nodes.items()} == {
-        "node01": ("ib-a", "127.0.1.1"),
-        "node02": ("ib-a", "127.0.1.2"),
-        "node03": ("ib-b", "127.0.1.3"),
-        "node04": ("ib-b", "127.0.1.4"),
+        "node01": ("ib-a", f"{net}.1"),
+        "node02": ("ib-a", f"{net}.2"),
+        "node03": ("ib-b", f"{net}.3"),
+        "node04": ("ib-b", f"{net}.4"),
     }
     client = openai.OpenAI(base_url=info["gateway_url"] + "/v1", api_key="none", timeout=20, max_retries=0)
     first = client.chat.completions.create(model="sim-70b", messages=[{"role": "user", "content": "hi"}], max_tokens=8)

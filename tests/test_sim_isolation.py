@@ -32,3 +32,22 @@ def test_kill_node_of_one_cluster_leaves_the_other_clusters_node_alone(tmp_path)
         for p in (mine, theirs):
             p.kill()
             p.wait(10)
+
+
+def test_up_puts_its_nodes_on_a_loopback_net_no_one_listens_on():
+    """Two `llmgw up` clusters on one machine: the second's nodes move to the next free
+    127.0.M.0/24 instead of sharing the first's addresses and engine ports."""
+    import socket
+
+    from llmgw.services.up import _free_node_net
+
+    first = _free_node_net(4)
+    with socket.socket() as s:  # the first cluster's node02 engine, listening
+        s.bind((f"{first}.2", 0))
+        s.listen()
+        second = _free_node_net(4)
+        assert second != first
+        from llmgw.shared.procnet import listening_sockets
+
+        taken = {a for a, _ in listening_sockets()}
+        assert not any(f"{second}.{i}" in taken for i in range(1, 5))
