@@ -155,14 +155,23 @@ class ServiceRuntime:
         return self.leadership
 
     async def stop(self) -> None:
+        """Stop, each step bounded: a stop that waits for ever on the bus (a drain
+        whose flush never returns, a task that will not end) leaves a process
+        that neither serves nor exits — systemd's stop timeout or a test's
+        timeout would be all that ends it."""
         for t in self.tasks:
             t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        _done, stuck = await asyncio.wait(self.tasks, timeout=5) if self.tasks else (set(), set())
+        for t in stuck:
+            self.log.warning("task %s did not end within 5s of being cancelled; leaving it", t.get_name())
         if self.leadership:
-            await self.leadership.resign()
+            try:
+                await asyncio.wait_for(self.leadership.resign(), 3)
+            except Exception:
+                pass  # the lease runs out by itself; a standby takes over after its TTL
         if self.micro:
             try:
-                await self.micro.stop()
+                await asyncio.wait_for(self.micro.stop(), 3)
             except Exception:
                 pass
         if self.nc and not self.nc.is_closed:
@@ -170,6 +179,11 @@ class ServiceRuntime:
                 await asyncio.wait_for(self.nc.drain(), 3)
             except Exception:
                 pass
+            if not self.nc.is_closed:
+                try:
+                    await asyncio.wait_for(self.nc.close(), 2)
+                except Exception:
+                    pass
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()

@@ -160,9 +160,12 @@ class Cluster:
         for m in ("replicas", "leases"):
             if hasattr(self, m):
                 await getattr(self, m).stop()
+        stuck = []
         for svc in reversed(self.services):
             try:
-                await svc.stop()
+                await asyncio.wait_for(svc.stop(), 20)
+            except asyncio.TimeoutError:
+                stuck.append(f"{svc.role}/{svc.identity}")
             except Exception:
                 pass
         for node_id in self.nodes:
@@ -172,3 +175,6 @@ class Cluster:
                 p.wait(2)
             except subprocess.TimeoutExpired:
                 pass
+        # A service whose stop never ends is a bug of the service, not of the test's
+        # cleanup: say which (its processes were still cleaned up above).
+        assert not stuck, f"stop() of {', '.join(stuck)} did not return within 20s"
