@@ -168,8 +168,13 @@ class Cluster:
                 stuck.append(f"{svc.role}/{svc.identity}")
             except Exception:
                 pass
-        for node_id in self.nodes:
-            self.kill_node(node_id)
+        # Kill until none is left: an agent killed while it was spawning an engine's
+        # wrapper can leave a process that did not exist at the first pass (a
+        # leader engine outlived a run of the flake hunt that way).
+        for _ in range(10):
+            if not any([self.kill_node(node_id) for node_id in self.nodes]):
+                break
+            await asyncio.sleep(0.2)
         for p in self.spawned:
             try:
                 p.wait(2)
