@@ -374,6 +374,20 @@ def _sign_and_record(
     return Issued(entry=entry, cert_path=cert_path, key_path=key_path, ca_path=pki / CA_CERT)
 
 
+
+def _host_sans(hosts: list[str], kind: str) -> list[x509.GeneralName]:
+    """Subject alternative names for ``hosts``: an IP address as one, anything else
+    as a DNS name (refused when empty, with spaces or a slash)."""
+    sans: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            if not h or any(c.isspace() for c in h) or "/" in h:
+                raise PkiError(f"invalid host name {h!r} for the {kind} certificate") from None
+            sans.append(x509.DNSName(h))
+    return sans
+
 def issue_server(
     pki_dir: str | os.PathLike,
     hosts: list[str],
@@ -386,14 +400,7 @@ def issue_server(
         raise PkiError("issue-server needs at least one host name or IP address")
     pki = Path(pki_dir)
     out = Path(out_dir) if out_dir else pki
-    sans: list[x509.GeneralName] = []
-    for h in hosts:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            if not h or any(c.isspace() for c in h) or "/" in h:
-                raise PkiError(f"invalid host name {h!r} for the server certificate") from None
-            sans.append(x509.DNSName(h))
+    sans = _host_sans(hosts, "server")
     key = _new_key()
     now = dt.datetime.now(_UTC)
     nb, na = now - dt.timedelta(minutes=5), now + dt.timedelta(days=days)
@@ -457,14 +464,7 @@ def issue_route(
     check_name(name, "server name")
     if not hosts:
         raise PkiError("issue-route needs at least one host name or IP address that peers dial")
-    sans: list[x509.GeneralName] = []
-    for h in hosts:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            if not h or any(c.isspace() for c in h) or "/" in h:
-                raise PkiError(f"invalid host name {h!r} for the route certificate") from None
-            sans.append(x509.DNSName(h))
+    sans = _host_sans(hosts, "route")
     pki = Path(pki_dir)
     key = _new_key()
     now = dt.datetime.now(_UTC)
