@@ -556,7 +556,7 @@ def test_compose_init_creates_what_compose_mounts(tmp_path, llmgw_cmd):
 
 def test_seed_deployment_file_is_valid():
     from llmgw.services.ctl.ops import load_deployments
-    from llmgw.services.scheduler.service import validate_spec
+    from llmgw.shared.specs import validate_spec
 
     (spec,) = load_deployments(str(DEPLOY / "seed-deployment.yaml"))
     validate_spec(spec)

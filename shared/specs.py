@@ -1,0 +1,84 @@
+"""A deployment as an operator writes it: the file, its checks, and how a replica relates to it.
+
+Beside ``DeploymentSpec`` (``shared/schemas.py``) so that every reader — the
+scheduler's apply API, ``llmgw ctl deploy apply`` checking a file before it
+sends it, the console — refuses the same things with the same words, without
+importing a service (the scheduler's module registers its metrics on import).
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+
+import msgspec
+import yaml
+
+from .config import read_yaml_any
+from .durations import parse_duration
+from .errors import ConfigError
+from .names import check_name
+from .schemas import DeploymentSpec, Replica
+
+# What the scheduler keeps on the record, not the operator: generations, the
+# crash-loop backoff, when it was applied.
+SCHEDULER_FIELDS = frozenset({"applied_at", "last_generation", "failures", "last_failure", "retry_at"})
+# What an operator writes, in the schema's order (for "known: …" and "did you mean …").
+OPERATOR_FIELDS = tuple(f for f in DeploymentSpec.__struct_fields__ if f not in SCHEDULER_FIELDS)
+
+
+def validate_spec(spec: DeploymentSpec) -> DeploymentSpec:
+    """Refuse what could never run, with the field named."""
+    check_name(spec.name, "deployment name")
+    if not spec.model:
+        raise ConfigError("model: must not be empty")
+    if spec.replicas < 0:
+        raise ConfigError(f"replicas: must be 0 or more, got {spec.replicas}")
+    if spec.nodes_per_replica < 1:
+        raise ConfigError(f"nodes_per_replica: must be at least 1, got {spec.nodes_per_replica}")
+    if spec.gpus_per_node < 0:
+        raise ConfigError(f"gpus_per_node: must be 0 or more, got {spec.gpus_per_node}")
+    if spec.startup_timeout <= 0:
+        raise ConfigError(f"startup_timeout: must be positive, got {spec.startup_timeout}")
+    for k in spec.env:
+        if not k or "=" in k or not k.replace("_", "a").isalnum():
+            raise ConfigError(f"env: {k!r} is not a valid environment variable name")
+    return spec
+
+
+def load_deployments(path: str) -> list[DeploymentSpec]:
+    """Read a deployment file: one mapping, a list, or ``deployments: [...]``
+    (``-``: standard input). Each item is checked for unknown keys and types
+    here; ``validate_spec`` checks the values."""
+    # Not read_yaml: that one wants a mapping at the top, and a list is a deployment file too.
+    data = read_yaml_any(path) if path != "-" else yaml.safe_load(sys.stdin.read())
+    items = data.get("deployments", data) if isinstance(data, dict) else data
+    if isinstance(items, dict):
+        items = [items]
+    if not isinstance(items, list) or not items:
+        raise ConfigError(f"{path}: expected a deployment mapping, a list of them, or 'deployments: [...]'")
+    specs = []
+    for i, item in enumerate(items):
+        where = f"{path}: deployments[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        for key in item:
+            if key not in OPERATOR_FIELDS:
+                close = difflib.get_close_matches(str(key), OPERATOR_FIELDS, n=1)
+                raise ConfigError(f"{where}: unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(OPERATOR_FIELDS)})"))
+        item = dict(item)
+        if "startup_timeout" in item:
+            item["startup_timeout"] = parse_duration(item["startup_timeout"], f"{where}.startup_timeout")
+        try:
+            specs.append(msgspec.convert(item, DeploymentSpec))
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    return specs
+
+
+def is_outdated(replica: Replica, digest: str) -> bool:
+    """The replica runs another engine template than ``digest`` (the deployment's
+    ``template_digest`` now): the rolling update replaces it. A record from
+    before digests were kept (``spec_digest`` "") is never outdated, and neither
+    is anything when the deployment is gone (``digest`` "")."""
+    return bool(digest) and bool(replica.spec_digest) and replica.spec_digest != digest
