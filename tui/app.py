@@ -239,7 +239,7 @@ class LlmgwApp(App[None]):
 
 
 def main(args) -> int:
-    from llmgw.services.ctl.ops import Session
+    from llmgw.services.ctl.session import Session
 
     # Checks the file, its keys and its certificates before the screen takes over,
     # so a mistake is one plain line on the terminal.

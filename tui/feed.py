@@ -24,7 +24,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import BucketNotFoundError, NotFoundError
 from textual.message import Message
 
-from llmgw.services.ctl.ops import Session
+from llmgw.services.ctl.session import Session
 from llmgw.shared import bus, subjects as S
 from llmgw.shared.config import ServiceConfig
 from llmgw.shared.errors import BusError, WireError

@@ -6,7 +6,7 @@ import datetime as dt
 
 from rich.text import Text
 
-from llmgw.services.ctl.ops import format_event
+from llmgw.shared.readmodel import format_event
 from llmgw.shared.schemas import Event
 
 from .palette import EVENT_STYLE, STORY_STYLE

@@ -2,7 +2,10 @@
 
 The widgets only draw the frozen views built here, so every decision about a
 word, a colour class or an order is unit-testable with plain records, and the
-clock is a parameter (``now``) — snapshot tests pin it.
+clock is a parameter (``now``) — snapshot tests pin it. The facts themselves
+(GPUs in use and free, a node's state word, ages, backoff) come from the read
+model ``llmgw ctl`` uses too (``shared/readmodel.py``); this module only
+arranges them into panels, rows and colours.
 """
 
 from __future__ import annotations
@@ -12,16 +15,26 @@ import string
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from llmgw.services.ctl.ops import backoff_line, node_rows
+from llmgw.shared.readmodel import (
+    age_since,
+    backing_off,
+    backoff_line,
+    format_age,
+    gpu_blocks,
+    gpu_holders,
+    gpus_in_use,
+    lease_age,
+    lease_age_text,
+    lease_line,
+    lease_state,
+    node_gpu_counts,
+    node_state,
+)
 from llmgw.shared.schemas import DeploymentSpec, Event, Lease, NodeRecord, Replica
 from llmgw.shared.states import ENDING_REPLICA, ReplicaState
 
 # The panel of nodes configured on no fabric (they host single-node replicas only).
 NO_FABRIC = "no fabric"
-
-# A node's one word, most urgent first: health beats administration, because a
-# lost node is lost whether or not someone cordoned it.
-NODE_STATES = ("lost", "suspect", "draining", "cordoned", "ready", "unknown")
 
 # Replica states grouped by what an operator should feel about them.
 STARTING = (ReplicaState.PENDING, ReplicaState.LAUNCHING, ReplicaState.WAITING)
@@ -41,16 +54,6 @@ class ClusterState:
     deployments: Mapping[str, DeploymentSpec] = field(default_factory=dict)
 
 
-def node_state(record: NodeRecord, lease: Lease | None) -> str:
-    if lease is None:
-        return "unknown"  # registered, but the health monitor has not spoken yet
-    if lease.state != "ready":
-        return lease.state
-    if record.admin != "active":
-        return record.admin
-    return "ready"
-
-
 def replica_tone(state: str) -> str:
     """ready | degraded | starting | failing | gone | backoff: the colour family of a replica state."""
     if state in STARTING:
@@ -60,21 +63,6 @@ def replica_tone(state: str) -> str:
     if state == BACKOFF:
         return "backoff"
     return state if state in (ReplicaState.READY, ReplicaState.DEGRADED, ReplicaState.GONE) else "starting"
-
-
-def format_age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = max(0.0, seconds)
-    if s < 10:
-        return f"{s:.1f}s"
-    if s < 60:
-        return f"{s:.0f}s"
-    if s < 3600:
-        return f"{s // 60:.0f}m{s % 60:02.0f}s"
-    if s < 86400:
-        return f"{s / 3600:.1f}h"
-    return f"{s / 86400:.1f}d"
 
 
 def matches(pattern: str, *texts: str) -> bool:
@@ -111,22 +99,6 @@ class MarkBook:
 
     def get(self, replica_id: str) -> str:
         return self.marks.get(replica_id, "?")
-
-
-def gpu_holders(replicas: Mapping[str, Replica]) -> dict[str, dict[int, Replica]]:
-    """node -> GPU index -> the replica holding it.
-
-    Should a replica being reaped and its replacement both name a GPU, the
-    live one wins: that is who will hold it once reaping ends.
-    """
-    held: dict[str, dict[int, Replica]] = {}
-    for r in sorted(replicas.values(), key=lambda r: (r.state in FAILING, r.id), reverse=True):
-        if r.state == ReplicaState.GONE:
-            continue
-        for m in r.members:
-            for g in m.gpus:
-                held.setdefault(m.node_id, {})[g] = r
-    return held
 
 
 # --------------------------------------------------------------------------
@@ -208,7 +180,8 @@ def fabric_views(state: ClusterState, now: float, marks: MarkBook, pattern: str 
             members.setdefault(fab.name, []).append(rid)
         if not rec.fabrics:
             members.setdefault(NO_FABRIC, []).append(rid)
-    rows = {r["node_id"]: r for r in node_rows(dict(state.nodes), dict(state.leases), dict(state.replicas))}
+    in_use = gpus_in_use(state.replicas)
+    free = {node_id: node_gpu_counts(rec, in_use).free for node_id, rec in state.nodes.items()}
     out = []
     for fabric in sorted(members, key=lambda f: (f == NO_FABRIC, f)):
         views = []
@@ -225,9 +198,9 @@ def fabric_views(state: ClusterState, now: float, marks: MarkBook, pattern: str 
                     node_id=node_id,
                     fabric=fabric,
                     state=word,
-                    lease_age=format_age(now - lease.last_renew) if lease else "-",
+                    lease_age=lease_age_text(lease_state(lease), lease_age(lease, now)),
                     cells=cells,
-                    gpus_free=rows[node_id]["gpus_free"],
+                    gpus_free=free[node_id],
                     mgmt_addr=rec.mgmt_addr,
                     problem=_problem(rec),
                     admin=rec.admin if rec.admin not in ("active", word) else "",
@@ -235,9 +208,8 @@ def fabric_views(state: ClusterState, now: float, marks: MarkBook, pattern: str 
                 )
             )
         total = sum(len(state.nodes[n].gpus) for n in members[fabric])
-        free = sum(rows[n]["gpus_free"] for n in members[fabric])
         count = len(members[fabric])
-        summary = f"{count} node{'s' if count != 1 else ''} · {free}/{total} GPUs free"
+        summary = f"{count} node{'s' if count != 1 else ''} · {sum(free[n] for n in members[fabric])}/{total} GPUs free"
         if views or not pattern:
             out.append(FabricView(fabric, tuple(views), summary))
     return tuple(out)
@@ -282,7 +254,7 @@ def replica_views(
                 fabric=r.fabric or "-",
                 members=members,
                 state=r.state,
-                age=format_age(now - r.since) if r.since else "-",
+                age=age_since(r.since, now),
                 reason=r.reason,
                 tone=replica_tone(r.state),
                 rebuild=r.id in rebuilding and r.state != ReplicaState.READY,
@@ -290,7 +262,7 @@ def replica_views(
         )
     # A deployment in a crash-loop backoff has no replica on its way: a row says so.
     for d in sorted(state.deployments.values(), key=lambda d: d.name):
-        if d.retry_at <= now or not d.failures:
+        if not backing_off(d, now):
             continue
         if not matches(pattern, d.name, BACKOFF, d.last_failure):
             continue
@@ -393,12 +365,7 @@ def node_detail(
         return NodeDetailView(node_id=node_id, known=False, events=relevant)
     lease = state.leases.get(node_id)
     held = gpu_holders(state.replicas).get(node_id, {})
-    from llmgw.services.scheduler.view import gpu_blocks
-
     blocked = gpu_blocks(rec)
-    lease_text = "no lease yet"
-    if lease is not None:
-        lease_text = f"{lease.state} for {format_age(now - lease.since)}, renewed {format_age(now - lease.last_renew)} ago, boot {lease.boot_id[:8]}"
     members = []
     for r in sorted(state.replicas.values(), key=lambda r: r.id):
         for m in r.members:
@@ -421,7 +388,7 @@ def node_detail(
         state=node_state(rec, lease),
         admin=rec.admin,
         admin_reason=admin_reason(rec),
-        lease=lease_text,
+        lease=lease_line(lease, now),
         mgmt=f"{rec.mgmt_addr} ({rec.mgmt_interface})" if rec.mgmt_interface else rec.mgmt_addr,
         fabrics=fabrics or NO_FABRIC,
         gpus=tuple(
