@@ -1,9 +1,10 @@
 """Configuration files of the control-plane services and of operators.
 
-A configuration is read once at start and validated when it is constructed:
-an unknown key (with the closest known one suggested), a wrong type, a bad
-duration or a missing file is refused with a message naming the file and the
-key path, so a typo never silently becomes a default.
+A configuration is read once at start and validated when it is constructed
+(msgspec structs, read through ``shared/structconf.py``): an unknown key (with
+the closest known one suggested), a wrong type, a bad duration or a missing
+file is refused with a message naming the file and the key path, so a typo
+never silently becomes a default.
 
 One file per service instance (each has its own certificate)::
 
@@ -20,100 +21,19 @@ One file per service instance (each has its own certificate)::
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import os
-import types
-import typing
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
+import msgspec
 import yaml
 
 from .bus import TlsFiles
-from .durations import parse_duration
 from .errors import ConfigError
 from .files import write_atomic
-
-# Marks a float field as a duration ("5s", "1m", 500ms, or seconds).
-DURATION = {"duration": True}
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
-def build(cls: type, data: Any, where: str, source: str) -> Any:
-    """Construct dataclass ``cls`` from a mapping, checking keys and types strictly."""
-    prefix = f"{source}: " if source else ""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix}{where or 'top level'}: expected a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    hints = typing.get_type_hints(cls)
-    for key in data:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else f" (known keys: {', '.join(fields)})"
-            raise ConfigError(f"{prefix}unknown key '{_join(where, key)}'{hint}")
-    kwargs = {}
-    for name, f in fields.items():
-        path = _join(where, name)
-        if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"{prefix}missing required key '{path}'")
-            continue
-        kwargs[name] = _convert(hints[name], data[name], path, source, f.metadata)
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"{prefix}{e}") from None
-
-
-def _join(where: str, key: Any) -> str:
-    return f"{where}.{key}" if where else str(key)
-
-
-def _convert(tp: Any, value: Any, path: str, source: str, meta: Any) -> Any:
-    prefix = f"{source}: " if source else ""
-    if meta and meta.get("duration"):
-        return parse_duration(value, f"{prefix}{path}")
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _convert(args[0], value, path, source, meta)
-    if dataclasses.is_dataclass(tp):
-        return build(tp, value, path, source)
-    if origin in (list, tuple):
-        (inner, *_) = typing.get_args(tp) or (Any,)
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list):
-            raise ConfigError(f"{prefix}{path}: expected a list, got {type(value).__name__}")
-        items = [_convert(inner, v, f"{path}[{i}]", source, None) for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{prefix}{path}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{prefix}{path}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{prefix}{path}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{prefix}{path}: expected a string, got {type(value).__name__}")
-        return str(value)
-    return value
+from .structconf import Duration, Invalid, Section, convert
 
 
 class _StrictSafeLoader(yaml.SafeLoader):
@@ -209,85 +129,116 @@ def nats_url_problem(url: str) -> str | None:
     return None
 
 
+def listed(data: dict, key: str) -> dict:
+    """``data`` with ``key: URL`` written as the one-element list ``key: [URL]``."""
+    return {**data, key: [data[key]]} if isinstance(data.get(key), str) else data
+
+
+def check_servers(urls: Sequence[str], key: str = "server") -> None:
+    """Refuse NATS server URLs no client could use, naming the one at fault (``server[1]``)."""
+    if not urls:
+        raise Invalid(key, f"the list is empty; give at least one NATS URL, e.g. tls://HOST:{DEFAULT_NATS_PORT}")
+    for i, url in enumerate(urls):
+        problem = nats_url_problem(url)
+        if problem:
+            raise Invalid(key if len(urls) == 1 else f"{key}[{i}]", problem)
+    if len(set(urls)) != len(urls):
+        raise Invalid(key, "the same URL is listed twice")
+
+
+def resolve_path(base: Path, text: str) -> str:
+    """A path from a configuration file: ``~`` expanded, relative to the file's directory."""
+    return os.path.abspath(os.path.join(base, os.path.expanduser(text)))
+
+
+def resolve_tls(tls: Any, base: Path, source: str) -> dict[str, str]:
+    """The ``tls`` section's ca, cert and key, resolved against ``base``; each must be a file."""
+    paths = {}
+    for k in ("ca", "cert", "key"):
+        p = Path(resolve_path(base, getattr(tls, k)))
+        if not p.is_file():
+            nor = "" if p.parent.is_dir() else f" (nor does {p.parent})"
+            raise ConfigError(f"{source}: tls.{k}: file {p} does not exist{nor}")
+        paths[k] = str(p)
+    return paths
+
+
 # --------------------------------------------------------------------------
 # the service and operator configurations
 # --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TlsSection:
+class TlsSection(Section, frozen=True):
     ca: str
     cert: str
     key: str
 
 
-@dataclass(frozen=True)
-class HealthSection:
-    heartbeat_interval: float = field(default=5.0, metadata=DURATION)
+class HealthSection(Section, frozen=True):
+    heartbeat_interval: Duration = 5.0
     suspect_after_missed: int = 3
-    node_lost_after: float = field(default=60.0, metadata=DURATION)
-    leader_ttl: float = field(default=5.0, metadata=DURATION)
+    node_lost_after: Duration = 60.0
+    leader_ttl: Duration = 5.0
     # After the monitor reconnects to the bus or takes over, no node goes suspect or
     # lost for this long: the agents' worst reconnect time. 0 (the default) derives
     # it from this file: reconnect_max + 20 % jitter + one heartbeat_interval (41 s
     # with the defaults), assuming the agents use the same reconnect_max.
-    reconnect_grace: float = field(default=0.0, metadata=DURATION)
+    reconnect_grace: Duration = 0.0
 
     def __post_init__(self):
         if self.reconnect_grace < 0:
-            raise ConfigError("health.reconnect_grace: must not be negative (0 derives it from reconnect_max)")
+            raise Invalid("reconnect_grace", "must not be negative (0 derives it from reconnect_max)")
         if self.heartbeat_interval <= 0 or self.node_lost_after <= 0:
-            raise ConfigError("health: heartbeat_interval and node_lost_after must be positive")
+            raise Invalid("", "heartbeat_interval and node_lost_after must be positive")
         if self.suspect_after_missed < 1:
-            raise ConfigError("health.suspect_after_missed: must be at least 1")
+            raise Invalid("suspect_after_missed", "must be at least 1")
         if self.node_lost_after <= self.heartbeat_interval * self.suspect_after_missed:
-            raise ConfigError(
-                "health.node_lost_after must be longer than suspect_after_missed × heartbeat_interval "
-                f"({self.suspect_after_missed} × {self.heartbeat_interval:g}s), or nodes go lost before suspect"
+            raise Invalid(
+                "node_lost_after",
+                "must be longer than suspect_after_missed × heartbeat_interval "
+                f"({self.suspect_after_missed} × {self.heartbeat_interval:g}s), or nodes go lost before suspect",
             )
 
 
-@dataclass(frozen=True)
-class SchedulerSection:
-    reconcile_interval: float = field(default=1.0, metadata=DURATION)
+class SchedulerSection(Section, frozen=True):
+    reconcile_interval: Duration = 1.0
     port_base: int = 20000
     port_count: int = 2000
-    leader_ttl: float = field(default=5.0, metadata=DURATION)
-    command_timeout: float = field(default=5.0, metadata=DURATION)
+    leader_ttl: Duration = 5.0
+    command_timeout: Duration = 5.0
     # A degraded replica (its leader makes no progress) is failed and rebuilt
     # after this long; it returns to ready if tokens flow again before.
-    hang_timeout: float = field(default=30.0, metadata=DURATION)
+    hang_timeout: Duration = 30.0
     # Crash loops: after a replica of a deployment fails before serving, the
     # next attempt waits backoff_base, doubling per consecutive failure up to
     # backoff_max; a replica that becomes ready resets it.
-    backoff_base: float = field(default=5.0, metadata=DURATION)
-    backoff_max: float = field(default=300.0, metadata=DURATION)
+    backoff_base: Duration = 5.0
+    backoff_max: Duration = 300.0
     # A node implicated in this many replica failures within auto_cordon_window
     # is cordoned, but never more than auto_cordon_max_share of a fabric's
     # nodes (0 turns auto-cordon off).
     auto_cordon_after: int = 3
-    auto_cordon_window: float = field(default=600.0, metadata=DURATION)
+    auto_cordon_window: Duration = 600.0
     auto_cordon_max_share: float = 0.25
 
     def __post_init__(self):
         if not (1024 <= self.port_base and self.port_base + self.port_count <= 65536 and self.port_count >= 2):
-            raise ConfigError("scheduler: port_base..port_base+port_count must lie within 1024..65535")
+            raise Invalid("", "port_base..port_base+port_count must lie within 1024..65535")
         if self.hang_timeout <= 0:
-            raise ConfigError("scheduler.hang_timeout: must be positive")
+            raise Invalid("hang_timeout", "must be positive")
         if self.backoff_base < 0 or self.backoff_max < self.backoff_base:
-            raise ConfigError("scheduler: backoff_base must not be negative, and backoff_max not below it")
+            raise Invalid("", "backoff_base must not be negative, and backoff_max not below it")
         if self.auto_cordon_after < 1 or self.auto_cordon_window <= 0:
-            raise ConfigError("scheduler: auto_cordon_after must be at least 1 and auto_cordon_window positive")
+            raise Invalid("", "auto_cordon_after must be at least 1 and auto_cordon_window positive")
         if not 0 <= self.auto_cordon_max_share <= 1:
-            raise ConfigError(f"scheduler.auto_cordon_max_share: a share between 0 and 1, got {self.auto_cordon_max_share}")
+            raise Invalid("auto_cordon_max_share", f"a share between 0 and 1, got {self.auto_cordon_max_share}")
 
 
-@dataclass(frozen=True)
-class GatewaySection:
+class GatewaySection(Section, frozen=True):
     listen: str = "127.0.0.1:8080"
     max_body_bytes: int = 4 * 1024 * 1024
-    upstream_timeout: float = field(default=600.0, metadata=DURATION)
-    connect_timeout: float = field(default=2.0, metadata=DURATION)
+    upstream_timeout: Duration = 600.0
+    connect_timeout: Duration = 2.0
     api_keys_file: str = ""
     # HTTPS for clients: a PEM certificate (chain) and its key; both or neither.
     # Without them the API is plain HTTP (behind a TLS-terminating proxy, say).
@@ -295,20 +246,20 @@ class GatewaySection:
     tls_key: str = ""
     # One log line per generation request (llmgw.gateway.access); off: a cost per request.
     access_log: bool = False
-    cooldown: float = field(default=10.0, metadata=DURATION)
+    cooldown: Duration = 10.0
     failures_before_cooldown: int = 3
     # What a 503 (no ready replica) tells clients to wait before trying again.
-    retry_after: float = field(default=5.0, metadata=DURATION)
+    retry_after: Duration = 5.0
     # Requests in flight on a replica that sends no byte for this long count
     # against it at once (passive detection), and the agents hear of it.
-    stall_after: float = field(default=5.0, metadata=DURATION)
+    stall_after: Duration = 5.0
     # How often traffic evidence goes to the agents of busy replicas' leaders.
-    traffic_interval: float = field(default=1.0, metadata=DURATION)
+    traffic_interval: Duration = 1.0
     # Bounds on what clients (and replicas) can make the gateway hold (docs/operations.md).
     # Client connections open at once; more are answered 503 and closed.
     max_connections: int = 4096
     # A request's head and body must arrive within this of its first byte, however it trickles (408).
-    request_read_timeout: float = field(default=30.0, metadata=DURATION)
+    request_read_timeout: Duration = 30.0
     # Request bodies held at once, all connections together (503 beyond).
     max_buffered_body_bytes: int = 256 * 1024 * 1024
     # A non-streamed answer from a replica larger than this is refused (502).
@@ -330,50 +281,58 @@ class GatewaySection:
 
     def __post_init__(self):
         if not (type(self.workers) is int and 0 <= self.workers <= 1024):
-            raise ConfigError(f"gateway.workers: must be a whole number from 0 (one per core) to 1024, got {self.workers!r}")
+            raise Invalid("workers", f"must be a whole number from 0 (one per core) to 1024, got {self.workers!r}")
         if self.routing not in ("prefix", "least-outstanding"):
-            raise ConfigError(f"gateway.routing: {self.routing!r} is not one of prefix, least-outstanding")
+            raise Invalid("routing", f"{self.routing!r} is not one of prefix, least-outstanding")
         if not (isinstance(self.routing_load_bound, (int, float)) and 1.0 <= self.routing_load_bound <= 100):
-            raise ConfigError(f"gateway.routing_load_bound: must be a number from 1 (strict balance) up, e.g. 1.25; got {self.routing_load_bound!r}")
+            raise Invalid("routing_load_bound", f"must be a number from 1 (strict balance) up, e.g. 1.25; got {self.routing_load_bound!r}")
         if not 0 <= self.routing_load_slack <= 1000:
-            raise ConfigError(f"gateway.routing_load_slack: must be between 0 and 1000 requests, got {self.routing_load_slack}")
+            raise Invalid("routing_load_slack", f"must be between 0 and 1000 requests, got {self.routing_load_slack}")
         if not 64 <= self.routing_prefix_chars <= 1024 * 1024:
-            raise ConfigError(f"gateway.routing_prefix_chars: must be between 64 and 1048576, got {self.routing_prefix_chars}")
+            raise Invalid("routing_prefix_chars", f"must be between 64 and 1048576, got {self.routing_prefix_chars}")
         for name in ("max_connections", "max_buffered_body_bytes", "max_response_bytes", "max_json_depth"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"gateway.{name}: must be at least 1")
+                raise Invalid(name, "must be at least 1")
         if self.request_read_timeout <= 0:
-            raise ConfigError("gateway.request_read_timeout: must be positive")
+            raise Invalid("request_read_timeout", "must be positive")
         if self.max_buffered_body_bytes < self.max_body_bytes:
-            raise ConfigError(
-                f"gateway.max_buffered_body_bytes ({self.max_buffered_body_bytes}) is smaller than max_body_bytes ({self.max_body_bytes}): one body could never be held"
+            raise Invalid(
+                "max_buffered_body_bytes",
+                f"{self.max_buffered_body_bytes} is smaller than max_body_bytes ({self.max_body_bytes}): one body could never be held",
             )
         if self.max_body_bytes < 1:
-            raise ConfigError("gateway.max_body_bytes: must be at least 1")
+            raise Invalid("max_body_bytes", "must be at least 1")
         if self.upstream_timeout <= 0 or self.connect_timeout <= 0:
-            raise ConfigError("gateway: upstream_timeout and connect_timeout must be positive")
+            raise Invalid("", "upstream_timeout and connect_timeout must be positive")
         if self.cooldown < 0 or self.retry_after < 0:
-            raise ConfigError("gateway: cooldown and retry_after must not be negative")
+            raise Invalid("", "cooldown and retry_after must not be negative")
         if self.failures_before_cooldown < 1:
-            raise ConfigError("gateway.failures_before_cooldown: must be at least 1")
+            raise Invalid("failures_before_cooldown", "must be at least 1")
         if self.stall_after <= 0 or self.traffic_interval <= 0:
-            raise ConfigError("gateway: stall_after and traffic_interval must be positive")
+            raise Invalid("", "stall_after and traffic_interval must be positive")
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("gateway: tls_cert and tls_key go together (HTTPS needs both)")
+            raise Invalid("", "tls_cert and tls_key go together (HTTPS needs both)")
 
 
-@dataclass(frozen=True)
-class ServiceConfig:
-    server: list[str]
+class ServiceConfig(Section, frozen=True):
+    server: Annotated[list[str], msgspec.Meta(description="a NATS URL or a list of them")]
     tls: TlsSection
     metrics_listen: str = ""
     kv_replicas: int = 1
-    reconnect_base: float = field(default=1.0, metadata=DURATION)
-    reconnect_max: float = field(default=30.0, metadata=DURATION)
-    health: HealthSection = field(default_factory=HealthSection)
-    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
-    gateway: GatewaySection = field(default_factory=GatewaySection)
-    source: str = field(default="", metadata={"internal": True})
+    reconnect_base: Duration = 1.0
+    reconnect_max: Duration = 30.0
+    health: HealthSection = msgspec.field(default_factory=HealthSection)
+    scheduler: SchedulerSection = msgspec.field(default_factory=SchedulerSection)
+    gateway: GatewaySection = msgspec.field(default_factory=GatewaySection)
+    # The file this was loaded from, for messages.
+    source: str = ""
+
+    not_in_files = ("source",)
+
+    def __post_init__(self):
+        check_servers(self.server)
+        if self.reconnect_base > self.reconnect_max:
+            raise Invalid("reconnect_base", f"{self.reconnect_base:g}s is longer than reconnect_max ({self.reconnect_max:g}s)")
 
     def tls_files(self) -> TlsFiles:
         return TlsFiles(ca=self.tls.ca, cert=self.tls.cert, key=self.tls.key)
@@ -386,30 +345,16 @@ class ServiceConfig:
         return h.reconnect_grace or self.reconnect_max * 1.2 + h.heartbeat_interval
 
 
-def _resolve(base: Path, p: str) -> str:
-    return str(p if os.path.isabs(p) else (base / p).resolve())
-
-
 def load_service_config(path: str | os.PathLike) -> ServiceConfig:
     """Load and check a service (or operator) configuration file."""
-    data = read_yaml(path)
-    if "source" in data:
-        raise ConfigError(f"{path}: unknown key 'source'")
-    cfg = build(ServiceConfig, data, "", str(path))
+    source = str(path)
+    cfg = convert(listed(read_yaml(path), "server"), ServiceConfig, source)
+    # Paths (tls, the gateway's files) are relative to the file, so a
+    # configuration and its certificates move together.
     base = Path(path).resolve().parent
-    tls = TlsSection(**{k: _resolve(base, getattr(cfg.tls, k)) for k in ("ca", "cert", "key")})
-    for k in ("ca", "cert", "key"):
-        if not Path(getattr(tls, k)).is_file():
-            raise ConfigError(f"{path}: tls.{k}: file {getattr(tls, k)} does not exist")
-    for url in cfg.server:
-        problem = nats_url_problem(url)
-        if problem:
-            raise ConfigError(f"{path}: server: {problem}")
-    if cfg.reconnect_base > cfg.reconnect_max:
-        raise ConfigError(f"{path}: reconnect_base ({cfg.reconnect_base:g}s) is longer than reconnect_max ({cfg.reconnect_max:g}s)")
-    # The gateway's files, like tls paths, are relative to this file.
-    files = {k: _resolve(base, v) for k in ("api_keys_file", "tls_cert", "tls_key") if (v := getattr(cfg.gateway, k))}
-    return dataclasses.replace(cfg, tls=tls, gateway=dataclasses.replace(cfg.gateway, **files), source=str(path))
+    tls = TlsSection(**resolve_tls(cfg.tls, base, source))
+    files = {k: resolve_path(base, v) for k in ("api_keys_file", "tls_cert", "tls_key") if (v := getattr(cfg.gateway, k))}
+    return msgspec.structs.replace(cfg, tls=tls, gateway=msgspec.structs.replace(cfg.gateway, **files), source=source)
 
 
 def default_operator_config() -> str:

@@ -247,6 +247,51 @@ def test_refusals_name_file_key_and_expectation(tmp_path, certs, mutate, expecte
         assert part in msg, msg
 
 
+# Word for word after "<file>: ": the key path, then what is wrong (the shared
+# wording of shared/structconf.py, the same as for the services' files).
+EXACT = [
+    ("bad-type", _set("supervisor.log_lines", "many"), "supervisor.log_lines: expected a whole number, got a string 'many'"),
+    ("bad-type-in-a-list", _set("fabrics", [{"name": "ib-a", "hcas": ["mlx5_0", 5]}]), "fabrics[0].hcas[1]: expected a string, got an integer 5"),
+    ("bad-type-described", _set("fabrics", {"name": "ib-a"}), "fabrics: expected a list of {name, hcas} (or [] for no fabric), got a mapping"),
+    ("unknown-key-suggests", _set("fabrics", [{"name": "ib-a", "hca": ["mlx5_0"]}]), "fabrics[0].hca: unknown key; did you mean 'hcas'?"),
+    ("unknown-key-lists-known", _set("tls.password", "x"), "tls.password: unknown key (known keys here: ca, cert, key)"),
+    ("bad-duration", _set("supervisor.stop_timeout", "fast"), "supervisor.stop_timeout: 'fast' is not a duration; write e.g. 500ms, 5s, 1m or 1h30m"),
+    ("zero-duration", _set("heartbeat_interval", "0s"), "heartbeat_interval: must be greater than 0, got 0s"),
+    ("missing-required", _set("node_id", DELETE), "node_id: required key is missing"),
+    ("missing-required-in-a-list", _set("fabrics", [{"name": "ib-a"}]), "fabrics[0].hcas: required key is missing"),
+    ("required-but-empty", _set("mgmt_addr", None), "mgmt_addr: required key has no value"),
+    ("value-in-a-list", _set("fabrics", [{"name": "ib-a", "hcas": ["mlx5_0", "mlx5_0"]}]), "fabrics[0].hcas[1]: HCA 'mlx5_0' is listed twice in fabric 'ib-a'"),
+    (
+        "values-of-a-section-blame-the-one-set",
+        _set("supervisor.probe_interval", "1s"),
+        "supervisor.probe_interval: probe_timeout (3s) must not exceed probe_interval (1s): a canary is judged before the next one is due",
+    ),
+    (
+        "internal-field-is-unknown",
+        _set("source", "other.yaml"),
+        "source: unknown key (known keys here: node_id, server, tls, mgmt_addr, mgmt_interface, heartbeat_interval, "
+        "full_report_interval, reconnect_base, reconnect_max, fabrics, discovery, supervisor, inventory_interval)",
+    ),
+]
+
+
+@pytest.mark.parametrize("mutate, expected", [r[1:] for r in EXACT], ids=[r[0] for r in EXACT])
+def test_refusals_word_for_word(tmp_path, certs, mutate, expected):
+    data = copy.deepcopy(base(certs))
+    mutate(data)
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as e:
+        load_agent_config(path)
+    assert str(e.value) == f"{path}: {expected}"
+
+
+def test_empty_values_take_the_defaults(tmp_path, certs):
+    data = base(certs)
+    data.update(mgmt_interface=None, discovery=None, supervisor={"log_lines": None, "stop_timeout": "5s"})
+    cfg = load_agent_config(write(tmp_path, data))
+    assert (cfg.mgmt_interface, cfg.discovery, cfg.supervisor) == ("eth0", DiscoveryConfig(), SupervisorConfig(stop_timeout=5.0))
+
+
 def test_unknown_key_without_a_close_match_suggests_nothing(tmp_path, certs):
     data = base(certs)
     data["colour"] = "blue"

@@ -18,14 +18,14 @@ def tls(tmp_path):
 @pytest.mark.parametrize(
     "body, message",
     [
-        ("server: tls://127.0.0.1:4222\n{tls}health: {{heartbeat_intervl: 5s}}\n", "unknown key 'health.heartbeat_intervl' (did you mean 'heartbeat_interval'?)"),
+        ("server: tls://127.0.0.1:4222\n{tls}health: {{heartbeat_intervl: 5s}}\n", "health.heartbeat_intervl: unknown key; did you mean 'heartbeat_interval'?"),
         ("server: https://10.0.0.140:7443\n{tls}", "HTTP(S) endpoint from the earlier design"),
         ("server: tls://127.0.0.1:4222\nserver: tls://127.0.0.2:4222\n{tls}", "appears twice"),
         ("server: tls://127.0.0.1:4222\n{tls}health: {{node_lost_after: soon}}\n", "health.node_lost_after: 'soon' is not a duration"),
-        ("server: tls://127.0.0.1:4222\n{tls}kv_replicas: three\n", "kv_replicas: expected an integer"),
+        ("server: tls://127.0.0.1:4222\n{tls}kv_replicas: three\n", "kv_replicas: expected a whole number, got a string 'three'"),
         ("server: tls://127.0.0.1:4222\n{tls}health: {{heartbeat_interval: 30s, node_lost_after: 60s}}\n", "must be longer than"),
         ("server: tls://127.0.0.1:4222\ntls: {{ca: ca.pem, cert: missing.pem, key: svc-key.pem}}\n", "tls.cert: file"),
-        ("{tls}", "missing required key 'server'"),
+        ("{tls}", "server: required key is missing"),
         ("server: [tls://127.0.0.1:4222\n", "YAML syntax error"),
     ],
     ids=["typo", "https", "duplicate", "duration", "type", "lost-before-suspect", "missing-file", "missing-key", "yaml"],
@@ -37,6 +37,56 @@ def test_bad_service_configs_are_refused_clearly(tmp_path, tls, body, message):
         load_service_config(path)
     assert message in str(e.value)
     assert str(path) in str(e.value)
+
+
+S = "server: tls://127.0.0.1:4222\n"
+TOP_KEYS = "server, tls, metrics_listen, kv_replicas, reconnect_base, reconnect_max, health, scheduler, gateway"
+
+# Each refusal, word for word after "<file>: ": the key path, then what is wrong.
+REFUSALS = [
+    ("bad-type", S + "{tls}kv_replicas: three\n", "kv_replicas: expected a whole number, got a string 'three'"),
+    ("bad-type-float-for-int", S + "{tls}health: {{suspect_after_missed: 2.5}}\n", "health.suspect_after_missed: expected a whole number, got a number 2.5"),
+    ("bad-type-bool", S + "{tls}gateway: {{access_log: sometimes}}\n", "gateway.access_log: expected true or false, got a string 'sometimes'"),
+    ("bad-type-described", "server: 4222\n{tls}", "server: expected a NATS URL or a list of them, got an integer 4222"),
+    ("section-not-a-mapping", S + "{tls}health: [5s]\n", "health: expected a mapping of keys, got a list"),
+    ("unknown-key-suggests", S + "{tls}scheduler: {{hang_timout: 5s}}\n", "scheduler.hang_timout: unknown key; did you mean 'hang_timeout'?"),
+    ("unknown-key-lists-known", S + "{tls}colour: blue\n", f"colour: unknown key (known keys here: {TOP_KEYS})"),
+    ("unknown-key-not-a-string", S + "{tls}1: x\n", f"1: unknown key (known keys here: {TOP_KEYS})"),
+    ("internal-field-is-unknown", S + "{tls}source: other.yaml\n", f"source: unknown key (known keys here: {TOP_KEYS})"),
+    ("bad-duration", S + "{tls}health: {{node_lost_after: soon}}\n", "health.node_lost_after: 'soon' is not a duration; write e.g. 500ms, 5s, 1m or 1h30m"),
+    ("bad-duration-type", S + "{tls}gateway: {{cooldown: [1s]}}\n", "gateway.cooldown: expected a duration such as 5s or 1m, got list"),
+    ("negative-duration", S + "{tls}reconnect_base: -1\n", "reconnect_base: a duration cannot be negative (-1)"),
+    ("missing-required", "{tls}", "server: required key is missing"),
+    ("missing-required-nested", S + "tls: {{ca: ca.pem, cert: svc.pem}}\n", "tls.key: required key is missing"),
+    ("value-of-a-key", S + "{tls}scheduler: {{auto_cordon_max_share: 2}}\n", "scheduler.auto_cordon_max_share: a share between 0 and 1, got 2.0"),
+    ("values-of-a-section", S + "{tls}gateway: {{tls_cert: gw.pem}}\n", "gateway: tls_cert and tls_key go together (HTTPS needs both)"),
+    ("values-across-sections", S + "{tls}reconnect_base: 1m\n", "reconnect_base: 60s is longer than reconnect_max (30s)"),
+    ("unknown-top-key-suggests", S + "{tls}severs: [tls://b:4222]\n", "severs: unknown key; did you mean 'server'?"),
+    (
+        "server-list-element",
+        "server: [tls://a:4222, https://b:7443]\n{tls}",
+        "server[1]: 'https://b:7443' is an HTTP(S) endpoint from the earlier design; the control plane is now reached "
+        "through NATS: write the NATS server's URL, e.g. tls://b:4222",
+    ),
+    ("server-list-empty", "server: []\n{tls}", "server: the list is empty; give at least one NATS URL, e.g. tls://HOST:4222"),
+    ("server-listed-twice", "server: [tls://a:4222, tls://a:4222]\n{tls}", "server: the same URL is listed twice"),
+]
+
+
+@pytest.mark.parametrize("body, expected", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_refusals_word_for_word(tmp_path, tls, body, expected):
+    path = tmp_path / "svc.yaml"
+    path.write_text(body.format(tls=tls))
+    with pytest.raises(ConfigError) as e:
+        load_service_config(path)
+    assert str(e.value) == f"{path}: {expected}"
+
+
+def test_an_empty_value_takes_the_default(tmp_path, tls):
+    path = tmp_path / "svc.yaml"
+    path.write_text("server: tls://127.0.0.1:4222\n" + tls + "metrics_listen:\nhealth:\ngateway: {listen: ~, workers: 2}\n")
+    cfg = load_service_config(path)
+    assert (cfg.metrics_listen, cfg.health.heartbeat_interval, cfg.gateway.listen, cfg.gateway.workers) == ("", 5.0, "127.0.0.1:8080", 2)
 
 
 def test_good_config_resolves_relative_paths(tmp_path, tls):
