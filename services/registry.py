@@ -19,9 +19,27 @@ warning per registry run, and ``llmgw ctl nodes`` shows it as unverified.
 Inventories of a node the health monitor quarantined (two agents answering
 for one identity) are refused too: which of the two is the real one is an
 operator's call.
+
+Bring-up at scale (issue #17). After a power event or a nats-server restart
+every agent re-sends its inventory within seconds: 10,000 inventories at once.
+Each is judged when it arrives (identity, claims, bounds: ``_acceptable``,
+from memory — no bus round trip), and an acceptable one is *queued*, keyed by
+node: a newer inventory of the same node replaces the queued one (the last one
+wins; none is lost, since the agent's latest says everything its earlier ones
+did). One loop applies what is queued in batches, at most ``BATCH_WRITES``
+KV writes in flight at a time. An inventory whose facts equal the stored
+record writes nothing — after a nats-server restart that is nearly all of
+them. The stored records are known from a watch of ``llmgw_nodes`` (a
+``KvMirror``) overlaid with this registry's own writes (which the watch
+reports a moment later); every write is a compare-and-set on the revision it
+was judged against, so a stale view costs a re-read, never a lost update. A
+write the bus refused (while it is away) is kept queued and tried again,
+unless a newer inventory of the node arrived meanwhile.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
@@ -50,6 +68,12 @@ class BadAdminRequest(LlmgwError):
 
 
 MAX_REASON = 500
+# KV writes in flight at once when a burst of inventories is applied: enough to
+# keep a round trip's worth of writes on the wire, few enough that the server's
+# JetStream queue and the events that follow stay small.
+BATCH_WRITES = 64
+# A batch write the bus refused is tried again after this long (the bus is away).
+RETRY_AFTER = 1.0
 
 
 class Registry(ServiceRuntime):
@@ -66,10 +90,24 @@ class Registry(ServiceRuntime):
         self.unverified_warned: set[str] = set()
         self.refusals_told: set[tuple[str, str, str, str]] = set()
         self.leases: KvMirror | None = None
+        # What the bucket holds, from a watch; and what this registry wrote that
+        # the watch may not have reported yet: node -> (record, revision).
+        self.records: KvMirror[NodeRecord] = KvMirror(self.nodes_kv, NodeRecord)
+        self.written: dict[str, tuple[NodeRecord, int]] = {}
+        self.records.listeners.append(self._on_record)
+        # node -> (inventory, counter label) judged acceptable, not yet applied.
+        self.queued: dict[str, tuple[Inventory, str]] = {}
+        self.queue_ready = asyncio.Event()
+        # node -> boot id of the last inventory received (judged or queued): a
+        # lease going ready with that boot needs no pull, its inventory is here.
+        self.heard_boot: dict[str, str] = {}
+        self.admin: dict[str, str] = {}
+        await self.records.start(timeout=60)
+        self._load_admin()
+        self._count()
         await self.nc.subscribe(S.ALL_INVENTORIES, cb=self.on_inventory, queue="llmgw-registry")
         await self.add_api({"cordon": self.api_cordon, "uncordon": self.api_uncordon, "drain": self.api_drain, "set-addr": self.api_set_addr})
-        await self._load_admin()
-        await self._count()
+        self.spawn(self._apply_loop())
         self.spawn(self._watch_leases())
 
     # -- inventories we missed -------------------------------------------------------
@@ -85,8 +123,11 @@ class Registry(ServiceRuntime):
         self.leases = KvMirror(kv, Lease)
 
         def on_lease(node: str, old: Lease | None, new: Lease | None) -> None:
-            if new is not None and new.state == "ready" and self.boots.get(node) != new.boot_id:
-                self._pull(node)
+            if new is None or new.state != "ready" or self.boots.get(node) == new.boot_id:
+                return
+            if self.heard_boot.get(node) == new.boot_id:
+                return  # its inventory came and is queued, being applied, or was refused: asking again changes nothing
+            self._pull(node)
 
         self.leases.listeners.append(on_lease)
         await self.leases.start()
@@ -105,17 +146,18 @@ class Registry(ServiceRuntime):
                 INVENTORIES.labels("inconsistent").inc()
                 return
             self.log.info("asked %s for the inventory it sent before we listened", node)
+            self.heard_boot[node] = inv.boot_id
             if await self._acceptable(inv):
-                INVENTORIES.labels("pulled").inc()
-                await self._apply_inventory(inv)
+                self._queue(inv, "pulled")
         except Exception as e:
             self.log.warning("could not get the inventory of %s: %s", node, e or type(e).__name__)
         finally:
             self.pulling.discard(node)
 
     async def stop(self) -> None:
-        if getattr(self, "leases", None) is not None:
-            await self.leases.stop()
+        for mirror in (getattr(self, "leases", None), getattr(self, "records", None)):
+            if mirror is not None:
+                await mirror.stop()
         await super().stop()
 
     # -- inventories -----------------------------------------------------------
@@ -123,15 +165,76 @@ class Registry(ServiceRuntime):
         inv = self.node_message(msg, Inventory, INVENTORIES, "inventory")
         if inv is None:
             return  # the previous record stays
-        node = inv.node_id
+        self.heard_boot[inv.node_id] = inv.boot_id
         try:
-            if not await self._acceptable(inv):
-                return
-            await self._apply_inventory(inv)
-            INVENTORIES.labels("accepted").inc()
+            if await self._acceptable(inv):
+                self._queue(inv, "accepted")
         except Exception as e:
             INVENTORIES.labels("error").inc()
-            self.log.warning("inventory from %s not stored: %s", node, e)
+            self.log.warning("inventory from %s not judged: %s", inv.node_id, e)
+
+    def _queue(self, inv: Inventory, result: str) -> None:
+        """Hand ``inv`` to the apply loop; it replaces a queued one of the same node."""
+        if inv.node_id in self.queued:
+            INVENTORIES.labels("superseded").inc()
+        self.queued[inv.node_id] = (inv, result)
+        self.queue_ready.set()
+
+    async def _apply_loop(self) -> None:
+        """Apply queued inventories in batches, ``BATCH_WRITES`` at a time.
+
+        Everything queued when a batch starts is in it; what arrives meanwhile
+        waits for the next, so a node's inventories are applied in order and the
+        last one wins. A write the bus refused goes back in the queue (unless a
+        newer one of the node took its place) and is tried after ``RETRY_AFTER``.
+        """
+        while True:
+            await self.queue_ready.wait()
+            self.queue_ready.clear()
+            batch, self.queued = list(self.queued.values()), {}
+            failed = 0
+            for i in range(0, len(batch), BATCH_WRITES):
+                chunk = batch[i : i + BATCH_WRITES]
+                results = await asyncio.gather(*(self._apply_inventory(inv) for inv, _ in chunk), return_exceptions=True)
+                for (inv, result), outcome in zip(chunk, results):
+                    if isinstance(outcome, BaseException):
+                        failed += 1
+                        INVENTORIES.labels("error").inc()
+                        self.write_failed(f"node record {inv.node_id}", outcome)
+                        self.queued.setdefault(inv.node_id, (inv, result))
+                    else:
+                        INVENTORIES.labels(result).inc()
+            self._count()
+            if failed:
+                self.log.warning("%d of %d inventories not stored; trying again in %.0fs", failed, len(batch), RETRY_AFTER)
+                await asyncio.sleep(RETRY_AFTER)  # the bus is away or refusing: do not spin
+                self.queue_ready.set()
+
+    # -- what the bucket holds -------------------------------------------------
+    def _record(self, node: str) -> tuple[NodeRecord | None, int]:
+        """The node's record and revision as this registry knows them: the watch's
+        copy, or its own later write the watch has not reported yet."""
+        seen = (self.records.items.get(node), self.records.revisions.get(node, 0))
+        mine = self.written.get(node)
+        return mine if mine is not None and mine[1] > seen[1] else seen
+
+    def _wrote(self, node: str, record: NodeRecord, revision: int) -> None:
+        self.written[node] = (record, revision)
+
+    def _on_record(self, node: str, old: NodeRecord | None, new: NodeRecord | None) -> None:
+        mine = self.written.get(node)
+        if mine is not None and (new is None or self.records.revisions.get(node, 0) >= mine[1]):
+            del self.written[node]  # the watch caught up (or the record was deleted)
+        if new is not None:
+            self.admin[node] = new.admin
+
+    async def _read(self, node: str) -> tuple[NodeRecord | None, int]:
+        """The node's record straight from the bucket (after a lost compare-and-set)."""
+        try:
+            entry = await self.nodes_kv.get(node)
+        except KeyNotFoundError:
+            return None, 0
+        return decode(entry.value, NodeRecord), entry.revision
 
     async def _acceptable(self, inv: Inventory) -> bool:
         """Whether ``inv`` may become the node's record: sane, not quarantined, and
@@ -152,11 +255,8 @@ class Registry(ServiceRuntime):
             INVENTORIES.labels("quarantined").inc()
             self.log.warning("inventory from %s (boot %s) ignored: the node is quarantined (%s)", node, inv.boot_id[:8], lease.quarantine)
             return False
-        try:
-            entry = await self.nodes_kv.get(node)
-            recorded = decode(entry.value, NodeRecord).recorded_addr
-        except KeyNotFoundError:
-            recorded = ""
+        stored, _ = self._record(node)
+        recorded = stored.recorded_addr if stored is not None else ""
         if recorded and inv.mgmt_addr != recorded:
             INVENTORIES.labels("addr_refused").inc()
             ADDR_REFUSED.inc()
@@ -178,18 +278,18 @@ class Registry(ServiceRuntime):
         return True
 
     async def _apply_inventory(self, inv: Inventory) -> None:
-        for _ in range(5):  # CAS loop: an admin change may race an inventory
-            try:
-                entry = await self.nodes_kv.get(inv.node_id)
-                old = decode(entry.value, NodeRecord)
-                rev = entry.revision
-            except KeyNotFoundError:
-                old, rev = None, 0
+        """Make ``inv`` the node's record, unless the record already says all of it.
+
+        Judged against what this registry knows (no round trip); the write is a
+        compare-and-set on that revision, and a lost race re-reads the bucket."""
+        node = inv.node_id
+        for attempt in range(5):  # CAS loop: an admin change may race an inventory
+            old, rev = self._record(node) if attempt == 0 else await self._read(node)
             if old is not None and old.recorded_addr and inv.mgmt_addr != old.recorded_addr:
                 return  # recorded meanwhile (set-addr raced the inventory): _acceptable refuses it next time
             record = NodeRecord(
-                node_id=inv.node_id,
-                identity=subject_dn("node", inv.node_id),
+                node_id=node,
+                identity=subject_dn("node", node),
                 hostname=inv.hostname,
                 mgmt_addr=old.recorded_addr if old is not None and old.recorded_addr else inv.mgmt_addr,
                 mgmt_interface=inv.mgmt_interface,
@@ -205,42 +305,41 @@ class Registry(ServiceRuntime):
                 recorded_addr=old.recorded_addr if old else "",
             )
             if old is not None and _same_facts(old, record):
-                self.boots[inv.node_id] = inv.boot_id
-                return  # the periodic re-send: nothing changed, write nothing
+                self.boots[node] = inv.boot_id
+                return  # a re-send (periodic, or after a reconnect): nothing changed, write nothing
             try:
                 if rev:
-                    await self.nodes_kv.update(inv.node_id, encode(record), last=rev)
+                    new_rev = await self.nodes_kv.update(node, encode(record), last=rev)
                 else:
-                    await self.nodes_kv.create(inv.node_id, encode(record))
+                    new_rev = await self.nodes_kv.create(node, encode(record))
             except KeyWrongLastSequenceError:
                 continue  # an admin change or another registry won the race: re-read
-            self.boots[inv.node_id] = inv.boot_id
+            self._wrote(node, record, new_rev)
+            self.boots[node] = inv.boot_id
+            self.admin[node] = record.admin
             if old is None or not old.boot_id:  # never joined (or only onboarded: set-addr)
-                await self.events.emit("node", inv.node_id, "joined", f"{len(inv.gpus)} GPUs, fabrics {', '.join(f.name for f in inv.fabrics) or 'none'}")
+                await self.events.emit("node", node, "joined", f"{len(inv.gpus)} GPUs, fabrics {', '.join(f.name for f in inv.fabrics) or 'none'}")
             else:
-                await self.events.emit("node", inv.node_id, "inventory", _describe_change(old, record))
-            await self._count(inv.node_id, record.admin)
+                await self.events.emit("node", node, "inventory", _describe_change(old, record))
             return
+        raise LlmgwError(f"node {node}'s record is changing too fast; its inventory is tried again")
 
-    async def _load_admin(self) -> None:
-        self.admin: dict[str, str] = {}
-        try:
-            keys = await self.nodes_kv.keys()
-        except Exception:
-            keys = []  # nats-py raises on an empty bucket
-        for key in keys:
-            try:
-                rec = decode((await self.nodes_kv.get(key)).value, NodeRecord)
-                self.admin[key] = rec.admin
-                self.boots[key] = rec.boot_id
-            except (KeyNotFoundError, WireError):
-                continue
+    def _load_admin(self) -> None:
+        for key, rec in self.records.items.items():
+            self.admin[key] = rec.admin
+            self.boots[key] = rec.boot_id
 
-    async def _count(self, node: str | None = None, admin: str | None = None) -> None:
+    def _count(self, node: str | None = None, admin: str | None = None) -> None:
+        """Set the admin-state gauges: once per batch of inventories, not once per
+        node (a sum over every node for each of 10,000 joins is quadratic)."""
         if node is not None and admin is not None:
             self.admin[node] = admin
-        for state in ("active", "cordoned", "draining"):
-            NODES.labels(state).set(sum(1 for a in self.admin.values() if a == state))
+        counts = {"active": 0, "cordoned": 0, "draining": 0}
+        for a in self.admin.values():
+            if a in counts:
+                counts[a] += 1
+        for state, n in counts.items():
+            NODES.labels(state).set(n)
 
     # -- admin API ---------------------------------------------------------------
     async def _set_admin(self, data: bytes, admin: str, what: str) -> NodeRecord:
@@ -266,7 +365,7 @@ class Registry(ServiceRuntime):
                 return rec  # an operator's cordon or drain outranks the scheduler's
             new = msgspec.structs.replace(rec, admin=admin, admin_reason=reason, admin_by=by, updated_at=now())
             try:
-                await self.nodes_kv.update(req.node_id, encode(new), last=entry.revision)
+                self._wrote(req.node_id, new, await self.nodes_kv.update(req.node_id, encode(new), last=entry.revision))
             except KeyWrongLastSequenceError:
                 continue
             detail = f"admin state {rec.admin} → {admin}" if rec.admin != admin else f"admin state {admin}"
@@ -275,7 +374,7 @@ class Registry(ServiceRuntime):
                 detail = f"{reason} ({detail})"
             await self.events.emit("node", req.node_id, what, detail)
             self.log.info("node %s %s: %s", req.node_id, what, detail)
-            await self._count(req.node_id, admin)
+            self._count(req.node_id, admin)
             return new
         raise LlmgwError(f"node {req.node_id} is changing too fast; try again")
 
@@ -316,18 +415,19 @@ class Registry(ServiceRuntime):
                 new = msgspec.structs.replace(old, mgmt_addr=req.addr, recorded_addr=req.addr, updated_at=now())
             try:
                 if rev:
-                    await self.nodes_kv.update(req.node_id, encode(new), last=rev)
+                    new_rev = await self.nodes_kv.update(req.node_id, encode(new), last=rev)
                 else:
-                    await self.nodes_kv.create(req.node_id, encode(new))
+                    new_rev = await self.nodes_kv.create(req.node_id, encode(new))
             except KeyWrongLastSequenceError:
                 continue
+            self._wrote(req.node_id, new, new_rev)
             before = old.recorded_addr or (f"{old.mgmt_addr} (unverified)" if old.mgmt_addr else "none") if old else "none"
             detail = f"management address recorded by an operator: {req.addr} (was {before})"
             self.unverified_warned.discard(req.node_id)
             await self.events.emit("node", req.node_id, "addr-recorded", detail)
             self.log.info("node %s: %s", req.node_id, detail)
             if old is None:
-                await self._count(req.node_id, new.admin)
+                self._count(req.node_id, new.admin)
             return new
         raise LlmgwError(f"node {req.node_id} is changing too fast; try again")
 

@@ -5,6 +5,11 @@ certificate, an inbox prefix derived from that certificate's identity (so its
 replies are in a space no other identity may read), and reconnects that back
 off exponentially between ``reconnect_base`` and ``reconnect_max`` with jitter,
 so a restarted server is not hit by every agent of the cluster at once.
+
+Agents also spread their *first* connect (``first_delay``, drawn by
+:func:`first_connect_delay`): after a power event thousands of nodes boot
+within the same seconds and would otherwise open their TLS connections in
+the same instant.
 """
 
 from __future__ import annotations
@@ -64,6 +69,21 @@ def backoff_delay(attempt: int, base: float, maximum: float, rng: random.Random 
     return max(0.0, delay * rng.uniform(0.8, 1.2)) if delay > 0 else 0.0
 
 
+def first_connect_delay(reconnect_base: float, rng: random.Random | None = None) -> float:
+    """How long an agent waits before its first connect: uniform in [0, ``reconnect_base``).
+
+    ``reconnect_base`` is already how long a client may wait before it tries
+    the bus again, so the first try is spread over the same span: 10,000 nodes
+    powered on together arrive over ``reconnect_base`` (1 s by default: 10,000
+    handshakes/s at worst instead of all at once), and a first attempt that
+    still fails backs off with jitter from there. The cluster's size is not
+    known to an agent at start, so the spread cannot be scaled to it; a test
+    with compressed timings (``reconnect_base: 100ms``) waits at most that.
+    """
+    rng = rng or random
+    return rng.uniform(0.0, reconnect_base) if reconnect_base > 0 else 0.0
+
+
 Callback = Callable[[], Awaitable[None]]
 
 
@@ -81,6 +101,7 @@ async def connect(
     on_error: Callable[[Exception], Awaitable[None]] | None = None,
     logger: logging.Logger | None = None,
     pending_size: int = 256 * 1024,
+    first_delay: float = 0.0,
 ) -> NATS:
     """Connect under ``tls``'s identity. Retries the first connect with backoff.
 
@@ -95,6 +116,9 @@ async def connect(
     ``initial_attempts`` bounds the first connection's attempts (0 = forever,
     as a service under systemd wants); each failure is logged with the reason
     and the next delay, so a wrong address or refused certificate is visible.
+
+    ``first_delay`` seconds pass before the first attempt (agents: a draw of
+    :func:`first_connect_delay`); it is logged, so a slow start says why.
     """
     lg = logger or log
     ctx = tls.context()
@@ -125,6 +149,9 @@ async def connect(
         if on_error:
             await on_error(e)
 
+    if first_delay > 0:
+        lg.info("first connect to NATS in %.2fs (spread over reconnect_base %.2fs, so nodes starting together do not connect at once)", first_delay, reconnect_base)
+        await asyncio.sleep(first_delay)
     attempt = 0
     while True:
         nc = NATS()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -147,6 +148,10 @@ async def test_agent_publishes_its_node_and_runs_a_two_member_replica(node, cont
             (1, "ACTIVE", "LinkUp", "200 Gb/sec (4X HDR)", "InfiniBand")
         ]
     assert full_reports(tap, boot)[0].engines == []
+    # Its first connect waited a draw in [0, reconnect_base) (nodes starting together spread out).
+    first = re.search(r"first connect to NATS in ([\d.]+)s \(spread over reconnect_base ([\d.]+)s", node.agent_logs())
+    assert first is not None, node.agent_logs()[-2000:]
+    assert float(first[2]) == 0.1 and 0.0 <= float(first[1]) <= 0.1, first[0]
 
     await eventually(lambda: len(tap.heartbeats) >= 3, "three heartbeats")
     seqs = [hb.seq for hb in tap.heartbeats]

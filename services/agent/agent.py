@@ -209,6 +209,9 @@ class Agent:
         self._lock_fd = fd
 
     async def _connect(self) -> NATS | None:
+        # The first connect waits a draw in [0, reconnect_base): nodes powered on
+        # together (or agents restarted together) then do not all open their TLS
+        # connection in one instant (shared/bus.py first_connect_delay).
         connecting = asyncio.create_task(
             bus.connect(
                 list(self.cfg.servers),
@@ -218,6 +221,7 @@ class Agent:
                 reconnect_max=self.cfg.reconnect_max,
                 on_reconnect=self._on_reconnect,
                 logger=log,
+                first_delay=bus.first_connect_delay(self.cfg.reconnect_base),
             )
         )
         stopping = asyncio.create_task(self._stop.wait())
