@@ -4,8 +4,26 @@ Not a test: it prints figures (and ``--json FILE`` writes them). Run from the
 repository root with the project's virtual environment::
 
     python bench/control_plane.py                       # 2,000 nodes x 8 GPUs
+    python bench/control_plane.py --nodes 10000 --replicas 4000   # 80,000 GPUs (issue #17)
     python bench/control_plane.py --nodes 20 --replicas 5 --steady 3s \\
         --node-lost-after 3s --heartbeat 0.5s           # smoke: well under a minute
+
+Configurations and their targets (issue #17; 2 cores, 5 s heartbeats, lost
+after 15 s, 20 fabrics, 8 GPUs per node):
+
+* ``--nodes 2000 --replicas 1000`` (the default): every figure no worse than
+  the one recorded in docs/performance.md.
+* ``--nodes 10000 --replicas 4000`` (80,000 GPUs, past Kubernetes' 5,000-node
+  limit): registry + health + scheduler together < 25 % of one core in steady
+  state (nats-server's share reported beside it, not in the sum); apply ->
+  last of 8,000 launches at agents < 2 s; lost -> last replacement launch
+  < 200 ms; a nats-server restart under 10,000 connected agents: every lease
+  renewed again within two heartbeats of the server's return, and no node
+  declared lost. Needs about 3 GB of memory in this process and 10,000 + file
+  descriptors in it and in nats-server: the bench raises its own
+  ``RLIMIT_NOFILE`` soft limit (nats-server inherits it) and says so, or stops
+  with the ``ulimit -Hn`` it needs. Bring-up takes minutes (10,000 TLS
+  handshakes made by this one process); do not run it on a busy machine.
 
 What runs where:
 
@@ -17,21 +35,48 @@ What runs where:
   can be read from ``/proc/<pid>/stat``;
 * the simulated agents in this process, on one asyncio loop: one TLS
   connection per node under that node's own certificate (the server only lets
-  ``CN=nodeNNNN,OU=node`` publish ``llmgw.node.nodeNNNN.>``). Each publishes its
-  inventory once, a heartbeat every ``--heartbeat`` (+-10 % jitter), answers
-  launch with an ok ``CommandAck`` followed by a ``StatusReport`` (leader
-  ``ready``, worker ``starting``), and answers stop and list. The arrival time
-  of every launch command is recorded.
+  ``CN=nodeNNNN,OU=node`` publish ``llmgw.node.nodeNNNN.>``). Each connects the
+  way the real agent does (``shared/bus.py``: a first connect delayed by a draw
+  in [0, reconnect_base), reconnects backing off with jitter, and on every
+  reconnect its inventory, a full status report and a heartbeat), publishes a
+  heartbeat every ``--heartbeat`` (+-10 % jitter), answers launch with an ok
+  ``CommandAck`` followed by a ``StatusReport`` (leader ``ready``, worker
+  ``starting``), and answers stop and list. The arrival time of every launch
+  command is recorded.
 
-Phases: (1) bring-up, (2) steady-state CPU, (3) placement of ``--replicas``
-replicas x 2 nodes x 4 GPUs applied as the operator, (4) failover of one member
-node whose heartbeats stop; with ``--nats-servers 3`` (three servers as a
-cluster on 127.0.0.1-3, services at ``kv_replicas: 3``, as ``llmgw up
---nats-servers 3``) also (5) the meta leader SIGKILLed while the operator applies
-a small deployment every 100 ms: how long control-plane writes are blocked (the
-gap between the last apply acknowledged before the kill and the first after). Everything started is stopped on exit, Ctrl-C or
-failure; if this process is killed outright, ``llmgw down --dir DIR`` (the
-directory is printed first) stops what is left.
+Phases:
+
+1. bring-up: every agent connects (``--connect-concurrency`` handshakes in
+   flight); until every node is registered and its lease ready.
+2. steady state: CPU of each process over ``--steady``; the target is on
+   registry + health + scheduler; nats-server and this process are reported
+   beside it.
+3. placement: ``--replicas`` replicas x 2 nodes x 4 GPUs applied as the
+   operator; apply -> first/last launch command at the agents, -> all ready.
+4. failover: one member node's heartbeats stop (its connection stays up);
+   lost event -> the replacement launches. That node is then shut down for good.
+5. nats-server restart (one server; ``--restart-signal``, SIGTERM by default):
+   the server is stopped under full load and started again on the same port
+   and JetStream store. Reported: the reconnect spread (first and last agent
+   reconnected after the server's return, connections/s), the time until the
+   health monitor has renewed every live node's lease again — read from its
+   own ``llmgw_health_lease_age_seconds{node}`` (metrics_listen), a node
+   counting once its age shows a heartbeat accepted after the return — and
+   the nodes declared lost meanwhile (lost events in ``LLMGW_EVENTS`` for live
+   nodes, and the monitor's ``llmgw_health_transitions_total{to="lost"}``):
+   the target is none. The monitor pauses its countdowns while it is away from
+   the bus and grants ``health.reconnect_grace`` (derived from reconnect_max
+   when 0) after it is back; a node whose agent needs longer than that to
+   reconnect and heartbeat is declared lost — that is what this phase checks.
+   With ``--nats-servers 3`` (three servers as a cluster on 127.0.0.1-3,
+   services at ``kv_replicas: 3``, as ``llmgw up --nats-servers 3``) phase 5 is
+   instead: the meta leader SIGKILLed while the operator applies a small
+   deployment every 100 ms: how long control-plane writes are blocked (the gap
+   between the last apply acknowledged before the kill and the first after).
+
+Everything started is stopped on exit, Ctrl-C or failure; if this process is
+killed outright, ``llmgw down --dir DIR`` (the directory is printed first)
+stops what is left.
 """
 
 from __future__ import annotations
@@ -44,6 +89,7 @@ import logging
 import os
 import random
 import re
+import resource
 import shlex
 import shutil
 import signal
@@ -83,8 +129,16 @@ from llmgw.shared.schemas import (
     encode,
 )
 
-TARGETS = {"cpu": 25.0, "placement": 2.0, "failover": 0.5}  # % of one core, s, s
+# % of one core (registry + health + scheduler), s, s, heartbeat intervals (issue #17)
+TARGETS = {"cpu": 25.0, "placement": 2.0, "failover": 0.2, "restart_heartbeats": 2.0}
+# The simulated agents' bus timings (the services get the same in their configs).
+AGENT_RECONNECT_BASE, AGENT_RECONNECT_MAX = 0.5, 5.0
+# Thousands of agents losing the bus at once would print thousands of warnings;
+# the phase reports what they did instead.
+AGENT_LOG = logging.getLogger("llmgw.bench.agents")
+AGENT_LOG.setLevel(logging.ERROR)
 DEPLOYMENT = "bench"
+CONTROL_PLANE = ("registry", "health", "scheduler")  # the processes the CPU target sums
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -148,6 +202,9 @@ class SimAgent:
     nc: object = None
     engines: dict = field(default_factory=dict)  # (replica id, rank) -> EngineFact
     beating: asyncio.Task | None = None
+    heartbeat_interval: float = 0.0
+    silent: bool = False  # heartbeats stopped for good (the failover's victim)
+    reconnected_at: list = field(default_factory=list)  # wall clock of each reconnect
 
     def inventory(self) -> Inventory:
         return Inventory(
@@ -164,7 +221,14 @@ class SimAgent:
         )
 
     async def connect(self, url: str) -> None:
-        self.nc = await bus.connect(url, self.tls, name="bench-agent", initial_attempts=5, reconnect_base=0.5, reconnect_max=5.0, connect_timeout=20)
+        # As the real agent connects (services/agent/agent.py): the same backoff and
+        # jitter from shared/bus.py, and on every reconnect what it announces.
+        # (Its first-connect spread is drawn by the caller, before it queues for a
+        # handshake slot.)
+        self.nc = await bus.connect(
+            url, self.tls, name="bench-agent", initial_attempts=5, reconnect_base=AGENT_RECONNECT_BASE, reconnect_max=AGENT_RECONNECT_MAX,
+            connect_timeout=20, on_reconnect=self.on_reconnect, logger=AGENT_LOG,
+        )  # fmt: skip
         await self.nc.subscribe(S.cmd_launch(self.node_id), cb=self.on_launch)
         await self.nc.subscribe(S.cmd_stop(self.node_id), cb=self.on_stop)
         await self.nc.subscribe(S.cmd_list(self.node_id), cb=self.on_list)
@@ -172,10 +236,23 @@ class SimAgent:
 
     async def announce(self, heartbeat: float) -> None:
         """What a real agent sends on connect: inventory, a full status report, a heartbeat."""
+        self.heartbeat_interval = heartbeat
+        await self._announce()
+        self.beating = asyncio.create_task(self.heartbeats(heartbeat))
+
+    async def _announce(self) -> None:
         await self.publish_inventory()
         await self.nc.publish(S.status(self.node_id), encode(self.report(full=True)))
         await self.heartbeat()
-        self.beating = asyncio.create_task(self.heartbeats(heartbeat))
+
+    async def on_reconnect(self) -> None:
+        self.reconnected_at.append(time.time())
+        if self.silent:
+            return  # a node whose heartbeats were stopped (phase 4) stays silent
+        try:
+            await self._announce()
+        except Exception:  # noqa: BLE001 - the next heartbeat and inventory re-send try again
+            pass
 
     async def publish_inventory(self) -> None:
         await self.nc.publish(S.inventory(self.node_id), encode(self.inventory()))
@@ -195,6 +272,7 @@ class SimAgent:
                     pass
 
     def stop_heartbeats(self) -> None:
+        self.silent = True
         if self.beating:
             self.beating.cancel()
 
@@ -326,13 +404,22 @@ class Bench:
         self.out(f"issued {len(ids)} node certificates in {time.monotonic() - t:.1f}s ({a.fabrics} fabrics of {per} nodes)")
         hb, lost = a.heartbeat, a.node_lost_after
         self.suspect_after = next(k for k in (3, 2, 1) if k * hb < lost)
-        common = {"reconnect_base": "0.5s", "reconnect_max": "5s"}
+        common = {"reconnect_base": format_duration(AGENT_RECONNECT_BASE), "reconnect_max": format_duration(AGENT_RECONNECT_MAX)}
         self.metrics = {role: f"127.0.0.1:{free_port()}" for role in ("registry", "health", "scheduler")}
         self.configs = {
             "registry": self.cluster._service_config("registry", {**common, "metrics_listen": self.metrics["registry"]}),
             "health": self.cluster._service_config(
                 "health",
-                {**common, "metrics_listen": self.metrics["health"], "health": {"heartbeat_interval": format_duration(hb), "suspect_after_missed": self.suspect_after, "node_lost_after": format_duration(lost)}},
+                {
+                    **common,
+                    "metrics_listen": self.metrics["health"],
+                    "health": {
+                        "heartbeat_interval": format_duration(hb),
+                        "suspect_after_missed": self.suspect_after,
+                        "node_lost_after": format_duration(lost),
+                        **({"reconnect_grace": format_duration(a.reconnect_grace)} if a.reconnect_grace else {}),
+                    },
+                },
             ),
             "scheduler": self.cluster._service_config("scheduler", {**common, "metrics_listen": self.metrics["scheduler"]}),
         }
@@ -419,6 +506,8 @@ class Bench:
 
         async def one(agent: SimAgent):
             nonlocal done, last_print
+            # The real agent's first-connect spread, before queueing for a handshake slot.
+            await asyncio.sleep(bus.first_connect_delay(AGENT_RECONNECT_BASE))
             async with sem:
                 await agent.connect(self.cluster.nats_urls)
                 await agent.announce(a.heartbeat)
@@ -457,7 +546,7 @@ class Bench:
         self.fig["bringup_s"] = time.monotonic() - t_start
         c1 = self.cpu_all()
         self.fig["bringup_cpu_s"] = {k: c1[k] - c0[k] for k in c0}
-        self.out(f"bring-up complete in {self.fig['bringup_s']:.1f}s")
+        self.out(f"bring-up complete in {self.fig['bringup_s']:.1f}s; this process holds {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB at most so far")
         self.out("CPU seconds from the first agent connect: " + ", ".join(f"{k} {v:.1f}" for k, v in self.fig["bringup_cpu_s"].items()))
         await self.unmirror(nodes)
         await self.unmirror(leases)
@@ -478,7 +567,8 @@ class Bench:
             self.cluster.check_alive()
             c = self.cpu_all()
             el = time.monotonic() - w0
-            self.out(f"  {el:5.1f}s: registry+health {100 * (c['registry'] - c0['registry'] + c['health'] - c0['health']) / el:5.1f}% of a core so far")
+            so_far = sum(c[k] - c0[k] for k in CONTROL_PLANE)
+            self.out(f"  {el:5.1f}s: registry+health+scheduler {100 * so_far / el:5.1f}% of a core so far")
         c1, window = self.cpu_all(), time.monotonic() - w0
         pct = {k: 100.0 * (c1[k] - c0[k]) / window for k in c0}
         hb_after = self.scrape("health").get('llmgw_health_heartbeats_total{result="accepted"}', 0.0)
@@ -486,11 +576,12 @@ class Bench:
         self.fig["steady_window_s"] = window
         self.fig["steady_cpu_pct"] = pct
         self.fig["steady_cpu_rh"] = pct["registry"] + pct["health"]
+        self.fig["steady_cpu_control_plane"] = sum(pct[k] for k in CONTROL_PLANE)
         self.fig["heartbeats_per_s"] = (hb_after - hb_before) / window
         self.fig["lease_writes_per_s"] = (writes_after - writes_before) / window
         for k, v in pct.items():
             self.out(f"  {k:15s} {v:6.1f}% of one core")
-        self.out(f"registry + health: {self.fig['steady_cpu_rh']:.1f}% of one core; health accepted {self.fig['heartbeats_per_s']:.0f} heartbeats/s and wrote {self.fig['lease_writes_per_s']:.0f} leases/s")
+        self.out(f"registry + health + scheduler: {self.fig['steady_cpu_control_plane']:.1f}% of one core (registry + health {self.fig['steady_cpu_rh']:.1f}%, nats-server {pct['nats-server']:.1f}% beside it); health accepted {self.fig['heartbeats_per_s']:.0f} heartbeats/s and wrote {self.fig['lease_writes_per_s']:.0f} leases/s")
 
     # -- phase 3 ---------------------------------------------------------------
     async def placement(self) -> None:
@@ -638,6 +729,121 @@ class Bench:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.gather(*(close(nc) for nc in conns)), 15)
 
+    # -- phase 5 (one server) --------------------------------------------------
+    def lease_ages(self) -> tuple[float, dict[str, float]]:
+        """(wall clock when asked, node -> ``llmgw_health_lease_age_seconds``) from the
+        health monitor's own metrics: how long ago *it* last accepted each node's heartbeat."""
+        prefix = 'llmgw_health_lease_age_seconds{node="'
+        asked = time.time()
+        return asked, {k[len(prefix) : -2]: v for k, v in self.scrape("health").items() if k.startswith(prefix)}
+
+    async def lost_events(self) -> dict[str, int]:
+        """node -> how many lost events ``LLMGW_EVENTS`` holds for it."""
+        info = await self.js.stream_info(S.EVENT_STREAM, subjects_filter=S.event("node", "*", "lost"))
+        return {subject.split(".")[-2]: n for subject, n in (info.state.subjects or {}).items()}
+
+    async def nats_restart(self) -> None:
+        """Stop nats-server under full load and start it again on the same port and store.
+
+        Measured from the new server process's start (the earliest an agent can
+        reconnect, so no renewal can precede it): the agents' reconnect spread, and
+        when the health monitor had accepted a heartbeat of every live node again.
+        Then: which live nodes were declared lost meanwhile (none may be)."""
+        a = self.args
+        self.phase(5, "nats-server restart")
+        live = [ag for ag in self.agents if not ag.silent]
+        live_ids = {ag.node_id for ag in live}
+        hb = a.heartbeat
+        grace = a.reconnect_grace or max(2 * hb, AGENT_RECONNECT_MAX * 1.2 + hb)
+        self.out(
+            f"{len(live)} live agents; the health monitor pauses its countdowns while it is away from the bus and then grants "
+            f"{format_duration(grace)} ({'--reconnect-grace' if a.reconnect_grace else 'health.reconnect_grace derived: reconnect_max x 1.2 + a heartbeat'}) "
+            f"before anything may expire; lost after {format_duration(a.node_lost_after)} of silence"
+        )  # fmt: skip
+        lost0 = await self.lost_events()
+        trans0 = self.scrape("health").get('llmgw_health_transitions_total{to="lost"}', 0.0)
+        for ag in self.agents:
+            ag.reconnected_at.clear()
+        nats, proc = self.cluster.nats, self.cluster.procs["nats-server"]
+        sig = getattr(signal, f"SIG{a.restart_signal}")
+        c0 = {k: v for k, v in self.cpu_all().items() if k != "nats-server"}
+        t_kill = time.time()
+        os.killpg(proc.pid, sig)
+        await asyncio.to_thread(proc.wait, 120)
+        self.out(f"nats-server (pid {proc.pid}) stopped by SIG{a.restart_signal} in {time.time() - t_kill:.2f}s; every agent and service lost the bus")
+        if a.restart_down > 0:
+            await asyncio.sleep(a.restart_down)  # the outage itself is the scenario
+        t_start = time.time()
+        self.cluster._spawn("nats-server", self.cluster.llmgw("nats", "--config", str(nats.conf_path)))
+        nats.proc = self.cluster.procs["nats-server"]
+        # In a thread: this loop keeps running the agents' reconnects meanwhile.
+        await asyncio.to_thread(nats.wait_ready, 120)
+        t_ready = time.time()
+        self.fig["restart_down_s"] = t_start - t_kill
+        self.fig["restart_ready_s"] = t_ready - t_start
+        self.out(f"nats-server started again (pid {nats.proc.pid}, same port and JetStream store) {t_start - t_kill:.2f}s after the stop; healthy {t_ready - t_start:.2f}s after its start")
+        renewed: dict[str, float] = {}  # node -> when the monitor first accepted its heartbeat after the start
+        deadline = time.time() + max(120.0, a.nodes * 0.05)
+        poll = 0.2 if a.nodes <= 2000 else 0.5  # a scrape of 10,000 series costs the monitor too
+        last_print = 0.0
+        while True:
+            asked, ages = await asyncio.to_thread(self.lease_ages)
+            for node in live_ids - renewed.keys():
+                age = ages.get(node)
+                # The monitor stamped ages no earlier than ``asked``: so this proves a
+                # heartbeat accepted after the server's start.
+                if age is not None and age <= asked - t_start:
+                    renewed[node] = asked - age
+            back = sum(1 for ag in live if ag.reconnected_at)
+            if time.time() - last_print >= 2 or (len(renewed) == len(live_ids) and back == len(live)):
+                last_print = time.time()
+                self.out(f"  {time.time() - t_start:5.1f}s after the start: agents reconnected {back}/{len(live)}, leases renewed by the monitor {len(renewed)}/{len(live_ids)}")
+            if len(renewed) == len(live_ids) and back == len(live):
+                break
+            if time.time() > deadline:
+                raise BenchError(f"after the restart only {back} of {len(live)} agents reconnected and {len(renewed)} of {len(live_ids)} leases were renewed within {deadline - t_start:.0f}s")
+            await asyncio.sleep(poll)
+        c1 = {k: v for k, v in self.cpu_all().items() if k != "nats-server"}
+        span = time.time() - t_kill
+        self.fig["restart_cpu_pct"] = {**{k: 100.0 * (c1[k] - c0[k]) / span for k in c0}, "nats-server (new)": 100.0 * cpu_seconds(nats.proc.pid) / (time.time() - t_start)}
+        firsts = sorted(ag.reconnected_at[0] for ag in live)
+        self.fig["reconnect_first_s"] = firsts[0] - t_start
+        self.fig["reconnect_last_s"] = firsts[-1] - t_start
+        spread = firsts[-1] - firsts[0]
+        self.fig["reconnect_per_s"] = len(firsts) / spread if spread > 0 else float(len(firsts))
+        self.fig["reconnect_repeats"] = sum(len(ag.reconnected_at) - 1 for ag in live)
+        self.fig["restart_renewed_s"] = max(renewed.values()) - t_start
+        # The target counts from the server's return: healthy, taking connections.
+        self.fig["restart_renewed_after_ready_s"] = max(renewed.values()) - t_ready
+        self.fig["restart_renewed_heartbeats"] = self.fig["restart_renewed_after_ready_s"] / hb
+        self.out(
+            f"agents reconnected {self.fig['reconnect_first_s']:.2f} .. {self.fig['reconnect_last_s']:.2f}s after the server's start "
+            f"({self.fig['reconnect_per_s']:.0f} connections/s; {self.fig['reconnect_repeats']} dropped and reconnected again)"
+        )
+        self.out(
+            f"every live lease renewed by the monitor {self.fig['restart_renewed_s']:.2f}s after the server's start, "
+            f"{self.fig['restart_renewed_after_ready_s']:.2f}s after it was healthy ({self.fig['restart_renewed_heartbeats']:.1f} heartbeats)"
+        )
+        # Lost declarations would have come before those renewals; give the events
+        # in flight a heartbeat to be stored, then count.
+        await asyncio.sleep(hb)
+        lost1 = await self.lost_events()
+        wrongly = sorted(n for n in live_ids if lost1.get(n, 0) > lost0.get(n, 0))
+        trans = self.scrape("health").get('llmgw_health_transitions_total{to="lost"}', 0.0) - trans0
+        leases = await self.mirror(S.BUCKET_LEASES, Lease)
+        not_ready = sorted(n for n in live_ids if (l := leases.items.get(n)) is None or l.state != "ready")
+        await self.unmirror(leases)
+        self.fig["restart_wrongly_lost"] = len(wrongly)
+        self.fig["restart_lost_transitions"] = trans
+        self.fig["restart_not_ready_after"] = len(not_ready)
+        self.out(
+            f"live nodes declared lost during the restart: {len(wrongly)}{' (' + ', '.join(wrongly[:10]) + (' …' if len(wrongly) > 10 else '') + ')' if wrongly else ''}; "
+            f"the monitor's transitions to lost: {trans:.0f}; live leases not ready in {S.BUCKET_LEASES} afterwards: {len(not_ready)}"
+        )
+        self.out("CPU meanwhile (% of one core, from the stop; nats-server from its new start): " + ", ".join(f"{k} {v:.0f}%" for k, v in self.fig["restart_cpu_pct"].items()))
+        if self.fig["restart_cpu_pct"]["bench (agents)"] > 90:
+            self.out("note: this process (every agent's TLS handshake) was busy the whole time; the reconnect spread is its limit as much as the server's")
+
     # -- phase 5 ---------------------------------------------------------------
     async def meta_leader_kill(self) -> None:
         """SIGKILL the JetStream meta leader while the operator applies a deployment
@@ -711,6 +917,8 @@ class Bench:
             await self.failover()
             if self.cluster.nats_cluster is not None:
                 await self.meta_leader_kill()
+            elif self.args.restart:
+                await self.nats_restart()
         finally:
             t = time.monotonic()
             await self.close()
@@ -743,7 +951,9 @@ def summary(args, fig: Figures, argv: list[str]) -> str:
         lines.append(row("bring-up", "all nodes registered, leases ready", f"{v['bringup_s']:.1f} s"))
     if "steady_cpu_rh" in v:
         p = v["steady_cpu_pct"]
-        lines.append(row("steady", f"registry + health CPU ({v['steady_window_s']:.0f} s window)", f"{v['steady_cpu_rh']:.1f} %", f"< {TARGETS['cpu']:.0f} %", v["steady_cpu_rh"] < TARGETS["cpu"]))
+        cp = v["steady_cpu_control_plane"]
+        lines.append(row("steady", f"registry + health + scheduler CPU ({v['steady_window_s']:.0f} s)", f"{cp:.1f} %", f"< {TARGETS['cpu']:.0f} %", cp < TARGETS["cpu"]))
+        lines.append(row("steady", "  registry + health", f"{v['steady_cpu_rh']:.1f} %"))
         for k in ("registry", "health", "scheduler", "nats-server", "bench (agents)"):
             lines.append(row("steady", f"  {k}", f"{p[k]:.1f} %"))
         lines.append(row("steady", "  heartbeats accepted by health", f"{v['heartbeats_per_s']:.0f} /s"))
@@ -758,8 +968,10 @@ def summary(args, fig: Figures, argv: list[str]) -> str:
         lines.append(row("placement", f"apply -> all {args.replicas} replicas ready", f"{v['place_ready_s']:.2f} s"))
     if "placed_cpu_pct" in v:
         p = v["placed_cpu_pct"]
-        lines.append(row("placement", "then steady: registry + health CPU", f"{p['registry'] + p['health']:.1f} %"))
-        lines.append(row("placement", "then steady: scheduler CPU", f"{p['scheduler']:.1f} %"))
+        lines.append(row("placement", "then steady: registry + health + scheduler", f"{sum(p[k] for k in CONTROL_PLANE):.1f} %"))
+        lines.append(row("placement", "  registry + health", f"{p['registry'] + p['health']:.1f} %"))
+        lines.append(row("placement", "  scheduler", f"{p['scheduler']:.1f} %"))
+        lines.append(row("placement", "  nats-server", f"{p['nats-server']:.1f} %"))
     if "failover_last_s" in v:
         lines.append(row("failover", "last heartbeat -> lost event", f"{v['lost_after_beat_s']:.2f} s"))
         lines.append(row("failover", "lost -> first replacement launch", f"{1000 * v['failover_first_s']:.0f} ms"))
@@ -770,9 +982,24 @@ def summary(args, fig: Figures, argv: list[str]) -> str:
         led = " (it led the deployments stream)" if v.get("meta_kill_victim_led_deployments") else ""
         lines.append(row("meta kill", f"writes blocked, meta leader SIGKILLed{led}"[:44], f"{v['meta_kill_blocked_s']:.2f} s"))
         lines.append(row("meta kill", "kill -> first acknowledged write", f"{v['meta_kill_first_ack_s']:.2f} s"))
+    if "restart_renewed_s" in v:
+        n_live = args.nodes - 1
+        lines.append(row("restart", f"stopped (SIG{args.restart_signal}) -> started again", f"{v['restart_down_s']:.2f} s"))
+        lines.append(row("restart", "started -> healthy (/healthz)", f"{v['restart_ready_s']:.2f} s"))
+        lines.append(row("restart", "started -> first agent reconnected", f"{v['reconnect_first_s']:.2f} s"))
+        lines.append(row("restart", f"started -> last of {n_live} agents reconnected", f"{v['reconnect_last_s']:.2f} s"))
+        lines.append(row("restart", "  reconnect rate (first to last)", f"{v['reconnect_per_s']:.0f} /s"))
+        within = TARGETS["restart_heartbeats"] * args.heartbeat
+        lines.append(row("restart", "started -> every lease renewed by health", f"{v['restart_renewed_s']:.2f} s"))
+        lines.append(row("restart", "healthy -> every lease renewed by health", f"{v['restart_renewed_after_ready_s']:.2f} s", f"< {within:g} s", v["restart_renewed_after_ready_s"] < within))
+        lines.append(row("restart", "live nodes declared lost", f"{v['restart_wrongly_lost']:.0f} nodes", "0", v["restart_wrongly_lost"] == 0))
+        for k, pct in v["restart_cpu_pct"].items():
+            lines.append(row("restart", f"  CPU {k}", f"{pct:.1f} %"))
     wanted = (("bring-up", "bringup_s"), ("steady", "steady_cpu_rh"), ("placement", "place_ready_s"), ("failover", "failover_last_s"))
     if args.nats_servers > 1:
         wanted += (("meta kill", "meta_kill_blocked_s"),)
+    elif args.restart:
+        wanted += (("restart", "restart_renewed_s"),)
     phases = [p for p, k in wanted if k in v]
     lines.append("")
     lines.append(f"phases completed: {', '.join(phases) or 'none'} ({len(phases)}/{len(wanted)})")
@@ -816,8 +1043,23 @@ def stop_processes(cluster: Cluster) -> None:
     cluster.stop_all()
 
 
+def raise_fd_limit(nodes: int) -> str:
+    """Raise this process's RLIMIT_NOFILE soft limit to what ``nodes`` TLS
+    connections need (nats-server, started by this process, inherits it: it holds
+    the other end of each). Returns what was done, for the log; raises BenchError
+    when the hard limit is too low for it."""
+    need = 2 * nodes + 1024  # this process's end and the server's, files, services
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return f"open files: {soft} allowed, {need} needed"
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise BenchError(f"{nodes} nodes need {need} open files (one connection per agent here and in nats-server); the hard limit is {hard}: raise it (ulimit -Hn {need}, or LimitNOFILE=) and run again")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    return f"open files: soft limit raised from {soft} to {need} (hard {hard}), inherited by nats-server"
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\nWhat runs where:")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=2000)
     p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     p.add_argument("--fabrics", type=int, default=None, help="default: 20, fewer when that would leave a fabric under 10 nodes")
@@ -829,11 +1071,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dir", help="work directory, kept (default: a fresh temporary one, removed after a successful run)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, configs)")
     p.add_argument("--json", help="also write the figures to this file")
-    p.add_argument("--nats-servers", type=int, default=1, help="1 (default), or 3, 5…: a cluster on 127.0.0.1-N; adds phase 5 (meta leader killed)")
+    p.add_argument("--nats-servers", type=int, default=1, help="1 (default), or 3, 5…: a cluster on 127.0.0.1-N; phase 5 is then the meta leader killed")
+    p.add_argument("--no-restart", dest="restart", action="store_false", help="skip phase 5 (the nats-server restart under full load)")
+    p.add_argument("--restart-signal", choices=("TERM", "KILL"), default="TERM", help="how phase 5 stops nats-server (default TERM; KILL as a crash)")
+    p.add_argument("--restart-down", default="0s", help="how long nats-server stays down in phase 5 (default 0s: started again at once)")
+    p.add_argument(
+        "--reconnect-grace", default="0s",
+        help="health.reconnect_grace for the monitor (default 0s: derived from reconnect_max, as a service does)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.nats_servers < 1 or (args.nats_servers > 1 and args.nats_servers % 2 == 0):
         p.error(f"--nats-servers {args.nats_servers}: use 1, or an odd number of 3 or more")
-    for name in ("heartbeat", "node_lost_after", "steady"):
+    for name in ("heartbeat", "node_lost_after", "steady", "restart_down", "reconnect_grace"):
         setattr(args, name, parse_duration(getattr(args, name), "--" + name.replace("_", "-")))
     if args.fabrics is None:
         args.fabrics = max(1, min(20, args.nodes // 10))
@@ -859,6 +1108,11 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="llmgw-cpbench-"))
     root.mkdir(parents=True, exist_ok=True)
     print(f"llmgw control-plane bench: work dir {root} (if this process is killed: llmgw down --dir {root})", flush=True)
+    try:
+        print(raise_fd_limit(args.nodes), flush=True)
+    except BenchError as e:
+        print(f"FAILED: {e}", flush=True)
+        return 1
     bench = Bench(args, root)
     rc = 0
 

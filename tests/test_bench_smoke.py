@@ -1,4 +1,5 @@
-"""The control-plane benchmark's smoke mode runs every phase and prints a well-formed summary.
+"""The control-plane benchmark's smoke mode runs every phase and prints a well-formed summary;
+its nats-server restart (phase 5) declares no live node lost and sees every lease renewed.
 
 Timing targets are not checked here: this is a shared machine, and the
 benchmark (``bench/control_plane.py``) is for figures, not verdicts.
@@ -41,33 +42,41 @@ def test_smoke_mode_runs_every_phase_and_cleans_up(tmp_path):
     )
     out = r.stdout
     assert r.returncode == 0, out[-4000:] + r.stderr[-4000:]
-    for n, name in enumerate(("bring-up", "steady state", "placement", "failover"), 1):
+    for n, name in enumerate(("bring-up", "steady state", "placement", "failover", "nats-server restart"), 1):
         assert f"== phase {n}: {name} ==" in out
 
     summary = out.split("== SUMMARY ==", 1)[1]
     assert re.search(r"^command: .*control_plane\.py --nodes 20 --replicas 5", summary, re.M)
     assert re.search(rf"^machine:  {os.cpu_count()} cores", summary, re.M)
-    assert "phases completed: bring-up, steady, placement, failover (4/4)" in summary
+    assert "phases completed: bring-up, steady, placement, failover, restart (5/5)" in summary
     rows = [line for line in summary.splitlines() if line.startswith("| ")]
     header, body = rows[0], rows[1:]
     assert [c.strip() for c in header.strip("|").split("|")] == ["phase", "figure", "value", "target", "check"]
     cells = [[c.strip() for c in row.strip("|").split("|")] for row in body]
     assert all(len(c) == 5 for c in cells), body
-    assert {c[0] for c in cells} == {"bring-up", "steady", "placement", "failover"}
+    assert {c[0] for c in cells} == {"bring-up", "steady", "placement", "failover", "restart"}
     for phase, what, value, target, check in cells:
-        assert re.fullmatch(r"\d+(\.\d+)? (s|ms|%|/s)", value), (what, value)
+        assert re.fullmatch(r"\d+(\.\d+)? (s|ms|%|/s|nodes)", value), (what, value)
         assert (target == "") == (check == ""), (what, target, check)
         assert check in ("", "ok", "MISSED")
     targeted = {c[1] for c in cells if c[3]}
-    assert any("registry + health CPU" in w for w in targeted)
+    assert any("registry + health + scheduler CPU" in w for w in targeted)
     assert any("last of 10 launches" in w for w in targeted)
     assert any("last replacement launch" in w for w in targeted)
+    assert any("every lease renewed" in w for w in targeted)
+    # The restart's verdict on lost nodes is a check, and it passed: none was declared lost.
+    lost_row = next(c for c in cells if c[0] == "restart" and c[1] == "live nodes declared lost")
+    assert lost_row[2:] == ["0 nodes", "0", "ok"], lost_row
 
     data = json.loads(figures.read_text())
     assert data["rc"] == 0
-    for key in ("bringup_s", "steady_cpu_rh", "place_last_launch_s", "place_ready_s", "failover_last_s"):
+    for key in ("bringup_s", "steady_cpu_rh", "steady_cpu_control_plane", "place_last_launch_s", "place_ready_s", "failover_last_s"):
         assert isinstance(data[key], float), key
     assert data["failover_replicas"] >= 1
+    # phase 5: 19 live agents (the failover's node stays silent) came back and were heard
+    assert data["restart_wrongly_lost"] == 0 and data["restart_lost_transitions"] == 0 and data["restart_not_ready_after"] == 0, data
+    assert 0 <= data["restart_renewed_s"] < 60, data["restart_renewed_s"]
+    assert 0 <= data["reconnect_first_s"] <= data["reconnect_last_s"] < 60, data
 
     # Everything it started is gone.
     pids = [int(p) for p in re.findall(r"(?:registry|health|scheduler) (\d+)", out.split("started registry, health, scheduler", 1)[1].split("\n", 1)[0])]
