@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
 import msgspec
@@ -234,6 +234,10 @@ class SchedulerSection(Section, frozen=True):
             raise Invalid("auto_cordon_max_share", f"a share between 0 and 1, got {self.auto_cordon_max_share}")
 
 
+# How the gateway picks a replica (GatewaySection.routing).
+Routing = Literal["prefix", "least-outstanding"]
+
+
 class GatewaySection(Section, frozen=True):
     listen: str = "127.0.0.1:8080"
     max_body_bytes: int = 4 * 1024 * 1024
@@ -269,7 +273,7 @@ class GatewaySection(Section, frozen=True):
     # Which replica gets a request (docs/architecture.md, "Routing"): "prefix" sends a
     # conversation where its prompt prefix is cached (rendezvous hashing, the same in
     # every gateway) within a bounded load; "least-outstanding": the least busy.
-    routing: str = "prefix"
+    routing: Routing = "prefix"
     # Bounded loads: no replica holds more than ceil(routing_load_bound x mean) + routing_load_slack in flight.
     routing_load_bound: float = 1.15
     routing_load_slack: int = 2
@@ -282,8 +286,8 @@ class GatewaySection(Section, frozen=True):
     def __post_init__(self):
         if not (type(self.workers) is int and 0 <= self.workers <= 1024):
             raise Invalid("workers", f"must be a whole number from 0 (one per core) to 1024, got {self.workers!r}")
-        if self.routing not in ("prefix", "least-outstanding"):
-            raise Invalid("routing", f"{self.routing!r} is not one of prefix, least-outstanding")
+        if self.routing not in get_args(Routing):  # a file's value msgspec checks; this, a program's
+            raise Invalid("routing", f"{self.routing!r} is not one of {', '.join(get_args(Routing))}")
         if not (isinstance(self.routing_load_bound, (int, float)) and 1.0 <= self.routing_load_bound <= 100):
             raise Invalid("routing_load_bound", f"must be a number from 1 (strict balance) up, e.g. 1.25; got {self.routing_load_bound!r}")
         if not 0 <= self.routing_load_slack <= 1000:

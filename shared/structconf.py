@@ -2,17 +2,18 @@
 
 Every configuration (``shared/config.py`` for the services and operators,
 ``services/agent/config.py`` for the node agent) is a tree of ``Section``
-structs: msgspec checks the shape (unknown keys, missing keys, types,
-durations), each struct's ``__post_init__`` checks what its values mean and
-raises ``Invalid`` naming its key, and ``convert`` turns whatever msgspec
-reports into one sentence for the person who wrote the file::
+structs: msgspec checks the shape (unknown keys, missing keys, types), each
+struct's ``__post_init__`` checks what its values mean and raises ``Invalid``
+naming its key, and ``convert`` turns whatever msgspec reports into one
+sentence for the person who wrote the file::
 
     /etc/llmgw/scheduler.yaml: health.heartbeat_intervl: unknown key; did you mean 'heartbeat_interval'?
     /etc/llmgw/agent.yaml: supervisor.log_lines: expected a whole number, got a string 'many'
     /etc/llmgw/agent.yaml: fabrics[0].hcas: required key is missing
 
-Two rules hold for every file: an empty value (``health:`` with nothing under
-it, ``~``) is the same as leaving the key out, so the default applies; and a
+Three rules hold for every file: an empty value (``health:`` with nothing
+under it, ``~``) is the same as leaving the key out, so the default applies; a
+``Duration`` field takes ``500ms``, ``5s``, ``1m``, ``1h30m`` or seconds; and a
 field whose type is ``Annotated[..., msgspec.Meta(description=...)]`` is
 described by that text when a value of the wrong kind is given.
 """
@@ -20,10 +21,11 @@ described by that text when a value of the wrong kind is given.
 from __future__ import annotations
 
 import difflib
+import enum
 import re
 import types
 import typing
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
@@ -43,16 +45,11 @@ class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     not_in_files: ClassVar[tuple[str, ...]] = ()
 
 
-if TYPE_CHECKING:
-    Duration = float
-else:
-
-    class Duration(float):
-        """Seconds, written in a file as ``500ms``, ``5s``, ``1m``, ``1h30m`` or a bare
-        number (``shared/durations.py``). Only the type tells msgspec to read the
-        value through ``parse_duration``; values are floats in every other way."""
-
-        __slots__ = ()
+# A float field written in a file as 500ms, 5s, 1m, 1h30m or a bare number of
+# seconds (shared/durations.py): ``heartbeat_interval: Duration = 5.0``. Read
+# before msgspec sees the file, so a loaded value is a plain float like any other.
+DURATION = msgspec.Meta(description="a duration such as 5s or 1m")
+Duration = Annotated[float, DURATION]
 
 
 class Invalid(ConfigError, ValueError):
@@ -79,13 +76,13 @@ def join(where: str, key: str) -> str:
 def convert(data: Any, cls: type[T], source: str, *, at: str = "") -> T:
     """``data`` (as parsed from YAML) as a ``cls``, or a ``ConfigError`` naming
     ``source`` (the file), the key path (under ``at``) and what was expected."""
-    plain = _plain(data)
+    plain = _seconds(_plain(data), cls, at, source)
     if isinstance(plain, dict):
         for key in getattr(cls, "not_in_files", ()):
             if key in plain:
                 raise ConfigError(f"{source}: {join(at, key)}: {_unknown(key, _known(cls))}")
     try:
-        return msgspec.convert(plain, cls, strict=True, dec_hook=_decode)
+        return msgspec.convert(plain, cls, strict=True)
     except msgspec.ValidationError as e:
         key, reason = _explain(e, cls, data)
         raise ConfigError(f"{source}: {join(at, key) or 'top level'}: {reason}") from None
@@ -101,21 +98,36 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _decode(tp: type, value: Any) -> Any:
-    if tp is Duration:
-        try:
-            return Duration(parse_duration(value, ""))
-        except ConfigError as e:
-            # parse_duration prefixes the place it is given; msgspec adds the key path.
-            raise ValueError(str(e).removeprefix(": ")) from None
-    raise NotImplementedError(tp)
+def _seconds(data: Any, tp: Any, path: str, source: str) -> Any:
+    """``data`` with the value of every ``Duration`` field in seconds, refusing
+    one that is not a duration with its key path."""
+    tp = _bare(tp)
+    if isinstance(data, dict) and _is_struct(tp):
+        out = dict(data)
+        for f in msgspec.structs.fields(tp):
+            if f.encode_name in out:
+                key = join(path, f.encode_name)
+                if typing.get_origin(f.type) is Annotated and DURATION in typing.get_args(f.type)[1:]:
+                    out[f.encode_name] = parse_duration(out[f.encode_name], f"{source}: {key}")
+                else:
+                    out[f.encode_name] = _seconds(out[f.encode_name], f.type, key, source)
+        return out
+    if isinstance(data, list) and typing.get_origin(tp) in (list, tuple):
+        inner = typing.get_args(tp)[0]
+        return [_seconds(v, inner, f"{path}[{i}]", source) for i, v in enumerate(data)]
+    return data
+
+
+def _is_struct(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
 
 
 # What msgspec says, before " - at `$.path`".
 _AT = re.compile(r"(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?", re.S)
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<key>.*)`", re.S)
 _MISSING = re.compile(r"Object missing required field `(?P<key>.*)`", re.S)
-_WRONG = re.compile(r"Expected `(?P<expected>[^`]+)`.*, got `[^`]+`", re.S)
+_WRONG = re.compile(r"Expected `(?P<expected>[^`]+)`.*, got `(?P<got>[^`]+)`", re.S)
+_CHOICE = re.compile(r"Invalid enum value (?P<value>.*)", re.S)
 _KINDS = {
     "int": "a whole number",
     "float": "a number",
@@ -124,6 +136,17 @@ _KINDS = {
     "object": "a mapping of keys",
     "array": "a list",
 }
+# The kinds of value, by msgspec's names for them.
+_GOT = {
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "bool": "a boolean",
+    "null": "nothing (null)",
+    "array": "a list",
+    "object": "a mapping",
+}
+_MSGSPEC_NAME = {type(None): "null", bool: "bool", int: "int", float: "float", str: "str", list: "array", dict: "object"}
 
 
 def _explain(error: msgspec.ValidationError, cls: type, data: Any) -> tuple[str, str]:
@@ -142,8 +165,19 @@ def _explain(error: msgspec.ValidationError, cls: type, data: Any) -> tuple[str,
         return key, "required key has no value" if _value_at(data, key) is None else "required key is missing"
     if w := _WRONG.fullmatch(what):
         expected = _description(cls, path) or _KINDS.get(w["expected"], f"a {w['expected']}")
-        return path, f"expected {expected}, got {_a(_value_at(data, path))}"
-    return path, what  # a value read by _decode: its own words
+        value = _value_at(data, path)
+        return path, f"expected {expected}, got {_GOT.get(w['got'], w['got']) if value is _MISSING_VALUE else _a(value)}"
+    if c := _CHOICE.fullmatch(what):
+        return path, f"{c['value']} is not one of {', '.join(_choices(_type_at(cls, path)))}"
+    return path, what
+
+
+def _choices(tp: Any) -> list[str]:
+    if typing.get_origin(tp) is typing.Literal:
+        return [str(c) for c in typing.get_args(tp)]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return [str(m.value) for m in tp]
+    return []
 
 
 def _unknown(key: str, known: list[str]) -> str:
@@ -154,31 +188,32 @@ def _unknown(key: str, known: list[str]) -> str:
 
 
 def _known(tp: Any) -> list[str]:
-    if not (isinstance(tp, type) and issubclass(tp, msgspec.Struct)):
+    if not _is_struct(tp):
         return []
     hidden = getattr(tp, "not_in_files", ())
     return [f.encode_name for f in msgspec.structs.fields(tp) if f.name not in hidden]
 
 
-# One step of a path: ".name", "name" (the first) or "[3]".
-_STEP = re.compile(r"\.?([^.\[\]]+)|\[(\d+)\]")
+# One step of a path: ".name", "name" (the first), "[3]", or "[...]" (msgspec's
+# word for a mapping's value: neither the key nor the value can be looked up).
+_STEP = re.compile(r"\.?([^.\[\]]+)|\[(\d+|\.\.\.)\]")
 
 
 def _field_type(cls: Any, path: str) -> Any:
     """The declared type at ``path`` inside ``cls`` (with any ``Annotated``), or None."""
     tp = cls
-    for name, _ in _STEP.findall(path):
+    for name, index in _STEP.findall(path):
         tp = _bare(tp)
         if name:
-            if not (isinstance(tp, type) and issubclass(tp, msgspec.Struct)):
+            if not _is_struct(tp):
                 return None
             fields = {f.encode_name: f.type for f in msgspec.structs.fields(tp)}
             if name not in fields:
                 return None
             tp = fields[name]
         else:
-            args = typing.get_args(tp)
-            tp = args[0] if args else None
+            args = typing.get_args(tp)  # list[X], tuple[X, ...], dict[K, X]
+            tp = (args[-1] if index == "..." else args[0]) if args else None
     return tp
 
 
@@ -211,6 +246,8 @@ _MISSING_VALUE = object()
 
 def _value_at(data: Any, path: str) -> Any:
     for name, index in _STEP.findall(path):
+        if index == "...":
+            return _MISSING_VALUE
         try:
             data = data[name] if name else data[int(index)]
         except (KeyError, IndexError, TypeError):
@@ -220,14 +257,8 @@ def _value_at(data: Any, path: str) -> Any:
 
 def _a(value: Any) -> str:
     """A value as the message shows it: its kind, and itself when it is short."""
-    if value is None:
-        return "nothing (null)"
-    if value is _MISSING_VALUE:
-        return "something else"
-    kind = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a number"}.get(
-        type(value), type(value).__name__
-    )
-    if isinstance(value, (dict, list)):
+    kind = _GOT.get(_MSGSPEC_NAME.get(type(value), ""), type(value).__name__)
+    if value is None or isinstance(value, (dict, list)):
         return kind
     text = repr(value)
     return f"{kind} {text}" if len(text) <= 60 else kind

@@ -58,6 +58,7 @@ REFUSALS = [
     ("negative-duration", S + "{tls}reconnect_base: -1\n", "reconnect_base: a duration cannot be negative (-1)"),
     ("missing-required", "{tls}", "server: required key is missing"),
     ("missing-required-nested", S + "tls: {{ca: ca.pem, cert: svc.pem}}\n", "tls.key: required key is missing"),
+    ("not-one-of-the-choices", S + "{tls}gateway: {{routing: random}}\n", "gateway.routing: 'random' is not one of prefix, least-outstanding"),
     ("value-of-a-key", S + "{tls}scheduler: {{auto_cordon_max_share: 2}}\n", "scheduler.auto_cordon_max_share: a share between 0 and 1, got 2.0"),
     ("values-of-a-section", S + "{tls}gateway: {{tls_cert: gw.pem}}\n", "gateway: tls_cert and tls_key go together (HTTPS needs both)"),
     ("values-across-sections", S + "{tls}reconnect_base: 1m\n", "reconnect_base: 60s is longer than reconnect_max (30s)"),
