@@ -34,9 +34,9 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 from llmgw.shared.errors import ConfigError
+from msgspec.structs import replace  # the configuration is msgspec Structs (shared/structconf.py)
 
 log = logging.getLogger("llmgw.gateway.workers")
 
