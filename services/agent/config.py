@@ -64,13 +64,13 @@ def _positive(owner: Section, *names: str) -> None:
             raise Invalid(name, f"must be greater than 0, got {value:g}{'s' if isinstance(value, float) else ''}")
 
 
-def _named(value: str, what: str) -> None:
+def _named(key: str, value: str, what: str) -> None:
     if not value:
-        raise Invalid("", "must not be empty")
+        raise Invalid(key, "must not be empty")
     try:
         check_name(value, what)
     except LlmgwError as e:
-        raise Invalid("", str(e)) from None
+        raise Invalid(key, str(e)) from None
 
 
 class FabricConfig(Section, frozen=True):
@@ -80,10 +80,7 @@ class FabricConfig(Section, frozen=True):
     hcas: Annotated[tuple[str, ...], msgspec.Meta(description="a list of HCA names such as [mlx5_0, mlx5_1]")]
 
     def __post_init__(self):
-        try:
-            _named(self.name, "fabric name")
-        except Invalid as e:
-            raise Invalid("name", e.reason) from None
+        _named("name", self.name, "fabric name")
         if not self.hcas:
             raise Invalid("hcas", f"fabric {self.name!r} lists no HCA; a fabric is reached through at least one")
         for j, h in enumerate(self.hcas):
@@ -163,10 +160,7 @@ class AgentConfig(Section, frozen=True):
     not_in_files = ("source",)
 
     def __post_init__(self):
-        try:
-            _named(self.node_id, "node id")
-        except Invalid as e:
-            raise Invalid("node_id", e.reason) from None
+        _named("node_id", self.node_id, "node id")
         check_servers(self.servers)
         _check_mgmt_addr(self.mgmt_addr)
         if not _IFNAME.fullmatch(self.mgmt_interface):
