@@ -210,9 +210,9 @@ async def test_services_expose_prometheus_metrics(nats_server):
 
     port = free_port()
     cfg = service_config(nats_server, "registry")
-    import dataclasses
+    import msgspec
 
-    svc = Registry(dataclasses.replace(cfg, metrics_listen=f"127.0.0.1:{port}"))
+    svc = Registry(msgspec.structs.replace(cfg, metrics_listen=f"127.0.0.1:{port}"))
     nats_server.reload()
     await svc.start()
     try:
