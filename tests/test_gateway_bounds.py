@@ -29,6 +29,8 @@ import pytest
 import yaml
 from llmgw.shared.natsserver import free_port
 
+from llmgw.services.gateway import server
+
 from .gateway_helpers import HOST, Board, gateway_config, metric_sum, replica, start_gateway, wait_for
 from .test_gateway_httpserver import expect_closed, read_answer
 
@@ -470,6 +472,16 @@ async def test_out_of_descriptors_is_503_and_the_replica_is_not_blamed(nats_serv
 
 
 # -- JSON nesting -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"{}", b'{"a": [1, {"b": []}]}', b"{" * 64, b"{" * 65, b"[" * 40 + b"{" * 25, b'"' + b"[" * 70 + b'"', b"x" * 200_000 + b"[" * 64, b"{[" * 33],
+)
+@pytest.mark.parametrize("limit", [0, 1, 64, 300])
+def test_brackets_over_says_what_counting_them_says(body, limit):
+    # The pre-check before the depth scan: memchr finds, stopped at limit + 1, in place of bytes.count.
+    assert server.brackets_over(body, limit) == (body.count(b"{") + body.count(b"[") > limit)
+
+
 async def test_deep_json_is_400_before_it_reaches_a_replica(bounded):
     gw, up = await bounded()
     deep = b'{"model": "%s", "prompt": "x", "extra": %s%s}' % (MODEL.encode(), b"[" * 100_000, b"]" * 100_000)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -106,6 +107,41 @@ def test_chain_links_cover_their_predecessors_and_the_key_is_the_last_link():
     assert links[:2] == other[:2] and all(a != b for a, b in zip(links[2:], other[2:]))
     body = chat(("system", SYSTEM), ("user", "q"))
     assert prefix.prefix_key(body) == prefix.chain(prefix.anchor(body))[-1]
+
+
+def test_the_key_hashed_in_place_is_the_last_link_of_the_joined_anchor():
+    """key_of feeds the hash the body's own bytes piece by piece (no join); the cut may
+    fall inside any message. It must equal the chain of the anchor made whole."""
+    history = [("user", "hi")]
+    bodies = [chat(("system", SYSTEM), ("user", q("q"))), chat(("user", "x" * 20000)), b'{"model": "m", "prompt": "%s"}' % LONG.encode()]
+    for t in range(4):  # a short opening: the cut lands inside a later message
+        history += [("assistant", f"hello, this is answer {t}. " * 12), ("user", f"and then {t}?")]
+        bodies.append(chat(*history))
+    for body in bodies:
+        key = prefix.key_of(prefix.read(body))
+        assert key is not None and key == prefix.chain(prefix.anchor(body))[-1] == prefix.prefix_key(body)
+
+
+@pytest.mark.parametrize(
+    "body, model, stream, error",
+    [
+        (b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}', "m", True, None),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "model": "m"}', "m", None, None),  # any order
+        # A prompt the engine must judge is no error here: the model is still read, there is no key.
+        (b'{"model": "m", "messages": "hello", "stream": false}', "m", False, None),
+        (b'{"model": "m", "messages": [1, 2]}', "m", None, None),
+        (b'{"model": 5, "messages": [{"role": "user", "content": "hi"}]}', None, None, "`$.model`"),
+        (b'{"model": 5, "messages": "hello"}', None, None, "`$.model`"),  # the model's error, not the messages'
+        (b"[]", None, None, "Expected `object`"),
+    ],
+)
+def test_one_decode_reads_model_stream_and_prompt(body, model, stream, error):
+    if error:
+        with pytest.raises(prefix.msgspec.ValidationError, match=re.escape(error)):
+            prefix.read(body)
+        return
+    f = prefix.read(body)
+    assert (f.model, f.stream) == (model, stream)
 
 
 @pytest.mark.parametrize(

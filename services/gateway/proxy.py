@@ -57,7 +57,7 @@ from llmgw.shared.config import GatewaySection
 from llmgw.shared.schemas import Replica
 from llmgw.shared.states import ReplicaState
 
-from . import errors
+from . import errors, prefix
 from .access import AccessLog
 from .httpserver import Request, Response, Stream, Throttled
 from .metrics import GatewayMetrics
@@ -142,12 +142,16 @@ class Forwarder:
         self.too_large_log = Throttled(log)
         self.dropped = 0  # bytes of answers read and let go unsent (too large): so far, in all
 
-    async def forward(self, request: Request, path: str, body: bytes, model: str, stream: bool = False, form: bytes = b"") -> Response | Stream:
+    async def forward(
+        self, request: Request, path: str, body: bytes, model: str, stream: bool = False, form: bytes = b"", fields: prefix.Fields | None = None
+    ) -> Response | Stream:
         """Answer ``request`` from a replica of ``model``; raises UnknownModel / NoReadyReplica before any attempt.
         ``stream``: the client asked for a stream (what the stall watch goes by).
-        ``form``: the client's Content-Type when the body is not JSON (a multipart form), sent on as is."""
+        ``form``: the client's Content-Type when the body is not JSON (a multipart form), sent on as is.
+        ``fields``: the JSON body as the server decoded it (``prefix.read``), what the router
+        keys on; none for a form (placed by load). ``body`` itself is sent on untouched."""
         started = time.perf_counter()
-        backend = self.router.pick(model, body=body)
+        backend = self.router.pick(model, fields=fields)
         status = CLIENT_CLOSED  # what is counted if the client's leaving cancels us
         try:
             try:
@@ -155,7 +159,7 @@ class Forwarder:
             except _Retryable as first:
                 self.metrics.retried(model, first.kind)
                 try:
-                    backend = self.router.pick(model, exclude=backend, body=body)
+                    backend = self.router.pick(model, exclude=backend)
                 except NoReadyReplica:
                     resp = errors.bad_gateway(f"the replica of '{model}' failed ({first}) and no other is ready")
                     status = resp.status

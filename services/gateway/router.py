@@ -184,9 +184,10 @@ class Router:
         return self._backends.get(replica_id)
 
     # -- routing ---------------------------------------------------------------
-    def pick(self, model: str, exclude: Backend | None = None, body: bytes = b"") -> Backend:
-        """A routable backend of ``model`` (not ``exclude``) for a request with ``body``,
-        now counted as busy: the prefix owner within its bounded load (``routing="prefix"``),
+    def pick(self, model: str, exclude: Backend | None = None, body: bytes = b"", fields: prefix.Fields | None = None) -> Backend:
+        """A routable backend of ``model`` (not ``exclude``) for a request with ``body``
+        (or its ``fields``, decoded already: the body is then not read again), now
+        counted as busy: the prefix owner within its bounded load (``routing="prefix"``),
         else the least loaded."""
         pool = self._by_model.get(model)
         if not pool:
@@ -200,8 +201,11 @@ class Router:
             if cooling:
                 raise NoReadyReplica(model, "every ready replica is cooling down after repeated failures", max(1.0, min(cooling) - now))
             raise NoReadyReplica(model, "no other replica is ready", self.retry_after)
-        if self.routing == "prefix" and exclude is None and body:
-            key = prefix.prefix_key(body, max_chars=self.prefix_chars)
+        if self.routing == "prefix" and exclude is None and (fields is not None or body):
+            if fields is not None:
+                key = prefix.key_of(fields, self.prefix_chars)
+            else:
+                key = prefix.prefix_key(body, max_chars=self.prefix_chars)
             if key is not None:
                 loads = [b.outstanding for b in candidates]
                 i, owner = prefix.choose(key, [b.rid_hash for b in candidates], loads, self.load_bound, slack=self.load_slack)
