@@ -6,7 +6,7 @@ nats-server, replica records written under the scheduler's identity).
 Not a test: it prints figures. Run from the repository root::
 
     python -m bench.routing [--seconds 15] [--rate 16]
-    python -m bench.routing --long-prompts [--seconds 10] [--concurrency 150]
+    python -m bench.routing --long-prompts [--seconds 10] [--concurrency 150] [--gateway-cpu 1]
 
 The workload (seeded, the same for every policy), open loop: conversations
 start at random times in the first part of a run at ``--rate`` requests per
@@ -29,11 +29,21 @@ finished (``vllm:request_success``) over their mean.
 
 ``--long-prompts``: ~200 KB unique prompts, ``--concurrency`` clients at once
 (closed loop), straight to the engines (client-side rotation) and through
-one prefix-routing gateway, turn about; prints the added p50/p99 and the
-gateway's CPU per request. The engines run with no prefill cost and no
-cache, and answer 4 tokens at 2 tokens/s (~2 s a request), so the 150 in
-flight do not saturate a small machine's CPUs by themselves: what differs
-is the gateway's path (everything shares this machine's cores).
+one prefix-routing gateway, turn about; prints the added p50/p99 (TTFT and
+end to end) and the gateway's CPU per request (user + system, /proc). The
+engines run with no prefill cost and no cache, and answer 4 tokens at 2
+tokens/s (~2 s a request), so the 150 in flight do not saturate a small
+machine's CPUs by themselves: what differs is the gateway's path.
+
+``--gateway-cpu N`` (Linux): the gateway process(es) run on CPU N alone, and
+this process (the load generator), the engines and nats-server on every other
+CPU this process may use — set once, before anything starts, so the direct
+and the gateway turns run with the same pinning. Without it everything shares
+every CPU, and on a small machine the gateway then waits behind the engines
+and the client for a core: time that shows as "added" latency without being
+the gateway's work. Pinning keeps them off the gateway's CPU (it does not
+keep other programs on the machine off it). The run prints which pinning it
+used.
 """
 
 from __future__ import annotations
@@ -55,12 +65,19 @@ import aiohttp
 import yaml
 from llmgw.shared.natsserver import NatsServer, free_port
 
-from bench.gateway import cpu_seconds, pct, wait_http
+from bench.gateway import pct, wait_http
 from tests.gateway_helpers import HOST, Board, Sim, metric_sum, replica
 
 MODEL = "sim"
 REPLICAS = 4
 WORDS = ("fabric", "node", "replica", "leader", "worker", "token", "model", "engine", "gpu", "link", "rank", "group", "cache", "layer", "tensor", "batch")
+
+
+def cpu_times(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def text(rng: random.Random, n: int) -> str:
@@ -190,12 +207,43 @@ def start_gateway(work: Path, nats: NatsServer, name: str, routing: str, procs: 
     return f"http://{HOST}:{port}", p, log
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (sched_setaffinity is per thread; threads
+    started later inherit their creator's set)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
+def pinning_plan(gateway_cpu: int | None) -> tuple[set[int] | None, set[int] | None, str]:
+    """(the gateway's CPUs, everyone else's, a line saying so); (None, None, ...) unpinned."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    if gateway_cpu is None:
+        return None, None, f"pinning: none — the gateway, the engines, nats-server and the load generator share CPUs {sorted(allowed)}"
+    if not hasattr(os, "sched_setaffinity"):
+        raise SystemExit("--gateway-cpu needs sched_setaffinity (Linux)")
+    if gateway_cpu not in allowed:
+        raise SystemExit(f"--gateway-cpu {gateway_cpu}: this process may use CPUs {sorted(allowed)} only")
+    others = allowed - {gateway_cpu}
+    if not others:
+        raise SystemExit(f"--gateway-cpu {gateway_cpu}: no other CPU is left for the engines and the load generator")
+    line = f"pinning: gateway on CPU {gateway_cpu} alone; load generator, engines and nats-server on CPUs {sorted(others)} (the same for the direct and the gateway turns)"
+    return {gateway_cpu}, others, line
+
+
 async def long_prompts(session: aiohttp.ClientSession, sims: list[Sim], gw_url: str, gw_pid: int, args) -> None:
     rng = random.Random(args.seed)
     # ~200 KB of words; each request a different one (a fresh start, so nothing is cached anywhere).
     base = text(rng, 21_000)
     bodies = [json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"{i}: " + base}], "max_tokens": 4, "stream": True}).encode() for i in range(32)]
-    print(f"\nlong prompts: {len(bodies[0]) / 1000:.0f} KB bodies, {args.concurrency} concurrent clients, {args.seconds:g}s per turn, {args.rounds} turns each\n")
+    print(f"\nlong prompts: {len(bodies[0]) / 1000:.0f} KB bodies, {args.concurrency} concurrent clients, {args.seconds:g}s per turn, {args.rounds} turns each")
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start; {args.pinning}\n")
 
     async def drive(urls: list[str], into: Result) -> None:
         deadline = time.perf_counter() + args.seconds
@@ -215,22 +263,37 @@ async def long_prompts(session: aiohttp.ClientSession, sims: list[Sim], gw_url: 
     results = {"direct": Result(), "gateway": Result()}
     await drive(direct_urls, Result())  # warm-up
     await drive([gw_url], Result())
-    gw_cpu = 0.0
+    user = system = 0.0
     for _ in range(args.rounds):
         await drive(direct_urls, results["direct"])
-        before = cpu_seconds(gw_pid)
+        before = cpu_times(gw_pid)
         await drive([gw_url], results["gateway"])
-        gw_cpu += cpu_seconds(gw_pid) - before
+        after = cpu_times(gw_pid)
+        user += after[0] - before[0]
+        system += after[1] - before[1]
     d = results["direct"]
-    print("| target | requests | req/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | added p50 ms | added p99 ms | errors |")
+    print("| target | requests | req/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | added TTFT p50 / p99 ms | added e2e p50 / p99 ms | errors |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        p50, p99 = pct(r.e2e, 0.5) * 1e3, pct(r.e2e, 0.99) * 1e3
-        added = "– | –" if name == "direct" else f"{p50 - pct(d.e2e, 0.5) * 1e3:.1f} | {p99 - pct(d.e2e, 0.99) * 1e3:.1f}"
-        print(f"| {name} | {len(r.e2e)} | {len(r.e2e) / r.seconds:.0f} | {pct(r.ttft, 0.5) * 1e3:.1f} | {pct(r.ttft, 0.99) * 1e3:.1f} | {p50:.1f} | {p99:.1f} | {added} | {r.errors} |")
+        t50, t99, p50, p99 = (pct(v, q) * 1e3 for v in (r.ttft, r.e2e) for q in (0.5, 0.99))
+        if name == "direct":
+            added_ttft = added_e2e = "–"
+        else:
+            added_ttft = f"{t50 - pct(d.ttft, 0.5) * 1e3:.1f} / {t99 - pct(d.ttft, 0.99) * 1e3:.1f}"
+            added_e2e = f"{p50 - pct(d.e2e, 0.5) * 1e3:.1f} / {p99 - pct(d.e2e, 0.99) * 1e3:.1f}"
+        print(f"| {name} | {len(r.e2e)} | {len(r.e2e) / r.seconds:.0f} | {t50:.1f} | {t99:.1f} | {p50:.1f} | {p99:.1f} | {added_ttft} | {added_e2e} | {r.errors} |")
     g = results["gateway"]
     if g.e2e:
-        print(f"\ngateway CPU per request (user + system, /proc): {gw_cpu / len(g.e2e) * 1e6:.0f} µs")
+        n = len(g.e2e)
+        print(f"\ngateway CPU per request (/proc): {(user + system) / n * 1e6:.0f} µs (user {user / n * 1e6:.0f}, system {system / n * 1e6:.0f}); "
+              f"the gateway was busy {(user + system) / g.seconds:.1%} of one CPU during its turns")  # fmt: skip
+    print(f"{args.pinning}; load average {os.getloadavg()[0]:.1f} at the end")
+    if args.json:
+        rows = {name: {"requests": len(r.e2e), "rps": len(r.e2e) / r.seconds if r.seconds else 0.0, "errors": r.errors,
+                       **{f"{what}_p{q}_ms": pct(v, q / 100) * 1e3 for what, v in (("ttft", r.ttft), ("e2e", r.e2e)) for q in (50, 99)}}
+                for name, r in results.items()}  # fmt: skip
+        cpu = {"user_us": user / len(g.e2e) * 1e6, "system_us": system / len(g.e2e) * 1e6} if g.e2e else {}
+        Path(args.json).write_text(json.dumps({"args": vars(args), "long_prompts": rows, "gateway_cpu_per_request": cpu}, indent=1))
 
 
 async def main() -> int:
@@ -251,8 +314,14 @@ async def main() -> int:
     ap.add_argument("--long-prompts", action="store_true", help="the 200 KB prompts x --concurrency overhead run instead")
     ap.add_argument("--concurrency", type=int, default=150, help="--long-prompts: clients at once (default 150)")
     ap.add_argument("--rounds", type=int, default=2, help="--long-prompts: turns each target takes (default 2)")
+    ap.add_argument("--gateway-cpu", type=int, default=None, metavar="N",
+                    help="run the gateway(s) on CPU N alone, and the load generator, engines and nats-server on the other CPUs (default: no pinning)")
     ap.add_argument("--json", help="also write the raw figures here")
     args = ap.parse_args()
+    gateway_cpus, other_cpus, args.pinning = pinning_plan(args.gateway_cpu)
+    if other_cpus is not None:
+        # Before anything starts: nats-server and the engines inherit this set.
+        pin(os.getpid(), other_cpus)
 
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-routing-"))
     procs: list[subprocess.Popen] = []
@@ -280,7 +349,11 @@ async def main() -> int:
         gateways: dict[str, list[str]] = {}
         for name, policy in names:
             url, p, log = start_gateway(work, nats, name, policy, procs)
+            if gateway_cpus is not None:
+                pin(p.pid, gateway_cpus)
             await wait_http(f"{url}/v1/models", p, name, log)
+            if gateway_cpus is not None:
+                pin(p.pid, gateway_cpus)  # and the threads it started meanwhile
             gateways.setdefault(policy, []).append(url)
 
         connector = aiohttp.TCPConnector(limit=0)
@@ -302,7 +375,8 @@ async def main() -> int:
 
             convs = workload(args.seed, args.seconds, args.rate, systems=args.systems, system_tokens=args.system_tokens, doc_tokens=args.doc_tokens, turns=args.turns, think=args.think, unique_share=args.unique_share)
             n = sum(len(c) for c in convs)
-            print(f"\nmachine: {os.cpu_count()} cores; {n} requests in {args.seconds:g}s (mean {n / args.seconds:.1f}/s, open loop), "
+            print(f"\n{args.pinning}")
+            print(f"machine: {os.cpu_count()} cores; {n} requests in {args.seconds:g}s (mean {n / args.seconds:.1f}/s, open loop), "
                   f"{sum(1 for c in convs if c[0].conv >= 0)} conversations x {args.turns} turns over {args.systems} system prompts of "
                   f"{args.system_tokens} tokens, {sum(1 for c in convs if c[0].conv < 0)} one-offs; {REPLICAS} engines: prefill "
                   f"{args.prefill_rate:g} tok/s, prefix cache {args.kv_cache_tokens} tokens, decode {args.token_rate:g} tok/s\n")  # fmt: skip
