@@ -27,6 +27,7 @@ import msgspec
 
 from .errors import WireError
 from .states import EngineState, ReplicaState
+from .structconf import Duration
 
 # NATS' default max_payload; nothing llmgw sends legitimately comes close.
 MAX_PAYLOAD = 1024 * 1024
@@ -346,7 +347,8 @@ class DeploymentSpec(Base, kw_only=True):
     nodes_per_replica: int = 1
     engine_args: list[str] = []
     env: dict[str, str] = {}
-    startup_timeout: float = 600.0
+    # A Duration so a deployment file may say 10m; on the wire it is seconds.
+    startup_timeout: Duration = 600.0
     applied_at: float = 0.0
     # Maintained by the scheduler, not the operator: the last replica generation
     # issued for this deployment, so generations only ever grow (fencing).

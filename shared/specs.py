@@ -8,23 +8,31 @@ importing a service (the scheduler's module registers its metrics on import).
 
 from __future__ import annotations
 
-import difflib
 import sys
+from typing import ClassVar
 
 import msgspec
 import yaml
 
 from .config import read_yaml_any
-from .durations import parse_duration
 from .errors import ConfigError
 from .names import check_name
 from .schemas import DeploymentSpec, Replica
+from .structconf import convert
 
 # What the scheduler keeps on the record, not the operator: generations, the
 # crash-loop backoff, when it was applied.
 SCHEDULER_FIELDS = frozenset({"applied_at", "last_generation", "failures", "last_failure", "retry_at"})
 # What an operator writes, in the schema's order (for "known: …" and "did you mean …").
 OPERATOR_FIELDS = tuple(f for f in DeploymentSpec.__struct_fields__ if f not in SCHEDULER_FIELDS)
+
+
+class DeploymentFile(DeploymentSpec, forbid_unknown_fields=True):
+    """A deployment as a file may write it: read through the same reader as every
+    configuration file (``structconf.convert``), so the same words refuse it;
+    the scheduler's own fields are unknown keys there."""
+
+    not_in_files: ClassVar[tuple[str, ...]] = tuple(sorted(SCHEDULER_FIELDS))
 
 
 def validate_spec(spec: DeploymentSpec) -> DeploymentSpec:
@@ -48,8 +56,8 @@ def validate_spec(spec: DeploymentSpec) -> DeploymentSpec:
 
 def load_deployments(path: str) -> list[DeploymentSpec]:
     """Read a deployment file: one mapping, a list, or ``deployments: [...]``
-    (``-``: standard input). Each item is checked for unknown keys and types
-    here; ``validate_spec`` checks the values."""
+    (``-``: standard input). Each item is checked for unknown keys, types and
+    durations here (``DeploymentFile``); ``validate_spec`` checks the values."""
     # Not read_yaml: that one wants a mapping at the top, and a list is a deployment file too.
     data = read_yaml_any(path) if path != "-" else yaml.safe_load(sys.stdin.read())
     items = data.get("deployments", data) if isinstance(data, dict) else data
@@ -59,20 +67,8 @@ def load_deployments(path: str) -> list[DeploymentSpec]:
         raise ConfigError(f"{path}: expected a deployment mapping, a list of them, or 'deployments: [...]'")
     specs = []
     for i, item in enumerate(items):
-        where = f"{path}: deployments[{i}]"
-        if not isinstance(item, dict):
-            raise ConfigError(f"{where}: expected a mapping")
-        for key in item:
-            if key not in OPERATOR_FIELDS:
-                close = difflib.get_close_matches(str(key), OPERATOR_FIELDS, n=1)
-                raise ConfigError(f"{where}: unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(OPERATOR_FIELDS)})"))
-        item = dict(item)
-        if "startup_timeout" in item:
-            item["startup_timeout"] = parse_duration(item["startup_timeout"], f"{where}.startup_timeout")
-        try:
-            specs.append(msgspec.convert(item, DeploymentSpec))
-        except msgspec.ValidationError as e:
-            raise ConfigError(f"{where}: {e}") from None
+        f = convert(item, DeploymentFile, path, at=f"deployments[{i}]")
+        specs.append(DeploymentSpec(**msgspec.structs.asdict(f)))
     return specs
 
 

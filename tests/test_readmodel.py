@@ -283,13 +283,15 @@ def test_validate_spec_passes_what_can_run():
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("name: demo\nmodel: m\nengine: sim\nreplicas: 1\ngpus_per_nod: 2\n", "deployments[0]: unknown key 'gpus_per_nod' (did you mean 'gpus_per_node'?)"),
-        ("name: demo\nmodel: m\nengine: sim\nreplicas: 1\ngpus_per_node: 2\nfailures: 3\n", "unknown key 'failures' (known: name, model,"),
+        ("name: demo\nmodel: m\nengine: sim\nreplicas: 1\ngpus_per_nod: 2\n", "deployments[0].gpus_per_nod: unknown key; did you mean 'gpus_per_node'?"),
+        ("name: demo\nmodel: m\nengine: sim\nreplicas: 1\ngpus_per_node: 2\nfailures: 3\n", "deployments[0].failures: unknown key (known keys here: name, model,"),
+        ("name: demo\nmodel: m\nengine: sim\nreplicas: two\ngpus_per_node: 2\n", "deployments[0].replicas: expected a whole number, got a string 'two'"),
+        ("- name: demo\n  model: m\n  engine: simm\n  replicas: 1\n  gpus_per_node: 2\n", "deployments[0].engine: 'simm' is not one of vllm, sglang, sim"),
         ("- 3\n", "deployments[0]: expected a mapping"),
         ("deployments: []\n", "expected a deployment mapping, a list of them, or 'deployments: [...]'"),
         ("name: demo\nmodel: m\nengine: sim\nreplicas: 1\ngpus_per_node: 2\nstartup_timeout: soon\n", "deployments[0].startup_timeout"),
     ],
-    ids=["misspelt", "schedulers-field", "not-a-mapping", "empty", "bad-duration"],
+    ids=["misspelt", "schedulers-field", "wrong-type", "unknown-engine", "not-a-mapping", "empty", "bad-duration"],
 )
 def test_load_deployments_refuses_with_the_item_and_key_named(tmp_path, text, message):
     path = tmp_path / "d.yaml"
