@@ -198,7 +198,7 @@ def reconcile(
     """``failures``: node -> the failures that implicated it before (the shell's
     history of ``Plan.implicated``, any age: the window is applied here)."""
     cycle = _Cycle(deployments, replicas, nodes, leases, now, config or ReconcileConfig())
-    for replica in sorted(replicas.values(), key=lambda r: (r.deployment, r.generation, r.id)):
+    for replica in sorted(replicas.values(), key=advance_order):
         cycle.advance(replica)
     cycle.judge_nodes(failures or {})  # before placing: a node cordoned now takes nothing new
     suspects = cycle.peer_lost_suspects(failures or {})  # before placing: the replacement avoids them
@@ -207,8 +207,20 @@ def reconcile(
     for replica in cycle.replicas.values():
         by_deployment[replica.deployment].append(replica)
     for name in sorted(set(deployments) | set(by_deployment)):
-        cycle.converge(name, deployments.get(name), by_deployment.get(name, []))
+        cycle.converge(name, deployments.get(name), sorted(by_deployment.get(name, []), key=replica_order))
     return cycle.plan
+
+
+def replica_order(replica: Replica) -> tuple[int, str]:
+    """A deployment's replicas in the order ``converge`` sees them: by generation,
+    whatever order the caller's mapping has (so the incremental reconciler, which
+    keeps its own index, sees them in the same order)."""
+    return (replica.generation, replica.id)
+
+
+def advance_order(replica: Replica) -> tuple[str, int, str]:
+    """The order phase 1 advances replicas in (and so the order of their events)."""
+    return (replica.deployment, replica.generation, replica.id)
 
 
 class _Cycle:
@@ -513,7 +525,9 @@ class _Cycle:
             evidence[node_id].extend(f for f in past if self.now - f.time < cfg.auto_cordon_window)
         for f in self.plan.implicated:
             evidence[f.node_id].append(f)
-        cordoned: set[str] = {n for n, rec in self.nodes.items() if rec.admin == "cordoned" and rec.admin_by == "auto"}
+        # Every auto-cordoned node, for the breaker: a walk of all nodes, so only
+        # once some node has reached the threshold (most cycles none has).
+        cordoned: set[str] | None = None
         for node_id in sorted(evidence):
             seen = evidence[node_id]
             rec = self.nodes.get(node_id)
@@ -524,6 +538,8 @@ class _Cycle:
             if cfg.auto_cordon_max_share <= 0 or len(seen) < cfg.auto_cordon_after:
                 continue
             why = f"{len(seen)} replica failures in {format_duration(cfg.auto_cordon_window)}: {seen[-1].reason}"
+            if cordoned is None:
+                cordoned = {n for n, r in self.nodes.items() if r.admin == "cordoned" and r.admin_by == "auto"}
             full = self.breaker(rec, cordoned)
             self.plan.settled.append(node_id)
             if full:

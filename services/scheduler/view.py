@@ -12,6 +12,7 @@ is what lets placement cache a failure for the rest of the cycle.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -79,8 +80,10 @@ class NodeView:
     def mgmt_addr(self) -> str:
         return self.record.mgmt_addr if self.record is not None else ""
 
-    @property
+    @functools.cached_property
     def usable_fabrics(self) -> tuple[str, ...]:
+        # Asked for every node by every filter and index update; ``fabrics`` never
+        # changes once the view is made (a changed record makes a new NodeView).
         return tuple(name for name, f in self.fabrics.items() if f.usable)
 
     @property
@@ -115,6 +118,22 @@ def gpu_blocks(record: NodeRecord) -> dict[int, str]:
             pids = ", ".join(str(p) for p in g.foreign_pids) or "unknown pids"
             out[g.index] = f"busy: {g.foreign_mib} MiB held by process(es) llmgw did not start (pid {pids})"
     return out
+
+
+def node_view(node_id: str, record: NodeRecord | None, lease: Lease | None, suspect: str = "") -> NodeView:
+    """A node as a cycle first sees it, holding nothing yet (``ClusterView.build``
+    and the incremental ``LiveView`` both make their nodes here)."""
+    return NodeView(
+        node_id=node_id,
+        record=record,
+        lease=lease.state if lease is not None else None,
+        gpus=tuple(sorted(g.index for g in record.gpus)) if record else (),
+        fabrics={f.name: f for f in record.fabrics} if record else {},
+        blocked=gpu_blocks(record) if record else {},
+        unhealthy=frozenset(g.index for g in record.gpus if not g.healthy) if record else frozenset(),
+        quarantine=lease.quarantine if lease is not None else "",
+        suspect=suspect,
+    )
 
 
 class CapacityIndex:
@@ -191,19 +210,7 @@ class ClusterView:
         suspects = suspects or {}
         views: dict[str, NodeView] = {}
         for node_id in sorted(set(nodes) | set(leases)):
-            record = nodes.get(node_id)
-            lease = leases.get(node_id)
-            views[node_id] = NodeView(
-                node_id=node_id,
-                record=record,
-                lease=lease.state if lease is not None else None,
-                gpus=tuple(sorted(g.index for g in record.gpus)) if record else (),
-                fabrics={f.name: f for f in record.fabrics} if record else {},
-                blocked=gpu_blocks(record) if record else {},
-                unhealthy=frozenset(g.index for g in record.gpus if not g.healthy) if record else frozenset(),
-                quarantine=lease.quarantine if lease is not None else "",
-                suspect=suspects.get(node_id, ""),
-            )
+            views[node_id] = node_view(node_id, nodes.get(node_id), leases.get(node_id), suspects.get(node_id, ""))
         view = cls(views, ports, Counter())
         for replica in replicas:
             if replica.state in HOLDS_RESOURCES:

@@ -1,0 +1,198 @@
+"""The incremental reconciler against the full computation.
+
+``Reconciler.step`` keeps a live cluster view and advances only what changed;
+``reconcile`` builds everything afresh. Over random histories — nodes added,
+forgotten, lost, recovered, suspect, cordoned, drained, their fabrics going
+down; replicas placed, reported on, deleted behind the scheduler's back;
+deployments rescaled, re-templated and deleted; plans applied, not yet visible,
+or lost — the two give the same plan at every step (same placements, same
+events in the same order), and the live view equals ``ClusterView.build`` of
+the same state, index for index.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import msgspec
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from llmgw.services.scheduler.incremental import Reconciler
+from llmgw.services.scheduler.placement import _indexes
+from llmgw.services.scheduler.reconcile import ReconcileConfig, reconcile, remember_failures
+from llmgw.services.scheduler.view import ClusterView
+
+from .builders import apply_plan, make_deployment, make_lease, make_node, with_engines
+from .test_scheduler_properties import deployment_specs, nodes_and_leases, perturb, report_engines
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Auto-cordon after two failures, so random histories reach it (and its breaker).
+CONFIG = ReconcileConfig(auto_cordon_after=2, auto_cordon_max_share=0.5, reap_timeout=600.0)
+
+
+def view_facts(view: ClusterView) -> dict:
+    """Everything placement reads from a view, in comparable form."""
+    for multi in (False, True):
+        _indexes(view, multi)
+    nodes = {
+        nid: (
+            n.record, n.lease, n.gpus, tuple(n.fabrics), n.usable_fabrics, frozenset(n.used_gpus),
+            frozenset(n.used_ports), tuple(sorted(n.blocked.items())), n.unhealthy, n.quarantine, n.suspect,
+        )
+        for nid, n in view.nodes.items()
+    }
+    static = {k: v for k, v in view.static.items() if k[0] in view.nodes}
+    indexes = {
+        (multi, group): (tuple((k, tuple(b)) for k, b in sorted(idx.buckets.items())), idx.total_gpus, idx.used_gpus)
+        for multi, by_group in view.indexes.items()
+        for group, idx in by_group.items()
+        if idx.buckets
+    }
+    return {"nodes": nodes, "static": static, "indexes": indexes, "spread": +Counter(view.spread), "max_gpus": view.max_gpus}
+
+
+def assert_view_is_full(rec: Reconciler, nodes, leases, replicas, suspects):
+    full = ClusterView.build(nodes, leases, replicas.values(), ports=CONFIG.ports, suspects=suspects)
+    live, want = view_facts(rec.view), view_facts(full)
+    for key in want:
+        assert live[key] == want[key], f"live view's {key} differs from the full build's"
+
+
+@SETTINGS
+@given(cluster=nodes_and_leases(max_nodes=12), specs=deployment_specs, rounds=st.integers(1, 10), data=st.data())
+def test_incremental_steps_equal_full_reconciles(cluster, specs, rounds, data):
+    nodes, leases = cluster
+    deployments = {
+        f"d{i}": make_deployment(f"d{i}", replicas=r, gpus_per_node=g, nodes_per_replica=n, startup_timeout=t)
+        for i, (r, g, n, t) in enumerate(specs)
+    }
+    rec = Reconciler(CONFIG)
+    replicas: dict = {}
+    failures: dict = {}
+    now = 1_000.0
+    added = 0
+    for _ in range(rounds):
+        now += data.draw(st.sampled_from([0.5, 1.0, 30.0, 700.0]))
+        perturb(data.draw, nodes, leases, now)
+        if data.draw(st.integers(0, 5)) == 0:  # a node joins
+            added += 1
+            nid = f"new{added}"
+            nodes[nid] = make_node(nid, data.draw(st.sampled_from(["ib-a", "ib-b", None])), gpus=8)
+            leases[nid] = make_lease(nid, "ready", since=now)
+        if leases and data.draw(st.integers(0, 5)) == 0:  # a lease goes (or is renewed: same state, new object)
+            nid = data.draw(st.sampled_from(sorted(leases)))
+            if data.draw(st.booleans()):
+                del leases[nid]
+            else:
+                leases[nid] = msgspec.structs.replace(leases[nid], last_renew=now, last_seq=leases[nid].last_seq + 1)
+        replicas = report_engines(data.draw, replicas)
+        if replicas and data.draw(st.integers(0, 6)) == 0:  # a record deleted behind the scheduler's back
+            del replicas[data.draw(st.sampled_from(sorted(replicas)))]
+        if data.draw(st.integers(0, 4)) == 0:  # an operator rescales, re-templates or deletes a deployment
+            name = data.draw(st.sampled_from(sorted(deployments)))
+            what = data.draw(st.sampled_from(["scale", "template", "delete"]))
+            if what == "delete":
+                deployments.pop(name)
+                if not deployments:
+                    deployments[name] = make_deployment(name, replicas=1, gpus_per_node=1, nodes_per_replica=1)
+            elif what == "template":
+                deployments[name] = msgspec.structs.replace(deployments[name], engine_args=[f"--rev={now}"])
+            else:
+                deployments[name] = msgspec.structs.replace(deployments[name], replicas=data.draw(st.integers(0, 4)))
+
+        full = reconcile(deployments, replicas, nodes, leases, now, config=CONFIG, failures=failures)
+        plan = rec.step(deployments, replicas, nodes, leases, now, failures=failures, full=data.draw(st.integers(0, 9)) == 0)
+        assert plan == full
+        assert [e.subject for e in plan.events] == [e.subject for e in full.events]
+
+        fate = data.draw(st.sampled_from(["applied"] * 6 + ["not yet visible", "lost"]))
+        if fate == "lost":  # the shell could not write it: it says so, and the next step is a full one
+            rec.reset()
+            continue
+        if fate == "not yet visible":  # written, but the mirrors have not echoed it: the same input again
+            continue
+        failures = remember_failures(failures, plan, now, CONFIG.auto_cordon_window)
+        after, deployments = apply_plan(plan, replicas, deployments)
+        for c in plan.cordons:  # the registry records the cordon it was asked for
+            nodes[c.node_id] = msgspec.structs.replace(nodes[c.node_id], admin="cordoned", admin_by="auto", admin_reason=c.reason)
+        # The view the step left equals the full build of what it decided.
+        assert_view_is_full(rec, nodes, leases, after, rec.suspects)
+        replicas = after
+
+
+# --------------------------------------------------------------------------
+# What a step does when little changed (table tests)
+# --------------------------------------------------------------------------
+
+
+def big_cluster(n: int = 40):
+    nodes = {f"node{i:02d}": make_node(f"node{i:02d}", "ib-a" if i < n // 2 else "ib-b") for i in range(n)}
+    leases = {nid: make_lease(nid, "ready", since=1.0) for nid in nodes}
+    return nodes, leases
+
+
+def placed(rec, deployments, nodes, leases, now):
+    plan = rec.step(deployments, {}, nodes, leases, now)
+    replicas, deployments = apply_plan(plan, {}, deployments)
+    ready = {rid: msgspec.structs.replace(with_engines(r, all="ready"), state="ready") for rid, r in replicas.items()}
+    rec.step(deployments, replicas, nodes, leases, now + 1)  # the writes echoed
+    rec.step(deployments, ready, nodes, leases, now + 2)  # every replica ready
+    return ready, deployments
+
+
+def test_nothing_changed_advances_nothing():
+    nodes, leases = big_cluster()
+    rec = Reconciler()
+    replicas, deps = placed(rec, {"d": make_deployment("d", replicas=6)}, nodes, leases, 10.0)
+    plan = rec.step(deps, replicas, nodes, leases, 20.0)
+    assert not plan and (rec.advanced, rec.converged) == (0, 0)
+
+
+def test_a_renewal_that_keeps_the_state_advances_nothing():
+    nodes, leases = big_cluster()
+    rec = Reconciler()
+    replicas, deps = placed(rec, {"d": make_deployment("d", replicas=6)}, nodes, leases, 10.0)
+    node = next(iter(replicas.values())).members[0].node_id
+    renewed = {**leases, node: msgspec.structs.replace(leases[node], last_renew=20.0, last_seq=9)}
+    plan = rec.step(deps, replicas, nodes, renewed, 20.0)
+    assert not plan and (rec.advanced, rec.converged) == (0, 0)
+
+
+def test_a_lost_node_advances_only_its_replicas_and_replaces_them_as_the_full_pass_does():
+    nodes, leases = big_cluster()
+    rec = Reconciler()
+    replicas, deps = placed(rec, {"d": make_deployment("d", replicas=6)}, nodes, leases, 10.0)
+    victim = next(iter(replicas.values())).members[1].node_id
+    hosted = {rid for rid, r in replicas.items() if any(m.node_id == victim for m in r.members)}
+    lost = {**leases, victim: make_lease(victim, "lost", since=20.0)}
+    plan = rec.step(deps, replicas, nodes, lost, 20.0)
+    assert rec.advanced == len(hosted) and rec.converged == 1
+    assert plan == reconcile(deps, replicas, nodes, lost, 20.0)
+    assert {l.node_id for l in plan.launches}.isdisjoint({victim}) and len(plan.launches) == 2 * len(hosted)
+
+
+def test_a_startup_timeout_fires_with_no_input_changing():
+    nodes, leases = big_cluster(4)
+    rec = Reconciler()
+    deps = {"d": make_deployment("d", replicas=1, startup_timeout=100.0)}
+    plan = rec.step(deps, {}, nodes, leases, 10.0)
+    replicas, deps = apply_plan(plan, {}, deps)
+    assert not rec.step(deps, replicas, nodes, leases, 50.0)  # launching, not late yet
+    plan = rec.step(deps, replicas, nodes, leases, 111.0)  # nothing changed but the clock
+    assert plan == reconcile(deps, replicas, nodes, leases, 111.0)
+    assert [e.what for e in plan.events][:2] == ["failed", "reaping"]
+
+
+def test_a_pending_deployment_is_placed_when_a_node_joins():
+    nodes, leases = big_cluster(2)
+    rec = Reconciler()
+    deps = {"d": make_deployment("d", replicas=3, gpus_per_node=8, nodes_per_replica=1)}
+    plan = rec.step(deps, {}, nodes, leases, 10.0)
+    replicas, deps = apply_plan(plan, {}, deps)
+    assert sorted(r.state for r in replicas.values()) == ["launching", "launching", "pending"]
+    assert not rec.step(deps, replicas, nodes, leases, 11.0)  # still no room: the same reason, nothing written
+    nodes = {**nodes, "node09": make_node("node09", "ib-a")}
+    leases = {**leases, "node09": make_lease("node09", "ready", since=12.0)}
+    plan = rec.step(deps, replicas, nodes, leases, 12.0)
+    assert plan == reconcile(deps, replicas, nodes, leases, 12.0)
+    assert [l.node_id for l in plan.launches] == ["node09"]
