@@ -6,8 +6,11 @@ that no record accounts for:
 1. ``generations`` and ``backoffs`` — persist each deployment's
    ``last_generation`` (and its crash-loop backoff) first, so a generation is
    never issued twice even if the rest is lost;
-2. ``writes`` then ``deletes`` — the replica records (KV), in the given order;
-3. ``launches`` and ``stops`` — the commands to agents;
+2. ``writes`` then ``deletes`` — the replica records (KV); a placed replica's
+   ``launches`` may go out as soon as its own record is written (the shell
+   pipelines them, so the first launches need not wait for the last of
+   thousands of writes);
+3. the remaining ``launches`` and the ``stops`` — the commands to agents;
 4. ``events`` — history, published last so it never claims what did not happen.
 
 Then ``implicated`` joins the shell's per-node failure history (it feeds the

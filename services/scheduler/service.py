@@ -63,12 +63,22 @@ from llmgw.shared.schemas import (
 from llmgw.shared.states import REPLICA_ORDER, EngineState, ReplicaState
 
 from ..runtime import ServiceRuntime, run_service
-from . import ReconcileConfig, explain, fence, reconcile
+from . import ReconcileConfig, explain, fence
+from .incremental import Reconciler
 from .plan import Backoff, Cordon, Launch, NodeFailure, Plan, Stop
 from .reconcile import SPEC_CHANGED, backoff_text, launches_for, remember_failures
 from .view import ClusterView
 
 RECONCILE_SECONDS = Histogram("llmgw_scheduler_reconcile_seconds", "Time to compute and apply one plan")
+RECONCILES = Counter("llmgw_scheduler_reconciles_total", "Reconcile steps, by kind (incremental: what changed; full: the periodic safety net)", ["kind"])
+RECONCILE_WORK = Counter("llmgw_scheduler_reconcile_work_total", "Replicas advanced and deployments converged by reconcile steps", ["what"])
+# The periodic safety net: a full step (the view rebuilt from every record,
+# every replica and deployment looked at) this often; between them each wake and
+# each reconcile_interval tick is an incremental step (``incremental.py``).
+FULL_PASS_INTERVAL = 60.0
+# Replica records written at once while applying a plan (each launch follows its
+# own record's write, so the first launches need not wait for the last write).
+APPLY_CONCURRENCY = 512
 REPLICAS = Gauge("llmgw_scheduler_replicas", "Replicas, by state", ["state"])
 COMMANDS = Counter("llmgw_scheduler_commands_total", "Commands sent to agents", ["verb", "result"])
 STATUS = Counter("llmgw_scheduler_status_reports_total", "Agent status reports", ["result"])
@@ -116,10 +126,14 @@ class _Capacity:
         # The acting one still on the bus: a scheduler that crashed or stopped in
         # this process (tests, a restart in place) must not answer for the live one.
         for sched in [s for s in list(_ACTING) if s.acting and getattr(s, "nc", None) is not None and s.nc.is_connected][:1]:
-            view = ClusterView.build(sched.nodes.items, sched.leases.items, sched.replicas.items.values(), ports=sched.rconfig.ports)
+            # The reconciler's live view, kept current by every step (a full build of
+            # 10,000 nodes per scrape cost more than the steps themselves).
+            live = sched.reconciler.view
+            if sched.reconciler.fresh:
+                live = ClusterView.build(sched.nodes.items, sched.leases.items, sched.replicas.items.values(), ports=sched.rconfig.ports)
             n: dict[tuple, int] = defaultdict(int)
             g: dict[tuple, int] = defaultdict(int)
-            for v in view.nodes.values():
+            for v in list(live.nodes.values()):
                 for fabric in list(v.fabrics) or [""]:
                     n[(fabric, v.lease or "unknown", v.admin)] += 1
                     free = v.free_gpu_count()
@@ -190,6 +204,11 @@ class RebuildClock:
 
     def deployments(self, specs, replicas, since: float) -> None:
         """Apply to ready: a spec applied after ``since`` whose replicas are all ready now."""
+        waiting = [n for n, spec in specs.items() if spec.applied_at >= since and spec.replicas > 0 and self.applied.get(n) != spec.applied_at]
+        for name in [n for n in self.open if n not in specs]:
+            del self.open[name]  # deleted: nothing will be rebuilt
+        if not waiting:
+            return  # every apply already observed: no need to count thousands of replicas
         ready: dict[str, int] = defaultdict(int)
         for rep in replicas:
             if rep.state == ReplicaState.READY:
@@ -199,8 +218,6 @@ class RebuildClock:
             if spec.applied_at >= since and spec.replicas > 0 and self.applied.get(name) != spec.applied_at and ready[name] >= spec.replicas:
                 self.applied[name] = spec.applied_at
                 APPLY_TO_READY_SECONDS.labels(name).observe(max(0.0, stamp - spec.applied_at))
-        for name in [n for n in self.open if n not in specs]:
-            del self.open[name]  # deleted: nothing will be rebuilt
 
 
 class UnknownDeployment(LlmgwError):
@@ -260,6 +277,10 @@ class Scheduler(ServiceRuntime):
         self.background: set[asyncio.Task] = set()
         self.stops_in_flight: set[tuple[str, str, int]] = set()
         self.rebuilds = RebuildClock()  # the rebuild and apply-to-ready metrics
+        self.reconciler = Reconciler(self.rconfig)
+        self._full_at = -FULL_PASS_INTERVAL  # monotonic time of the last full step
+        # replica ids whose records changed since their outbox was last looked at
+        self.outbox_dirty: set[str] = set()
         # ids of outbox events (Replica.pending_events) known to be in the stream
         self.published: set[str] = set()
         _ACTING.add(self)
@@ -268,6 +289,7 @@ class Scheduler(ServiceRuntime):
         self.acting = False
         for m in (self.nodes, self.deployments, self.replicas):
             m.listeners.append(lambda *_: self.wake.set())
+        self.replicas.listeners.append(lambda key, _old, _new: self.outbox_dirty.add(key))
         # Leases are rewritten on every renewal; only a change of state (or of
         # the agent's boot) can change a placement, so only that wakes us.
         self.leases.listeners.append(lambda _k, old, new: self.wake.set() if (old is None or new is None or (old.state, old.boot_id, old.quarantine) != (new.state, new.boot_id, new.quarantine)) else None)
@@ -466,7 +488,8 @@ class Scheduler(ServiceRuntime):
         and launches are idempotent on the agent, so resending is safe.
         """
         self.log.info("acting as the scheduler; asking %d nodes what they run", len(self.nodes.items))
-        sent = await self.flush_outbox()
+        self.reconciler.reset()  # its first step as leader is a full one
+        sent = await self.flush_outbox(everything=True)
         if sent:
             self.log.info("published %d events a previous leader wrote into replica records but did not publish", sent)
         await asyncio.gather(*(self._ask_status(n) for n in self.nodes.items))
@@ -526,20 +549,33 @@ class Scheduler(ServiceRuntime):
     async def reconcile_once(self) -> Plan:
         base = dict(self.replicas.items)
         current = self._with_reports(base)
-        plan = reconcile(
-            self._deployments(), current, self._nodes(), self.leases.items, now(), config=self.rconfig, failures=self.node_failures
+        full = time.monotonic() - self._full_at >= FULL_PASS_INTERVAL or self.reconciler.fresh
+        if full:
+            self._full_at = time.monotonic()
+        plan = self.reconciler.step(
+            self._deployments(), current, self._nodes(), self.leases.items, now(), failures=self.node_failures, full=full
         )
+        RECONCILES.labels("full" if full else "incremental").inc()
+        RECONCILE_WORK.labels("replicas_advanced").inc(self.reconciler.advanced)
+        RECONCILE_WORK.labels("deployments_converged").inc(self.reconciler.converged)
         # Engine-state changes that did not change a replica's state still go to KV,
         # so operators see pids and engine states.
         for rid, rep in current.items():
             if rep is not base[rid] and rid not in plan.writes and rid not in plan.deletes:
                 plan.writes[rid] = rep
         if plan:
-            await self.apply(plan)
+            try:
+                await self.apply(plan)
+            except BaseException:
+                # Some of it may not have been written: what the reconciler keeps
+                # assumed it was. Its next step starts from the records again.
+                self.reconciler.reset()
+                raise
             self.rebuilds.events(plan.events)
-        await self.flush_outbox()
+        await self.flush_outbox(everything=full)
         self.rebuilds.deployments(self.deployments.items, self.replicas.items.values(), self.started_at)
-        self._gauge()
+        if plan or full:  # engine states and replica states move only with a plan's writes
+            self._gauge()
         return plan
 
     async def apply(self, plan: Plan) -> None:
@@ -568,14 +604,28 @@ class Scheduler(ServiceRuntime):
             if ev.kind == "replica":
                 outbox[ev.subject].append(ev)
         writes = {rid: msgspec.structs.replace(rep, pending_events=outbox.get(rid, [])) for rid, rep in plan.writes.items()}
-        try:
-            await asyncio.gather(*(self.replicas_kv.put(rid, encode(rep)) for rid, rep in writes.items()))
-        except Exception as e:
-            self.write_failed("replica records", e)
-            raise
+        # 3a. each placed replica's launches follow its own record's write, not the
+        # last of thousands: no engine starts that no record accounts for, and the
+        # first launches go out while later records are still being written.
+        launches: dict[str, list[Launch]] = defaultdict(list)
+        for launch in plan.launches:
+            launches[launch.replica_id].append(launch)
+        room = asyncio.Semaphore(APPLY_CONCURRENCY)
+        launched: list[asyncio.Task] = []
+
+        async def write(rid: str, rep: Replica) -> None:
+            async with room:
+                await self.replicas_kv.put(rid, encode(rep))
+            self.recent[rid] = (time.time(), rep)
+            launched.extend(asyncio.create_task(self._launch(l)) for l in launches.get(rid, ()))
+
+        results = await asyncio.gather(*(write(rid, rep) for rid, rep in writes.items()), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            await asyncio.gather(*launched)  # those whose records were written are launched
+            self.write_failed("replica records", failed)
+            raise failed
         stamp = time.time()
-        for rid, rep in writes.items():
-            self.recent[rid] = (stamp, rep)
         published: set[int] = set()
         for rid in plan.deletes:
             for ev in outbox.get(rid, []):
@@ -588,12 +638,16 @@ class Scheduler(ServiceRuntime):
             except Exception as e:
                 self.log.warning("could not delete replica %s: %s", rid, e)
             self.absent = {k for k in self.absent if k[0] != rid}
-        # 3. commands, concurrently: a rebuild should not wait on one slow agent.
-        await asyncio.gather(*(self._launch(l) for l in plan.launches), self._send_stops(plan.stops))
-        # 4. history (a replica's events are in its record already).
+        # 3b. the launches of records not written here (none today), and the stops,
+        # concurrently: a rebuild should not wait on one slow agent.
+        orphans = [l for l in plan.launches if l.replica_id not in writes]
+        await asyncio.gather(*launched, *(self._launch(l) for l in orphans), self._send_stops(plan.stops))
+        # 4. history (a replica's events are in its record already), in order, a
+        # window at a time: thousands of transitions need not take a round trip each.
+        unpublished = [ev for ev in plan.events if id(ev) not in published]
+        for i in range(0, len(unpublished), APPLY_CONCURRENCY):
+            await asyncio.gather(*(self._publish(ev) for ev in unpublished[i : i + APPLY_CONCURRENCY]))
         for ev in plan.events:
-            if id(ev) not in published:
-                await self._publish(ev)
             self.log.info("replica %s → %s %s", ev.subject, ev.what, ev.detail)
         for name, why in plan.pending.items():
             self.log.info("deployment %s: replica pending: %s", name, why)
@@ -610,17 +664,24 @@ class Scheduler(ServiceRuntime):
         if await self.events.publish(ev, msg_id=msg_id) and ev.kind == "replica":
             self.published.add(msg_id)
 
-    async def flush_outbox(self) -> int:
+    async def flush_outbox(self, everything: bool = True) -> int:
         """Publish the events the replica records hold and the stream lacks: those of
         a previous leader that died between a record and its events, or of our own
         apply that failed half-way. Each is published once, under its id; one we
         do not know about is first looked up (the newest event on its subject).
-        Returns how many were published."""
+        ``everything`` False: only the records changed since the last look (the
+        others' events were looked at then). Returns how many were published."""
+        if everything:
+            ids = list(self.replicas.items)
+        else:
+            ids = [rid for rid in self.outbox_dirty if rid in self.replicas.items]
+        self.outbox_dirty.clear()
         pending = {}
-        for rid, rep in self.replicas.items.items():
-            for ev in rep.pending_events:
+        for rid in ids:
+            for ev in self.replicas.items[rid].pending_events:
                 pending[event_id(ev)] = ev
-        self.published &= set(pending)  # forget what no record holds any more
+        if everything:
+            self.published &= set(pending)  # forget what no record holds any more
         horizon = now() - EVENT_MAX_AGE + 3600  # older ones may have aged out of the stream
         sent = 0
         for msg_id, ev in pending.items():
