@@ -2,9 +2,14 @@
 
 Heartbeats come in on ``llmgw.node.*.heartbeat``; the pure ``LeaseBook`` turns
 them and the passage of time into transitions; this shell stores leases and
-publishes each transition as an event. Several monitors may run: one leads
-(``llmgw_leaders``), the others stand by and, on taking over, continue from the
-stored leases.
+publishes each transition as an event. The countdowns live in memory: a lease
+is written on a transition or a boot change at once, and its renewals only as
+a staggered checkpoint (``leases.py``, "What is written to KV"), so a quiet
+cluster costs a few writes a second, not one per heartbeat.
+
+Several monitors may run: one leads (``llmgw_leaders``), the others stand by,
+keeping a live copy of the stored leases (``KvMirror``) and the latest
+heartbeat of each node, and on taking over continue from both.
 
 It also judges what heartbeats claim (``leases.py``): a sequence jump is
 refused and counted, and two agents heartbeating for one identity quarantine
@@ -22,18 +27,22 @@ from prometheus_client.core import GaugeMetricFamily
 
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import LlmgwError
+from llmgw.shared.kvmirror import KvMirror
 from llmgw.shared.names import is_valid_name
 from llmgw.shared.schemas import Heartbeat, Lease, NodeRequest, decode, encode
 
-from .leases import LeaseBook, Timings, Transition
+from .leases import WRITE_CAUSES, LeaseBook, Timings, Transition
 from .runtime import ServiceRuntime, run_service
 
 HEARTBEATS = Counter("llmgw_health_heartbeats_total", "Heartbeats received, by result", ["result"])
 LEASES = Gauge("llmgw_health_leases", "Node leases, by state", ["state"])
 TRANSITIONS = Counter("llmgw_health_transitions_total", "Lease transitions", ["to"])
 QUARANTINED = Gauge("llmgw_health_quarantined_nodes", "Nodes quarantined: two agents heartbeat for one identity")
-WRITE_SECONDS = Histogram("llmgw_health_lease_write_seconds", "Time to store a batch of leases")
+WRITE_SECONDS = Histogram("llmgw_health_lease_write_seconds", "Time to store leases: one transition's lease, or one flush of checkpoints, boot writes and retries")
 WRITE_ERRORS = Counter("llmgw_health_lease_write_errors_total", "Lease writes the KV refused or that timed out (the lease stays in memory and is written again)")
+WRITES = Counter("llmgw_health_lease_writes_total", "Lease writes the KV acknowledged, by cause: transition (a state change), boot (a new or settled boot id), checkpoint (renewals)", ["cause"])
+for _cause in WRITE_CAUSES:
+    WRITES.labels(_cause)  # every cause reads 0 before its first write, not absent
 _ACTING: "weakref.WeakSet[HealthMonitor]" = weakref.WeakSet()  # monitors whose leases the scrape reads
 
 
@@ -46,6 +55,7 @@ class _LeaseAges:
         return []
 
     def collect(self):
+        # From memory: exact, although KV holds renewals only as checkpoints.
         ages = GaugeMetricFamily("llmgw_health_lease_age_seconds", "Seconds since the node's lease was last renewed by a heartbeat (acting monitor only)", labels=["node"])
         stamp = time.time()
         # One acts (one book, no duplicate series): the acting one still on the bus, not
@@ -77,6 +87,10 @@ class HealthMonitor(ServiceRuntime):
         # Set while lease writes fail (no quorum, or the bus away): countdowns pause.
         self.write_blocked = False
         self.leases_kv = self.kv[S.BUCKET_LEASES]
+        # The stored leases, kept current while standing by, so taking over needs no
+        # bulk read (and none of nats-py's key listing, which can come back empty
+        # from a bucket holding values).
+        self.stored_leases: KvMirror[Lease] = await KvMirror(self.leases_kv, Lease).start()
         self.acting = False
         self.heard: dict[str, tuple[Heartbeat, float]] = {}
         _ACTING.add(self)
@@ -86,18 +100,41 @@ class HealthMonitor(ServiceRuntime):
         self.spawn(self.tick_loop())
 
     async def _load(self) -> None:
-        leases: dict[str, Lease] = {}
-        try:
-            keys = await self.leases_kv.keys()
-        except Exception:
-            keys = []  # empty bucket
-        for k in keys:
-            try:
-                leases[k] = decode((await self.leases_kv.get(k)).value, Lease)
-            except Exception as e:
-                self.log.warning("stored lease %s unreadable (%s); it starts afresh", k, e)
+        leases = await self._stored()
         self.book.load(leases, time.time())
         self.log.info("continuing from %d stored leases", len(leases))
+
+    async def _stored(self) -> dict[str, Lease]:
+        """Every stored lease, as the bucket holds it now.
+
+        The warm copy, when it has seen the bucket's last write (the monitor
+        never deletes a lease, so the newest revision it holds is the stream's
+        last sequence). Otherwise — its watch broken by a server restart and not
+        yet re-read — a fresh copy, which ``KvMirror.start`` returns only once it
+        has seen every message the bucket held. A value that does not decode is
+        logged by the mirror and left out: that node starts afresh.
+        """
+        last = (await self.js.stream_info(S.kv_stream(S.BUCKET_LEASES))).state.last_seq
+        seen = max(self.stored_leases.revisions.values(), default=0)
+        if seen >= last:
+            return dict(self.stored_leases.items)
+        self.log.info("the copy of the stored leases is behind the bucket (sequence %d of %d); reading it afresh", seen, last)
+        fresh = await KvMirror(self.leases_kv, Lease).start()
+        try:
+            return dict(fresh.items)
+        finally:
+            await fresh.stop()
+
+    async def _take_over(self) -> None:
+        """Continue from the stored leases and the heartbeats heard while standing by."""
+        await self._load()
+        heard, self.heard = self.heard, {}
+        self.acting = True
+        transitions = [tr for hb, at in heard.values() if (tr := self.book.heartbeat(hb, at))]
+        try:
+            await self._apply(transitions)
+        except Exception:
+            pass  # counted and logged by _store; those leases are written again
 
     async def on_bus_disconnect(self) -> None:
         self.book.disconnected(time.time())
@@ -122,11 +159,15 @@ class HealthMonitor(ServiceRuntime):
             self._refusing = False
         else:
             HEARTBEATS.labels("accepted").inc()
-        if tr:
-            try:
+        try:
+            if tr:
                 await self._apply([tr])
-            except Exception:
-                pass  # counted and logged by _store; the lease is written again
+            elif hb.node_id in self.book.dirty and not self.write_blocked:
+                # A boot change or a settled boot: the scheduler decides on it, so at once.
+                with WRITE_SECONDS.time():
+                    await self._store(self.book.leases[hb.node_id], self.book.dirty[hb.node_id])
+        except Exception:
+            pass  # counted and logged by _store; the lease is written again
 
     _refusing = False
 
@@ -158,11 +199,12 @@ class HealthMonitor(ServiceRuntime):
             await asyncio.sleep(period)
             leading = bool(self.leadership and self.leadership.is_leader)
             if leading and not self.acting:
-                await self._load()
-                heard, self.heard = self.heard, {}
-                await self._apply([tr for hb, at in heard.values() if (tr := self.book.heartbeat(hb, at))])
-                self.acting = True
-            elif not leading and self.acting:
+                try:
+                    await self._take_over()
+                except Exception as e:
+                    self.log.warning("taking over failed (%s); trying again at the next tick", e or type(e).__name__)
+                continue
+            if not leading and self.acting:
                 self.acting = False
             if not self.acting:
                 continue
@@ -172,7 +214,7 @@ class HealthMonitor(ServiceRuntime):
                     # One write probes; the rest follow once it is acknowledged.
                     due = self.book.due_writes(time.time())
                     if due:
-                        await self._store(due[0])
+                        await self._store(*due[0])
                     await self._flush()
                     if not self.book.dirty:
                         self.write_blocked = False
@@ -183,18 +225,30 @@ class HealthMonitor(ServiceRuntime):
                 await self._flush()
             except Exception as e:
                 self.log.warning("lease tick failed: %s", e or type(e).__name__)
+            finally:
+                if self._gauge_stale:
+                    self._gauge()
 
     async def _apply(self, transitions: list[Transition]) -> None:
-        for tr in transitions:
-            await self._store(tr.lease)
+        for i, tr in enumerate(transitions):
+            try:
+                with WRITE_SECONDS.time():
+                    await self._store(tr.lease, "transition")
+            except Exception:
+                # The bus refuses writes: the rest wait with this one for the next
+                # flush (no write each, which would wait out a timeout each).
+                for rest in transitions[i + 1 :]:
+                    self.book.unstored(rest.node_id, "transition")
+                raise
             TRANSITIONS.labels(tr.new).inc()
             what = tr.new  # the registry announces "joined"; the lease says "ready"
             self.log.info("node %s %s → %s (%s)", tr.node_id, tr.old or "new", tr.new, tr.detail)
             await self.events.emit("node", tr.node_id, what, tr.detail, at=tr.lease.since, previous=tr.old or "none")
-        if transitions:
-            self._gauge()
+            # Counted once per tick, not per transition: 10,000 first heartbeats
+            # would otherwise count 10,000 leases each.
+            self._gauge_stale = True
 
-    async def _store(self, lease: Lease) -> None:
+    async def _store(self, lease: Lease, cause: str) -> None:
         try:
             await self.leases_kv.put(lease.node_id, encode(lease))
         except Exception as e:
@@ -202,12 +256,13 @@ class HealthMonitor(ServiceRuntime):
             self.write_failed(f"lease {lease.node_id}", e)
             # Written again once the bus takes writes; meanwhile nothing expires:
             # a monitor that cannot record a verdict does not reach new ones.
-            self.book.dirty.add(lease.node_id)
+            self.book.unstored(lease.node_id, cause)
             if not self.write_blocked:
                 self.write_blocked = True
                 self.book.disconnected(time.time())
             raise
-        self.book.stored(lease)
+        WRITES.labels(cause).inc()
+        self.book.stored(lease, time.time())
 
     async def _flush(self) -> None:
         due = self.book.due_writes(time.time())
@@ -216,9 +271,17 @@ class HealthMonitor(ServiceRuntime):
         with WRITE_SECONDS.time():
             # Bounded concurrency: acks are awaited in parallel, not one round trip each.
             for i in range(0, len(due), 256):
-                await asyncio.gather(*(self._store(l) for l in due[i : i + 256]))
+                await asyncio.gather(*(self._store(lease, cause) for lease, cause in due[i : i + 256]))
+
+    async def stop(self) -> None:
+        if getattr(self, "stored_leases", None) is not None:
+            await self.stored_leases.stop()
+        await super().stop()
+
+    _gauge_stale = False
 
     def _gauge(self) -> None:
+        self._gauge_stale = False
         for state in ("ready", "suspect", "lost"):
             LEASES.labels(state).set(sum(1 for l in self.book.leases.values() if l.state == state))
         QUARANTINED.set(sum(1 for l in self.book.leases.values() if l.quarantine))

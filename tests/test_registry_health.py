@@ -122,6 +122,8 @@ async def test_cordon_uncordon_drain_through_the_api(registry, connector):
 # --------------------------------------------------------------------------
 
 FAST = dict(heartbeat_interval=0.2, suspect_after_missed=3, node_lost_after=1.5, leader_ttl=0.6)
+# Renewals reach the bucket as checkpoints, one per node per this long (leases.Timings.checkpoint_interval).
+CHECKPOINT = 3 * FAST["node_lost_after"]
 
 
 class Beater:
@@ -212,30 +214,34 @@ async def test_restart_keeps_countdowns_and_spares_healthy_nodes(nats_server, co
     b1, b2 = Beater(node1, "node01").start(), Beater(node2, "node02").start()
     first = {n: await wait_for(lambda n=n: _state(leases, n, "ready"), what=f"{n} ready") for n in ("node01", "node02")}
 
-    async def renewed_since_ready(n):  # a renewal stored after the first write: a countdown to continue from
+    async def renewed_since_ready(n):  # a checkpoint stored after the first write: a countdown to continue from
         lease = await read(leases, n, Lease)
         return lease is not None and lease.last_renew > first[n].last_renew
 
     for n in first:
-        await wait_for(lambda n=n: renewed_since_ready(n), what=f"a renewal of {n} stored")
+        await wait_for(lambda n=n: renewed_since_ready(n), timeout=CHECKPOINT + 5, what=f"a checkpoint of {n} stored")
     await svc.stop()  # the monitor goes away…
     await b2.stop()  # …and node02 dies while it is away
     await asyncio.sleep(1.0)  # not a wait for anything: part of node02's countdown passes with no monitor
+    checkpoint = await read(leases, "node02", Lease)
     restarted_at = time.time()
     svc2 = await start_health(nats_server, "health-b")
     try:
         lease = await wait_for(lambda: _state(leases, "node02", "lost"), timeout=6, what="node02 lost")
-        # the countdown ran from node02's last heartbeat, not from the restart: restarted, it
-        # would end node_lost_after after the restart at the earliest
+        # the countdown ran from node02's stored checkpoint (never newer than its last heartbeat),
+        # not from the restart: restarted, it would end node_lost_after after the restart at the earliest
+        assert checkpoint.last_seq <= b2.seq and lease.last_renew == checkpoint.last_renew
         assert lease.since - restarted_at < FAST["node_lost_after"], (lease.since - restarted_at, lease)
         assert lease.since - b2.last <= FAST["node_lost_after"] + 2 * FAST["heartbeat_interval"] + 1.0 + 0.5
-        # node01 kept beating: the new monitor renews it without a transition (its since is unchanged)
+        # node01 kept beating: the new monitor renews it without a transition (its since is unchanged),
+        # and its renewals reach the bucket as the new monitor's checkpoints
         async def renewed_by_the_new_monitor():
             l1 = await read(leases, "node01", Lease)
             return l1 is not None and l1.last_renew > restarted_at and l1
 
-        node01 = await wait_for(renewed_by_the_new_monitor, what="node01 renewed by the restarted monitor")
+        node01 = await wait_for(renewed_by_the_new_monitor, timeout=CHECKPOINT + 5, what="node01 checkpointed by the restarted monitor")
         assert (node01.state, node01.since) == ("ready", first["node01"].since)
+        assert await events_of(ops, "node01") == ["ready"]  # never declared lost by either monitor
     finally:
         await b1.stop()
         await svc2.stop()

@@ -1,0 +1,139 @@
+"""A health monitor taking over from the stored leases (issues #15 item 3 and #17).
+
+Leases are stored as checkpoints (``services/leases.py``): a takeover must
+still know every stored lease, never declare a live node lost, and declare a
+dead one lost — no later than its countdown would have ended, and not before
+the grace. Real nats-server, real bucket; the acting monitor crashes (no
+resignation, no goodbye).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from llmgw.services import health as health_mod
+from llmgw.shared import subjects as S
+from llmgw.shared.kvmirror import KvMirror
+from llmgw.shared.schemas import Lease, encode
+
+from .conftest import service_config
+from .test_registry_health import FAST, Beater, events_of, start_health, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+CHECKPOINT = 3 * FAST["node_lost_after"]  # leases.CHECKPOINT_LOST_AFTERS × node_lost_after
+
+
+async def crash(svc: health_mod.HealthMonitor) -> None:
+    """Stop a monitor as a crash would: its tasks end, its connection drops, it never resigns."""
+    for t in svc.tasks:
+        t.cancel()
+    await asyncio.gather(*svc.tasks, return_exceptions=True)
+    await svc.stored_leases.stop()
+    await svc.nc.close()
+
+
+async def test_a_monitor_starting_on_a_full_bucket_knows_every_stored_lease(nats_server, connector):
+    """nats-py's key listing can come back empty (or short) from a bucket holding values
+    when the watch behind it races its own consumer; a monitor that took that for "no
+    leases" never expired the nodes it missed. Here the bucket holds 300 leases of nodes
+    that died with the previous monitor — rewritten while the new one starts, as that
+    monitor's last checkpoints would be — and every one of them must go lost."""
+    previous = await connector.as_new("health-old", "health")
+    kv = await previous.jetstream(timeout=5).create_key_value(bucket=S.BUCKET_LEASES)
+    dead = [f"dead{i:03d}" for i in range(300)]
+    died = time.time()
+    stored = {n: encode(Lease(node_id=n, state="ready", boot_id="b1", last_seq=7, last_renew=died, since=died - 60)) for n in dead}
+    for n in dead:
+        await kv.put(n, stored[n])
+
+    started = asyncio.Event()
+
+    async def checkpoints() -> None:
+        # A flag, not cancel(): nats-py's put can swallow a cancellation and carry on.
+        while not started.is_set():
+            for n in dead:
+                await kv.put(n, stored[n])
+                if started.is_set():
+                    return
+
+    writer = asyncio.create_task(checkpoints())
+    node = await connector.as_new("live01", "node")
+    beat = Beater(node, "live01").start()
+    ops = await connector.as_new("ops", "operator")
+    svc = health_mod.HealthMonitor(service_config(nats_server, "health", "health-new", health=FAST))
+    nats_server.reload()
+    try:
+        await svc.start()
+        started.set()
+        await writer
+        leases = await KvMirror(await ops.jetstream(timeout=5).key_value(S.BUCKET_LEASES), Lease).start()
+        try:
+            await wait_for(
+                lambda: sorted(n for n, l in leases.items.items() if l.state == "lost"),
+                dead,
+                timeout=20,
+                what="every stored lease of a dead node declared lost",
+            )
+            await wait_for(lambda: (l := leases.items.get("live01")) is not None and l.state == "ready", what="live01 ready")
+            # Lost after the grace, counted from the stored renewal (how soon after it is the pure
+            # core's table, tests/test_leases.py: this machine may be busy).
+            assert all(leases.items[n].since >= svc.book.not_before for n in dead)
+            assert {svc.book.leases[n].last_renew for n in dead} == {died}
+        finally:
+            await leases.stop()
+        await beat.stop()
+        assert await events_of(ops, "live01") == ["ready"]  # never suspect, never lost
+    finally:
+        started.set()
+        await writer
+        await svc.stop()
+
+
+async def test_a_standby_takes_over_from_checkpoints_and_what_it_heard(nats_server, connector):
+    """The acting monitor crashes a moment after node02 dies; node01 lives on. The
+    standby held a live copy of the stored leases (no bulk read at takeover) and
+    the heartbeats it heard: node01 is never lost, node02 is lost no later than its
+    own countdown ends — and not before the grace."""
+    a = await start_health(nats_server, "health-a")
+    await wait_for(lambda: a.acting, what="health-a acting")
+    n1, n2 = await connector.as_new("node01", "node"), await connector.as_new("node02", "node")
+    ops = await connector.as_new("ops", "operator")
+    leases = await KvMirror(await ops.jetstream(timeout=5).key_value(S.BUCKET_LEASES), Lease).start()
+    b1, b2 = Beater(n1, "node01").start(), Beater(n2, "node02").start()
+    b = None
+    try:
+        await wait_for(lambda: {n: l.state for n, l in leases.items.items()}, {"node01": "ready", "node02": "ready"}, what="both ready")
+        first = dict(leases.items)
+        # A checkpoint of node01's renewals: what a standby started now would resume from.
+        await wait_for(lambda: leases.items["node01"].last_renew > first["node01"].last_renew, timeout=CHECKPOINT + 5, what="a checkpoint of node01")
+        b = await start_health(nats_server, "health-b")
+        await wait_for(lambda: b.heard.keys() >= {"node01", "node02"}, what="the standby hearing both nodes")
+        assert not b.acting
+        await b2.stop()  # node02 dies …
+        await crash(a)  # … and the acting monitor with it
+        stored = leases.items["node02"]
+        assert stored.state == "ready" and stored.last_seq <= b2.seq  # a checkpoint: never newer than the truth
+        await wait_for(lambda: b.acting, timeout=10, what="the standby taking over")
+        took_over = b.book.not_before - b.book.grace()
+        lost = await wait_for(lambda: (l := leases.items["node02"]).state == "lost" and l, timeout=10, what="node02 lost")
+        # Its countdown ran from its last heartbeat, which the standby heard (not from the older
+        # checkpoint), and waited for the grace. (How soon: tests/test_leases.py's table.)
+        assert lost.since >= b.book.not_before
+        assert stored.last_renew <= b.book.leases["node02"].last_renew == pytest.approx(b2.last, abs=0.5)
+        # node01 beat on: renewed by the new monitor's checkpoints, the same lease (since unchanged).
+        await wait_for(lambda: leases.items["node01"].last_renew > took_over, timeout=CHECKPOINT + 5, what="node01 checkpointed by health-b")
+        assert (leases.items["node01"].state, leases.items["node01"].since) == ("ready", first["node01"].since)
+        await b1.stop()
+        assert await events_of(ops, "node01") == ["ready"]
+        # suspect first or not, as the grace ended before or after its suspect_after
+        assert (await events_of(ops, "node02"))[-1] == "lost"
+    finally:
+        for beater in (b1, b2):
+            await beater.stop()
+        await leases.stop()
+        if b is not None:
+            await b.stop()
