@@ -77,6 +77,10 @@ class NotQuarantined(LlmgwError):
     code = "not_quarantined"
 
 
+class UnknownLease(LlmgwError):
+    code = "unknown_lease"
+
+
 class HealthMonitor(ServiceRuntime):
     role = "health"
     buckets = (S.BUCKET_LEASES, S.BUCKET_LEADERS)
@@ -96,7 +100,7 @@ class HealthMonitor(ServiceRuntime):
         _ACTING.add(self)
         self.lead(h.leader_ttl)
         await self.nc.subscribe(S.ALL_HEARTBEATS, cb=self.on_heartbeat)
-        await self.add_api({"release": self.api_release})
+        await self.add_api({"release": self.api_release, "lease": self.api_lease})
         self.spawn(self.tick_loop())
 
     async def _load(self) -> None:
@@ -190,6 +194,20 @@ class HealthMonitor(ServiceRuntime):
             raise NotQuarantined(f"node {req.node_id} is not quarantined" if lease else f"no lease for node {req.node_id!r}")
         await self._apply([tr])
         return tr.lease
+
+    async def api_lease(self, data: bytes) -> Lease:
+        """A node's lease as the acting monitor holds it: ``last_renew`` exact, where
+        the stored one is a checkpoint (up to ``checkpoint_interval`` old). For
+        whoever must know whether a node was heard since a given moment."""
+        req = decode(data, NodeRequest)
+        if not is_valid_name(req.node_id):
+            raise UnknownLease(f"node_id: {req.node_id!r} is not a node name")
+        if not self.acting:
+            raise NotActing("this health monitor is standing by; ask again (another instance acts)")
+        lease = self.book.leases.get(req.node_id)
+        if lease is None:
+            raise UnknownLease(f"no lease for node {req.node_id!r}: never heard")
+        return lease
 
     async def tick_loop(self) -> None:
         h = self.cfg.health

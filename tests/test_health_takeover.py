@@ -17,7 +17,7 @@ import pytest
 from llmgw.services import health as health_mod
 from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror
-from llmgw.shared.schemas import Lease, encode
+from llmgw.shared.schemas import ApiError, Lease, NodeRequest, decode, encode
 
 from .conftest import service_config
 from .test_registry_health import FAST, Beater, events_of, start_health, wait_for
@@ -137,3 +137,39 @@ async def test_a_standby_takes_over_from_checkpoints_and_what_it_heard(nats_serv
         await leases.stop()
         if b is not None:
             await b.stop()
+
+
+async def test_the_acting_monitor_answers_a_nodes_exact_lease(nats_server, connector):
+    """The bucket holds renewals as checkpoints; ``llmgw.api.health.lease`` answers the
+    lease as the acting monitor holds it, renewed by the latest heartbeat."""
+    svc = await start_health(nats_server)
+    node = await connector.as_new("node07", "node")
+    ops = await connector.as_new("ops", "operator")
+    leases = await KvMirror(await ops.jetstream(timeout=5).key_value(S.BUCKET_LEASES), Lease).start()
+    beat = Beater(node, "node07").start()
+
+    async def ask(node_id: str):
+        reply = await ops.request(S.api("health", "lease"), encode(NodeRequest(node_id=node_id)), timeout=5)
+        if (reply.headers or {}).get("Nats-Service-Error-Code"):
+            return decode(reply.data, ApiError)
+        return decode(reply.data, Lease)
+
+    try:
+        first = await wait_for(lambda: leases.items.get("node07"), what="node07's lease stored")
+
+        async def ahead_of_the_bucket():
+            # Heartbeats renew it in memory; the bucket's copy waits for its checkpoint.
+            stored = leases.items["node07"]
+            lease = await ask("node07")
+            return lease if isinstance(lease, Lease) and lease.last_seq > stored.last_seq and lease.last_renew > stored.last_renew else None
+
+        exact = await wait_for(ahead_of_the_bucket, what="the answered lease ahead of the stored one")
+        assert (exact.state, exact.boot_id, exact.since) == ("ready", first.boot_id, first.since)
+        unknown = await ask("node99")
+        assert (unknown.code, unknown.description) == ("unknown_lease", "no lease for node 'node99': never heard")
+        assert (await ask("Not A Node")).code == "unknown_lease"
+    finally:
+        await beat.stop()
+        await leases.stop()
+        await svc.stop()
+
