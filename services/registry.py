@@ -101,7 +101,9 @@ class Registry(ServiceRuntime):
         # node -> boot id of the last inventory received (judged or queued): a
         # lease going ready with that boot needs no pull, its inventory is here.
         self.heard_boot: dict[str, str] = {}
+        # node -> admin state, and how many nodes are in each (the gauges)
         self.admin: dict[str, str] = {}
+        self.admin_counts: dict[str, int] = {"active": 0, "cordoned": 0, "draining": 0}
         await self.records.start(timeout=60)
         self._load_admin()
         self._count()
@@ -204,7 +206,6 @@ class Registry(ServiceRuntime):
                         self.queued.setdefault(inv.node_id, (inv, result))
                     else:
                         INVENTORIES.labels(result).inc()
-            self._count()
             if failed:
                 self.log.warning("%d of %d inventories not stored; trying again in %.0fs", failed, len(batch), RETRY_AFTER)
                 await asyncio.sleep(RETRY_AFTER)  # the bus is away or refusing: do not spin
@@ -225,8 +226,7 @@ class Registry(ServiceRuntime):
         mine = self.written.get(node)
         if mine is not None and (new is None or self.records.revisions.get(node, 0) >= mine[1]):
             del self.written[node]  # the watch caught up (or the record was deleted)
-        if new is not None:
-            self.admin[node] = new.admin
+        self._count(node, new.admin if new is not None else None)
 
     async def _read(self, node: str) -> tuple[NodeRecord | None, int]:
         """The node's record straight from the bucket (after a lost compare-and-set)."""
@@ -316,7 +316,7 @@ class Registry(ServiceRuntime):
                 continue  # an admin change or another registry won the race: re-read
             self._wrote(node, record, new_rev)
             self.boots[node] = inv.boot_id
-            self.admin[node] = record.admin
+            self._count(node, record.admin)
             if old is None or not old.boot_id:  # never joined (or only onboarded: set-addr)
                 await self.events.emit("node", node, "joined", f"{len(inv.gpus)} GPUs, fabrics {', '.join(f.name for f in inv.fabrics) or 'none'}")
             else:
@@ -326,19 +326,22 @@ class Registry(ServiceRuntime):
 
     def _load_admin(self) -> None:
         for key, rec in self.records.items.items():
-            self.admin[key] = rec.admin
+            self._count(key, rec.admin)
             self.boots[key] = rec.boot_id
 
     def _count(self, node: str | None = None, admin: str | None = None) -> None:
-        """Set the admin-state gauges: once per batch of inventories, not once per
-        node (a sum over every node for each of 10,000 joins is quadratic)."""
-        if node is not None and admin is not None:
-            self.admin[node] = admin
-        counts = {"active": 0, "cordoned": 0, "draining": 0}
-        for a in self.admin.values():
-            if a in counts:
-                counts[a] += 1
-        for state, n in counts.items():
+        """Note ``node``'s admin state (None: it has no record any more) and set the
+        gauges. Counted as states change, not summed over every node each time:
+        a sum per join is quadratic in the node count at bring-up."""
+        if node is not None:
+            before = self.admin.pop(node, None)
+            if before in self.admin_counts:
+                self.admin_counts[before] -= 1
+            if admin is not None:
+                self.admin[node] = admin
+                if admin in self.admin_counts:
+                    self.admin_counts[admin] += 1
+        for state, n in self.admin_counts.items():
             NODES.labels(state).set(n)
 
     # -- admin API ---------------------------------------------------------------

@@ -86,6 +86,10 @@ def first_connect_delay(reconnect_base: float, rng: random.Random | None = None)
 
 Callback = Callable[[], Awaitable[None]]
 
+# A first-connect attempt may take this many connect timeouts in all (TCP, INFO,
+# TLS, PONG, on each of its two tries) before it is given up and retried.
+ATTEMPT_TIMEOUTS = 10
+
 
 async def connect(
     servers: str | list[str],
@@ -156,7 +160,13 @@ async def connect(
     while True:
         nc = NATS()
         try:
-            await nc.connect(
+            # nats-py bounds most steps of a connect, not all of them (drains, the
+            # close of a failed attempt): in a 3,000-agent bench run on a loaded
+            # machine two agents never returned from their first connect (which
+            # step hung is not known). An agent whose first connect never ends
+            # never starts, so the attempt as a whole is bounded, and so is the
+            # close of a failed one below.
+            await asyncio.wait_for(nc.connect(
                 servers=urls,
                 tls=ctx,
                 tls_hostname=None,
@@ -175,7 +185,7 @@ async def connect(
                 # Buffer little (or nothing, for services) while disconnected:
                 # heartbeats and statuses are re-sent fresh after a reconnect.
                 pending_size=pending_size,
-            )
+            ), ATTEMPT_TIMEOUTS * connect_timeout + 2 * reconnect_base)
             nc.options["max_reconnect_attempts"] = -1
             lg.info("connected to NATS at %s as %s/%s", nc.connected_url.netloc, role, ident)
             return nc
@@ -187,8 +197,8 @@ async def connect(
             delay = backoff_delay(attempt - 1, reconnect_base, reconnect_max)
             lg.warning("cannot reach NATS at %s (%s); retrying in %.1fs", ", ".join(urls), with_reason, delay)
             try:
-                await nc.close()
-            except Exception:
+                await asyncio.wait_for(nc.close(), connect_timeout)
+            except Exception:  # noqa: BLE001 - a failed attempt's leftovers; the next attempt is a new client
                 pass
             await asyncio.sleep(delay)
 

@@ -108,6 +108,15 @@ async def test_a_burst_of_inventories_loses_none_and_the_last_one_per_node_wins(
     total = len(NODES) * len(SEQUENCE)
     await wait_for(lambda: counted("accepted") + counted("superseded") - before, float(total), what=f"all {total} inventories judged")
     assert await records(kv, NODES) == {n: SEQUENCE[-1] for n in NODES}
+    # The admin-state gauges follow the records (counted as they change, not re-summed).
+    gauge = lambda: {a: REGISTRY.get_sample_value("llmgw_registry_nodes", {"admin": a}) for a in ("active", "cordoned", "draining")}  # noqa: E731
+    await wait_for(gauge, {"active": 30.0, "cordoned": 0.0, "draining": 0.0}, what="30 active nodes counted")
+    reply = await ops.request(S.api("registry", "cordon"), b'{"node_id": "node03"}', timeout=5)
+    assert decode(reply.data, NodeRecord).admin == "cordoned"
+    await wait_for(gauge, {"active": 29.0, "cordoned": 1.0, "draining": 0.0}, what="one node cordoned")
+    await conns["node03"].publish(S.inventory("node03"), encode(inventory("node03", 6)))  # changes the record, not its admin state
+    await wait_for(lambda: records(kv, ["node03"]), {"node03": 6}, what="node03's new inventory applied")
+    assert gauge() == {"active": 29.0, "cordoned": 1.0, "draining": 0.0}
 
 
 async def test_an_inventory_equal_to_the_record_writes_nothing(registry, connector):
@@ -115,14 +124,18 @@ async def test_an_inventory_equal_to_the_record_writes_nothing(registry, connect
     ops = await connector.as_new("ops", "operator")
     js = ops.jetstream()
     kv = await js.key_value(S.BUCKET_NODES)
+    judged = lambda: counted("accepted") + counted("superseded")  # noqa: E731
+    before = judged()
     await node.publish(S.inventory("node01"), encode(inventory("node01", sent_at=1.0)))
     await wait_for(lambda: records(kv, ["node01"]), {"node01": 8}, what="the first record")
+    # counted once its event is out too, a moment after the record is visible
+    await wait_for(lambda: judged() - before, 1.0, what="the first inventory counted")
+    before += 1
     last_seq = (await js.stream_info(S.kv_stream(S.BUCKET_NODES))).state.last_seq
-    before = counted("accepted") + counted("superseded")
     # what every agent sends after a nats-server restart: the same facts, a newer sent_at
     for k in range(20):
         await node.publish(S.inventory("node01"), encode(inventory("node01", sent_at=2.0 + k)))
-    await wait_for(lambda: counted("accepted") + counted("superseded") - before, 20.0, what="the 20 re-sends judged")
+    await wait_for(lambda: judged() - before, 20.0, what="the 20 re-sends judged")
     assert (await js.stream_info(S.kv_stream(S.BUCKET_NODES))).state.last_seq == last_seq
     # and a real change after them is still written
     await node.publish(S.inventory("node01"), encode(inventory("node01", gpus=6)))
