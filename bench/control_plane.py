@@ -133,6 +133,10 @@ from llmgw.shared.schemas import (
 TARGETS = {"cpu": 25.0, "placement": 2.0, "failover": 0.2, "restart_heartbeats": 2.0}
 # The simulated agents' bus timings (the services get the same in their configs).
 AGENT_RECONNECT_BASE, AGENT_RECONNECT_MAX = 0.5, 5.0
+# The real agent's connect timeout (bus.connect's default), which bounds each
+# reconnect attempt too; the bench's first connects get longer (they queue
+# for a handshake slot in this one process).
+AGENT_CONNECT_TIMEOUT, BENCH_FIRST_CONNECT_TIMEOUT = 5.0, 20.0
 # Thousands of agents losing the bus at once would print thousands of warnings;
 # the phase reports what they did instead.
 AGENT_LOG = logging.getLogger("llmgw.bench.agents")
@@ -227,8 +231,9 @@ class SimAgent:
         # handshake slot.)
         self.nc = await bus.connect(
             url, self.tls, name="bench-agent", initial_attempts=5, reconnect_base=AGENT_RECONNECT_BASE, reconnect_max=AGENT_RECONNECT_MAX,
-            connect_timeout=20, on_reconnect=self.on_reconnect, logger=AGENT_LOG,
+            connect_timeout=BENCH_FIRST_CONNECT_TIMEOUT, on_reconnect=self.on_reconnect, logger=AGENT_LOG,
         )  # fmt: skip
+        self.nc.options["connect_timeout"] = AGENT_CONNECT_TIMEOUT  # reconnects: as the real agent
         await self.nc.subscribe(S.cmd_launch(self.node_id), cb=self.on_launch)
         await self.nc.subscribe(S.cmd_stop(self.node_id), cb=self.on_stop)
         await self.nc.subscribe(S.cmd_list(self.node_id), cb=self.on_list)
