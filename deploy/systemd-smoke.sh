@@ -204,6 +204,9 @@ ours() { docker ps -aq --filter "label=$LABEL"; }
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM
+  # A signal's trap can run inside a function call whose output is redirected
+  # to a log (in_ca … >"$WORK/once.log"); say what happens where the user looks.
+  exec 1>&3 2>&4
   if [ "$OK" != 1 ] && [ "${#FOCUS[@]}" -gt 0 ]; then dump_journals; fi
   if [ -n "$(ours)" ] || docker network inspect "$NET" >/dev/null 2>&1; then
     say "tearing down (containers, their anonymous volumes, network)"
@@ -218,8 +221,9 @@ cleanup() {
   rm -rf "$WORK"
   exit "$rc"
 }
+exec 3>&1 4>&2
 trap cleanup EXIT
-trap 'exit 130' INT TERM
+trap 'printf "systemd-smoke: interrupted at step \"%s\"\n" "$STEP" >&4; exit 130' INT TERM
 
 # -- the base image -------------------------------------------------------------------
 step "base image"
