@@ -15,6 +15,7 @@ import time
 import pytest
 
 from llmgw.services import health as health_mod
+from llmgw.services.leases import CHECKPOINT_HEARTBEATS
 from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror
 from llmgw.shared.schemas import ApiError, Lease, NodeRequest, decode, encode
@@ -24,7 +25,7 @@ from .test_registry_health import FAST, Beater, events_of, start_health, wait_fo
 
 pytestmark = pytest.mark.timeout(90)
 
-CHECKPOINT = 3 * FAST["node_lost_after"]  # leases.CHECKPOINT_LOST_AFTERS × node_lost_after
+CHECKPOINT = CHECKPOINT_HEARTBEATS * FAST["heartbeat_interval"]  # Timings.checkpoint_interval
 
 
 async def crash(svc: health_mod.HealthMonitor) -> None:

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from llmgw.services.leases import BOOT_SETTLED_HEARTBEATS, CHECKPOINT_LOST_AFTERS, LeaseBook, Timings
+from llmgw.services.leases import BOOT_SETTLED_HEARTBEATS, CHECKPOINT_HEARTBEATS, LeaseBook, Timings
 from llmgw.shared.schemas import Heartbeat, Lease
 
 T = Timings(heartbeat_interval=1.0, suspect_after_missed=3, node_lost_after=10.0)
@@ -83,7 +83,7 @@ def test_restart_continues_countdowns_after_a_grace():
 # What is written to KV, and why (issue #17)
 # --------------------------------------------------------------------------
 
-C = CHECKPOINT_LOST_AFTERS * T.node_lost_after  # the checkpoint interval: 30 s here
+C = CHECKPOINT_HEARTBEATS * T.heartbeat_interval  # the checkpoint interval: 40 s here
 
 
 def beats(first, last, *, node="node02", boot="b1", seq=1, every=1.0):
@@ -132,7 +132,7 @@ def simulate(timeline, book=None, store=None):
 def test_a_nodes_checkpoint_phase_is_a_hash_of_its_id():
     book = LeaseBook(T)
     # crc32("node02") / 2**32 of the interval: the same in every monitor and after every restart
-    assert book.checkpoint_phase("node02") == pytest.approx(13.78012, abs=1e-5)
+    assert book.checkpoint_phase("node02") == pytest.approx(18.37349, abs=1e-5)
     assert LeaseBook(T).checkpoint_phase("node02") == book.checkpoint_phase("node02")
     assert 0 <= book.checkpoint_phase("node01") < C
 
@@ -141,17 +141,18 @@ def test_a_nodes_checkpoint_phase_is_a_hash_of_its_id():
     "timeline, writes",
     [
         # heartbeats every second for a minute: the first, the settled boot, then one checkpoint per
-        # interval, each at the first tick after node02's slot boundary (13.78 s + k × 30 s)
-        (beats(0, 60) + ticks(0, 60), [(0, "transition"), (3, "boot"), (14.5, "checkpoint"), (44.5, "checkpoint")]),
+        # interval, each at the first tick after node02's slot boundary (18.37 s + k × 40 s)
+        (beats(0, 60) + ticks(0, 60), [(0, "transition"), (3, "boot"), (18.5, "checkpoint"), (58.5, "checkpoint")]),
         # heartbeats stop at 20: suspect and lost are written; the suspect write carried the last
-        # renewal, so nothing is left to checkpoint at 44.5
-        (beats(0, 20) + ticks(0, 50), [(0, "transition"), (3, "boot"), (14.5, "checkpoint"), (23.5, "transition"), (30.5, "transition")]),
+        # renewal, so nothing is left to checkpoint at 58.5
+        (beats(0, 20) + ticks(0, 60), [(0, "transition"), (3, "boot"), (18.5, "checkpoint"), (23.5, "transition"), (30.5, "transition")]),
         # suspect, and back at the next heartbeat: both transitions, nothing else
         (beats(0, 5) + beats(9, 12, seq=10) + ticks(0, 13), [(0, "transition"), (3, "boot"), (8.5, "transition"), (9, "transition")]),
         # the agent restarts (new boot id, lease still ready): written at once, and again when settled
         (beats(0, 5) + beats(6, 12, boot="b2") + ticks(0, 13), [(0, "transition"), (3, "boot"), (6, "boot"), (9, "boot")]),
-        # lost, then back with a new boot: the transition, then the settled boot
-        (beats(0, 2) + beats(15, 20, boot="b2") + ticks(0, 21), [(0, "transition"), (5.5, "transition"), (12.5, "transition"), (15, "transition"), (18, "boot")]),
+        # lost, then back with a new boot: the transition, then the settled boot; the slot
+        # boundary (18.37) passes after that write, so the next renewal is checkpointed
+        (beats(0, 2) + beats(15, 20, boot="b2") + ticks(0, 21), [(0, "transition"), (5.5, "transition"), (12.5, "transition"), (15, "transition"), (18, "boot"), (19.5, "checkpoint")]),
         # a replayed heartbeat renews nothing and writes nothing; the silence is judged as ever
         ([(float(t), "hb", "node02", 1, "b1") for t in range(11)] + ticks(0, 11), [(0, "transition"), (3.5, "transition"), (10.5, "transition")]),
         # two agents, one identity: the first boot change is written; the alternation quarantines
@@ -267,7 +268,7 @@ def test_an_unknown_write_cause_is_refused_by_name():
         # dead silent long enough to be suspect: its stored renewal is exact (written with the
         # transition), so its countdown ends where it would have: 40 + 10
         (40, 45, 45, 45, 50.5),
-        # died a second before the takeover, after its last checkpoint (28.5): a cold standby
+        # died a second before the takeover, after its last checkpoint (37.5): a cold standby
         # declares it lost right after the grace (2 s): earlier than 54, never before the grace
         (44, 45, 45, 45, 47.5),
         # the same with a standby that heard it until 44: exactly its own countdown

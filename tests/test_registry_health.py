@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from llmgw.services import health as health_mod, registry as registry_mod
+from llmgw.services.leases import CHECKPOINT_HEARTBEATS
 from llmgw.shared import subjects as S
 from llmgw.shared.schemas import ApiError, FabricMembership, Gpu, Heartbeat, Inventory, Lease, NodeRecord, decode, encode
 
@@ -123,7 +124,7 @@ async def test_cordon_uncordon_drain_through_the_api(registry, connector):
 
 FAST = dict(heartbeat_interval=0.2, suspect_after_missed=3, node_lost_after=1.5, leader_ttl=0.6)
 # Renewals reach the bucket as checkpoints, one per node per this long (leases.Timings.checkpoint_interval).
-CHECKPOINT = 3 * FAST["node_lost_after"]
+CHECKPOINT = CHECKPOINT_HEARTBEATS * FAST["heartbeat_interval"]
 
 
 class Beater:
