@@ -773,3 +773,17 @@ def test_node_back_from_lost_has_its_reaped_engines_fenced():
     w.lease("node02", "ready")
     stops = fence({"node02": [_fact("sim-g1", 1, state="joined")]}, w.replicas)
     assert [(s.node_id, s.replica_id) for s in stops] == [("node02", "sim-g1")]
+
+
+def test_a_new_replica_never_takes_the_id_of_one_deleted_in_the_same_cycle():
+    # The spec's counter went back (deleted and re-created without its history)
+    # while its one replica is torn down now: the replacement must not be
+    # written under the id the same plan deletes.
+    nodes, leases = seed_cluster(node01="lost")
+    spec = make_deployment("d", replicas=1, gpus_per_node=1, nodes_per_replica=1)
+    first = reconcile({"d": spec}, {}, nodes, seed_cluster()[1], 100.0)
+    replicas, _ = apply_plan(first, {}, {"d": spec})
+    assert [m.node_id for r in replicas.values() for m in r.members] == ["node01"]
+    plan = reconcile({"d": spec}, replicas, nodes, leases, 200.0)
+    assert plan.deletes == ["d-g1"]
+    assert set(plan.writes).isdisjoint(plan.deletes) and list(plan.writes) == ["d-g2"]

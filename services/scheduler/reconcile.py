@@ -241,6 +241,9 @@ class _Cycle:
         self.peer_lost_quiet: dict[str, list[str]] = {}
         # deployment -> the replica that became ready this cycle
         self.became_ready: dict[str, str] = {}
+        # ids deleted this cycle: a new replica must not take one (the plan would
+        # write its record and then delete it, after launching it)
+        self.deleted: set[str] = set()
 
     # -- recording ----------------------------------------------------------
 
@@ -273,6 +276,7 @@ class _Cycle:
         self.replicas.pop(replica.id, None)
         self.plan.writes.pop(replica.id, None)
         self.plan.deletes.append(replica.id)
+        self.deleted.add(replica.id)
 
     # -- facts about nodes --------------------------------------------------
 
@@ -298,6 +302,7 @@ class _Cycle:
         if replica.state == RS.GONE:  # a leftover record: nothing holds, nothing to say
             self.replicas.pop(replica.id, None)
             self.plan.deletes.append(replica.id)
+            self.deleted.add(replica.id)
             return
         if replica.state in ACTIVE_REPLICA:
             why, implicated = self.failure(replica)
@@ -613,7 +618,7 @@ class _Cycle:
         digest = template_digest(spec)
         for _ in range(count):
             generation += 1
-            while f"{spec.name}-g{generation}" in self.replicas:
+            while f"{spec.name}-g{generation}" in self.replicas or f"{spec.name}-g{generation}" in self.deleted:
                 generation += 1
             replica = Replica(
                 id=f"{spec.name}-g{generation}",
