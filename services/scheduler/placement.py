@@ -172,18 +172,23 @@ def _indexes(view: ClusterView, multi: bool) -> dict[str | None, CapacityIndex]:
 
 def _group_rank(group: str | None, index: CapacityIndex, request: Request, view: ClusterView) -> tuple:
     """Sort key, best first; the fabric name last so ties are repeatable."""
-    scores = (round(s.score(group, index, request, view), 9) for s in GROUP_SCORERS)
-    return (*(-x for x in scores), group or "")
+    return (*[-round(s.score(group, index, request, view), 9) for s in GROUP_SCORERS], group or "")
 
 
 def place(request: Request, view: ClusterView) -> PlacementResult:
     """Choose nodes, GPUs and ports for one replica, or say why none fit."""
     by_group = _indexes(view, request.multi)
     need, n = request.gpus_per_node, request.nodes_per_replica
-    candidates = [(g, idx) for g, idx in by_group.items() if idx.count_at_least(need) >= n]
-    if not candidates:
+    # The best-ranked group that fits (the first of equals, as ``min`` would).
+    best: tuple | None = None
+    for g, idx in by_group.items():
+        if idx.count_at_least(need) >= n:
+            rank = _group_rank(g, idx, request, view)
+            if best is None or rank < best[0]:
+                best = (rank, g, idx)
+    if best is None:
         return _unplaceable(request, view)
-    group, index = min(candidates, key=lambda c: _group_rank(c[0], c[1], request, view))
+    _rank, group, index = best
     node_ids = index.best_fit(need, n)
     for node_id in node_ids:
         verdict = check_node(view.nodes[node_id], request, view)

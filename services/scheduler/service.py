@@ -27,6 +27,7 @@ lifted, the scheduler asks the node for its full list again.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 import weakref
 from collections import defaultdict
@@ -576,6 +577,14 @@ class Scheduler(ServiceRuntime):
         self.rebuilds.deployments(self.deployments.items, self.replicas.items.values(), self.started_at)
         if plan or full:  # engine states and replica states move only with a plan's writes
             self._gauge()
+        if full:
+            # Tens of thousands of records and the live view are long-lived: collect
+            # once (frozen ones too), then keep what survived out of the collector's
+            # scans until the next full pass. At 10,000 nodes the scans were a third
+            # of the CPU of placing 4,000 replicas; this costs ~0.2 s a minute.
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
         return plan
 
     async def apply(self, plan: Plan) -> None:
