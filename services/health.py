@@ -3,7 +3,7 @@
 Heartbeats come in on ``llmgw.node.*.heartbeat``; the pure ``LeaseBook`` turns
 them and the passage of time into transitions; this shell stores leases and
 publishes each transition as an event. The countdowns live in memory: a lease
-is written on a transition or a boot change at once, and its renewals only as
+is written on a transition at once, on a boot change at the next tick, and its renewals only as
 a staggered checkpoint (``leases.py``, "What is written to KV"), so a quiet
 cluster costs a few writes a second, not one per heartbeat.
 
@@ -163,15 +163,12 @@ class HealthMonitor(ServiceRuntime):
             self._refusing = False
         else:
             HEARTBEATS.labels("accepted").inc()
-        try:
-            if tr:
+        if tr:
+            try:
                 await self._apply([tr])
-            elif hb.node_id in self.book.dirty and not self.write_blocked:
-                # A boot change or a settled boot: the scheduler decides on it, so at once.
-                with WRITE_SECONDS.time():
-                    await self._store(self.book.leases[hb.node_id], self.book.dirty[hb.node_id])
-        except Exception:
-            pass  # counted and logged by _store; the lease is written again
+            except Exception:
+                pass  # counted and logged by _store; the lease is written again
+        # A boot change or a settled boot (book.dirty) goes out with the next tick's flush.
 
     _refusing = False
 

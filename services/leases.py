@@ -43,7 +43,7 @@ not that the sender is sane or alone:
   heartbeats (so nothing is torn down for a lost node) and keeps its boot id,
   until an operator releases it (``release``). The scheduler launches nothing
   on a quarantined node and ignores its status reports.
-* A boot change is written at once (not at the next checkpoint), with
+* A boot change is written at the next tick (not at the next checkpoint), with
   ``boot_since``, so the scheduler can tell which agent incarnation holds the
   lease and for how long.
 
@@ -54,7 +54,8 @@ a lease costs a write only when something a reader decides on changes:
   quarantine, release), written by the shell at once with its event;
 * *boot* — a new boot id without a state change, and the heartbeat at which a
   boot id has held the lease ``BOOT_SETTLED_HEARTBEATS`` times (the scheduler
-  trusts a new incarnation's full reports for teardown from then on);
+  trusts a new incarnation's full reports for teardown from then on), written
+  at the next tick (``dirty``);
 * *checkpoint* — renewals, once per ``Timings.checkpoint_interval``
   (``CHECKPOINT_HEARTBEATS`` heartbeat intervals: 200 s with the defaults, a
   write for 2.5 % of the heartbeats — 50 writes/s at 10,000 nodes), at a
@@ -194,8 +195,16 @@ class LeaseBook:
         later than its true countdown would end (a stored renewal is never
         newer than the true one).
         """
-        self.leases = dict(leases)
         self.stored_renew = {n: l.last_renew for n, l in leases.items()}
+        merged = dict(leases)
+        # A monitor that acted before (it stepped down when it could not renew its
+        # leadership, and leads again) heard renewals the checkpoints do not have yet:
+        # they are facts whoever judged meanwhile, so they are kept, as a heard heartbeat is.
+        for node, mine in self.leases.items():
+            st = merged.get(node)
+            if st is not None and st.state == "ready" and st.boot_id == mine.boot_id and mine.last_seq > st.last_seq and mine.last_renew > st.last_renew:
+                merged[node] = msgspec.structs.replace(st, last_seq=mine.last_seq, last_renew=mine.last_renew, boot_heartbeats=max(st.boot_heartbeats, mine.boot_heartbeats))
+        self.leases = merged
         # Checkpoints resume at each node's next slot, not all at once.
         self.written_at = {n: at for n in leases}
         self.dirty = {}

@@ -98,8 +98,8 @@ def ticks(first, last, every=1.0, offset=0.5):
 
 def simulate(timeline, book=None, store=None):
     """Replay a timeline as the shell does (services/health.py): a transition is
-    written at once, a heartbeat that leaves its lease dirty (a boot change, a
-    settled boot) at once, and each tick writes what ``due_writes`` names.
+    written at once, and each tick writes what ``due_writes`` names (a boot change
+    or a settled boot, which leave the lease dirty, and checkpoints).
     Returns the book and every write as (at, node, cause); ``store`` gets each
     written lease, as the bucket would."""
     book = book or LeaseBook(T)
@@ -117,8 +117,6 @@ def simulate(timeline, book=None, store=None):
             tr = book.heartbeat(Heartbeat(node_id=node, boot_id=boot, seq=seq), at)
             if tr:
                 write(tr.lease, "transition", at)
-            elif node in book.dirty:
-                write(book.leases[node], book.dirty[node], at)
         elif kind == "release":
             write(book.release(args[0], at).lease, "transition", at)
         else:
@@ -142,17 +140,17 @@ def test_a_nodes_checkpoint_phase_is_a_hash_of_its_id():
     [
         # heartbeats every second for a minute: the first, the settled boot, then one checkpoint per
         # interval, each at the first tick after node02's slot boundary (18.37 s + k × 40 s)
-        (beats(0, 60) + ticks(0, 60), [(0, "transition"), (3, "boot"), (18.5, "checkpoint"), (58.5, "checkpoint")]),
+        (beats(0, 60) + ticks(0, 60), [(0, "transition"), (3.5, "boot"), (18.5, "checkpoint"), (58.5, "checkpoint")]),
         # heartbeats stop at 20: suspect and lost are written; the suspect write carried the last
         # renewal, so nothing is left to checkpoint at 58.5
-        (beats(0, 20) + ticks(0, 60), [(0, "transition"), (3, "boot"), (18.5, "checkpoint"), (23.5, "transition"), (30.5, "transition")]),
+        (beats(0, 20) + ticks(0, 60), [(0, "transition"), (3.5, "boot"), (18.5, "checkpoint"), (23.5, "transition"), (30.5, "transition")]),
         # suspect, and back at the next heartbeat: both transitions, nothing else
-        (beats(0, 5) + beats(9, 12, seq=10) + ticks(0, 13), [(0, "transition"), (3, "boot"), (8.5, "transition"), (9, "transition")]),
-        # the agent restarts (new boot id, lease still ready): written at once, and again when settled
-        (beats(0, 5) + beats(6, 12, boot="b2") + ticks(0, 13), [(0, "transition"), (3, "boot"), (6, "boot"), (9, "boot")]),
-        # lost, then back with a new boot: the transition, then the settled boot; the slot
-        # boundary (18.37) passes after that write, so the next renewal is checkpointed
-        (beats(0, 2) + beats(15, 20, boot="b2") + ticks(0, 21), [(0, "transition"), (5.5, "transition"), (12.5, "transition"), (15, "transition"), (18, "boot"), (19.5, "checkpoint")]),
+        (beats(0, 5) + beats(9, 12, seq=10) + ticks(0, 13), [(0, "transition"), (3.5, "boot"), (8.5, "transition"), (9, "transition")]),
+        # the agent restarts (new boot id, lease still ready): written at the next tick, and again when settled
+        (beats(0, 5) + beats(6, 12, boot="b2") + ticks(0, 13), [(0, "transition"), (3.5, "boot"), (6.5, "boot"), (9.5, "boot")]),
+        # lost, then back with a new boot: the transition, then the settled boot (in the slot
+        # that began at 18.37, so no checkpoint follows in it)
+        (beats(0, 2) + beats(15, 20, boot="b2") + ticks(0, 21), [(0, "transition"), (5.5, "transition"), (12.5, "transition"), (15, "transition"), (18.5, "boot")]),
         # a replayed heartbeat renews nothing and writes nothing; the silence is judged as ever
         ([(float(t), "hb", "node02", 1, "b1") for t in range(11)] + ticks(0, 11), [(0, "transition"), (3.5, "transition"), (10.5, "transition")]),
         # two agents, one identity: the first boot change is written; the alternation quarantines
@@ -162,7 +160,7 @@ def test_a_nodes_checkpoint_phase_is_a_hash_of_its_id():
             + [(4.0, "hb", "node02", 1, "B"), (5.0, "hb", "node02", 5, "A"), (6.0, "hb", "node02", 2, "B"), (7.0, "hb", "node02", 6, "A"), (8.0, "release", "node02")]
             + beats(9, 12, boot="B", seq=3)
             + ticks(0, 13),
-            [(0, "transition"), (3, "boot"), (4, "boot"), (7, "transition"), (8, "transition"), (12, "boot")],
+            [(0, "transition"), (3.5, "boot"), (4.5, "boot"), (7, "transition"), (8, "transition"), (12.5, "boot")],
         ),
     ],
     ids=["renewals-checkpointed", "silence", "suspect-and-back", "agent-restart", "lost-then-new-boot", "replayed-heartbeat", "clone-quarantine-release"],
@@ -304,3 +302,20 @@ def test_a_takeover_never_loses_a_live_node_nor_keeps_a_dead_one(dies_at, acting
     assert [(tr.node_id, tr.lease.since) for tr in trs if tr.new == "lost"] == [("dead", lost_at)]
     assert lost_at >= takeover_at + new.grace()
     assert lost_at <= max(takeover_at + new.grace(), dies_at + T.node_lost_after) + 1.0
+
+
+def test_a_monitor_leading_again_keeps_the_renewals_it_heard_itself():
+    """It stepped down (its leadership renewals failed: no quorum) and leads again: the bucket
+    holds node02's checkpoint from 18.5, but this monitor heard node02 until 30 — a fact, whoever
+    judged meanwhile. Counting from the checkpoint would call node02 lost right after the grace."""
+    store: dict[str, Lease] = {}
+    book, _ = simulate(beats(0, 30) + ticks(0, 30), store=store)
+    assert store["node02"].last_renew == 18.0
+    book.load(dict(store), at=31.0)
+    assert book.leases["node02"].last_renew == 30.0
+    assert [(t.node_id, t.new) for t in book.expire(35.0)] == [("node02", "suspect")]  # silent 5 s, not 17
+    assert book.expire(39.9) == []
+    # a fresh monitor has nothing of its own: the checkpoint it is
+    fresh = LeaseBook(T)
+    fresh.load(dict(store), at=31.0)
+    assert fresh.leases["node02"].last_renew == 18.0
