@@ -3,10 +3,13 @@
 The core never touches the bus, the clock or a socket: ``reconcile`` turns
 deployments, replicas, node records and leases — plus the time, injected — into
 a ``Plan`` that the shell applies (KV writes, launch/stop commands, events).
+``Reconciler`` returns the same plan for the work of what changed since its
+previous step (it keeps a live view; the shell runs it on every wake).
 ``place`` and ``explain`` answer where one replica would go and why not.
 """
 
 from .fence import fence
+from .incremental import Reconciler
 from .placement import PlacementResult, Request, explain, place
 from .plan import Launch, Plan, Stop
 from .reconcile import ReconcileConfig, reconcile
@@ -19,6 +22,7 @@ __all__ = [
     "PlacementResult",
     "PortRange",
     "ReconcileConfig",
+    "Reconciler",
     "Request",
     "Stop",
     "explain",

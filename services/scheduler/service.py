@@ -2,8 +2,12 @@
 
 It mirrors four buckets (nodes, leases, deployments, replicas) through KV
 watches, folds agents' status reports into the replicas' member engine states,
-runs ``reconcile`` when something changed (or every ``reconcile_interval``, for
-timeouts), and applies the plan in the order ``plan.py`` prescribes. It keeps
+reconciles when something changed (or every ``reconcile_interval``, for
+timeouts) — an incremental step (``incremental.Reconciler``: the plan
+``reconcile`` would give, for the work of what changed), and a full one every
+``FULL_PASS_INTERVAL`` as the safety net — and applies the plan in the order
+``plan.py`` prescribes. Wakes coalesce: however many reports arrive during a
+step, one step follows. A lease renewal that keeps the state wakes nothing. It keeps
 the per-node failure history auto-cordon judges (in memory: a new leader
 starts it afresh) and asks the registry to cordon. Only the
 leader (``llmgw_leaders``) acts; a standby keeps its mirrors warm and takes
