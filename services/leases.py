@@ -20,7 +20,12 @@ expires, and when it reconnects (``reconnected``) or takes over (``load``)
 every node gets ``Timings.reconnect_grace`` — the agents' worst reconnect
 time — before anything can go suspect or lost. A node still silent after the
 grace goes lost then (its countdown is not restarted, so a node that died
-during the outage is not given a second full ``node_lost_after``).
+during the outage is not given a second full ``node_lost_after``). While
+nodes are still coming back — each heard for the first time since the
+outage began, or since a suspect window before a takeover — the grace runs on
+until a whole grace passes with none returning (``_recovering``): thousands of
+agents reconnecting at once queue for TLS handshakes far longer than their
+backoff, and a fixed grace would declare most of them lost.
 
 What a heartbeat may claim (issue #12). A node's certificate says who sends,
 not that the sender is sane or alone:
@@ -159,6 +164,9 @@ class LeaseBook:
     on_refuse: Callable[[str, str, str], None] | None = None
     # When the monitor lost the bus (None while connected): nothing expires meanwhile.
     outage_since: float | None = None
+    # When the current recovery (a reconnect or a takeover) began, while its grace is
+    # open (None otherwise): a node heard for the first time since then extends it.
+    recovery_since: float | None = None
     # node -> its checkpoint phase in [0, checkpoint_interval) (a hash of the node id)
     _phases: dict[str, float] = field(default_factory=dict)
 
@@ -173,8 +181,29 @@ class LeaseBook:
 
     def reconnected(self, at: float) -> None:
         """The bus is back: every node gets the grace to reconnect and be heard."""
+        # A node last heard before the monitor lost the bus is one that returns.
+        self.recovery_since = self.outage_since if self.outage_since is not None else at
         self.outage_since = None
         self.not_before = max(self.not_before, at + self.grace())
+
+    def _recovering(self, old: Lease | None, at: float) -> None:
+        """A heartbeat during a recovery's grace: if its node had not been heard
+        since the recovery began, the agents are still coming back, so the grace
+        runs on until ``grace()`` passes with no node returning.
+
+        The grace alone assumes agents are limited by their reconnect backoff.
+        Thousands reconnecting at once after a server restart are limited by
+        TLS handshakes instead (one server, or one bench process, completes a
+        few hundred a second), and a herd can take far longer than the backoff:
+        a fixed grace then ends with most of the cluster still queued for a
+        handshake and declares it lost. Each node extends the grace at most
+        once per recovery, so a dead node never extends it, and the extension
+        lasts as long as the herd, plus one grace.
+        """
+        if at >= self.not_before:
+            self.recovery_since = None  # the grace ended: the ordinary countdowns run
+        elif old is None or old.last_renew < self.recovery_since:
+            self.not_before = max(self.not_before, at + self.grace())
 
     def load(self, leases: dict[str, Lease], at: float) -> None:
         """Continue from stored leases after a restart: countdowns resume where they were.
@@ -209,6 +238,9 @@ class LeaseBook:
         self.written_at = {n: at for n in leases}
         self.dirty = {}
         self.not_before = at + self.grace()
+        # A node the monitor (or its standby self) heard within a suspect window of
+        # the takeover is present; one known only from an older checkpoint returns.
+        self.recovery_since = at - self.timings.suspect_after
 
     def _refuse(self, node: str, reason: str, detail: str) -> None:
         if self.on_refuse is not None:
@@ -233,6 +265,8 @@ class LeaseBook:
     def heartbeat(self, hb: Heartbeat, at: float) -> Transition | None:
         node = hb.node_id
         old = self.leases.get(node)
+        if self.recovery_since is not None:
+            self._recovering(old, at)
         if old is None:
             self.boots[node], self.returns[node] = {hb.boot_id: at}, []
             lease = Lease(node_id=node, state="ready", boot_id=hb.boot_id, last_seq=hb.seq, last_renew=at, since=at, boot_since=at, boot_heartbeats=1)
@@ -314,6 +348,7 @@ class LeaseBook:
         out: list[Transition] = []
         if at < self.not_before or self.outage_since is not None:
             return out  # a grace, or the monitor cannot hear: see the module docstring
+        self.recovery_since = None
         t = self.timings
         for node, lease in list(self.leases.items()):
             if lease.state == "lost":

@@ -57,13 +57,11 @@ FIRST = ("node01", "", "ready")
         # without an outage nothing changes: suspect at 3 s, lost at 10 s
         ([("hb", 0, 1, "b1"), ("tick", 3), ("tick", 10)], [FIRST, ("node01", "ready", "suspect"), ("node01", "suspect", "lost")], "lost"),
         # after the grace the ordinary countdown runs again, from the last heartbeat
+        # a node returning during the grace holds it open for a grace after its return (55 + 20) …
+        ([("hb", 0, 1, "b1"), ("down", 0.5), ("up", 40.5), ("hb", 55, 2, "b1"), ("tick", 60.5), ("tick", 74.9)], [FIRST], "ready"),
+        # … then the ordinary countdown runs from its last heartbeat: silent 20 s by then, lost
         (
-            [("hb", 0, 1, "b1"), ("down", 0.5), ("up", 40.5), ("hb", 55, 2, "b1"), ("tick", 60.4), ("tick", 60.5)],
-            [FIRST, ("node01", "ready", "suspect")],
-            "suspect",
-        ),
-        (
-            [("hb", 0, 1, "b1"), ("down", 0.5), ("up", 40.5), ("hb", 45, 2, "b1"), ("tick", 60.5), ("tick", 61)],
+            [("hb", 0, 1, "b1"), ("down", 0.5), ("up", 40.5), ("hb", 45, 2, "b1"), ("tick", 64.9), ("tick", 65)],
             [FIRST, ("node01", "ready", "lost")],
             "lost",
         ),
@@ -85,7 +83,11 @@ def test_takeover_grants_the_reconnect_grace():
     book.load(stored, at=140.0)  # taking over after a 40 s outage
     assert book.expire(159.9) == []  # the agents' worst reconnect time (20 s), not two heartbeats
     book.heartbeat(Heartbeat(node_id="slow", boot_id="c", seq=10), 159.0)
-    assert [(t.node_id, t.new) for t in book.expire(160.0)] == [("dead", "lost")]
+    # known only from a checkpoint older than a suspect window, "slow" returned: the grace
+    # runs on for a grace after it (159 + 20), and the dead node goes lost then
+    book.heartbeat(Heartbeat(node_id="slow", boot_id="c", seq=11), 178.0)
+    assert book.expire(178.9) == []
+    assert [(t.node_id, t.new) for t in book.expire(179.0)] == [("dead", "lost")]
     assert book.leases["slow"].state == "ready"
 
 
@@ -131,3 +133,77 @@ def test_quarantined_lost_node_stays_quarantined_when_it_returns():
     book.load(stored, at=20.0)
     tr = book.heartbeat(Heartbeat(node_id="n", boot_id="b1", seq=6), 21.0)
     assert (tr.new, tr.lease.quarantine) == ("ready", "two agents")
+
+
+def herd(returns, until, dead=("node99",)):
+    """Nodes node00.. heartbeat at 0 and die or return at the given times after a bus
+    outage (down at 0.5, up at 10); ticks every 0.5 s until ``until``. Returns the
+    book and when each node went lost."""
+    nodes = [f"node{i:02d}" for i in range(len(returns))] + list(dead)
+    events = [("hb", 0, 1, "b1", n) for n in nodes] + [("down", 0.5), ("up", 10.0)]
+    events += [("hb", at + k, 2 + k, "b1", n) for n, at in zip(nodes, returns) for k in range(int(until - at) + 1)]
+    events += [("tick", 10.0 + k / 2) for k in range(int((until - 10.0) * 2) + 1)]
+    events.sort(key=lambda e: (e[1], e[0] != "hb"))  # a heartbeat and a tick at one time: the heartbeat first
+    book = LeaseBook(T)
+    lost = {}
+    for ev in events:
+        kind, at = ev[0], ev[1]
+        if kind == "hb":
+            book.heartbeat(Heartbeat(node_id=ev[4], boot_id=ev[3], seq=ev[2]), at)
+        elif kind == "down":
+            book.disconnected(at)
+        elif kind == "up":
+            book.reconnected(at)
+        else:
+            for tr in book.expire(at):
+                if tr.new == "lost":
+                    lost.setdefault(tr.node_id, at)
+    return book, lost
+
+
+@pytest.mark.parametrize(
+    "returns, until, lost_at",
+    [
+        # every agent back within the grace (20 s after up at 10): only the dead node goes lost,
+        # one grace after the last return (29 + 20)
+        ([12.0, 20.0, 29.0], 80.0, {"node99": 49.0}),
+        # a herd slower than the grace: agents keep returning until 95 s, 85 s after the bus came
+        # back; each return holds the grace open, so none of them is lost, and the dead one is
+        # lost one grace after the last return
+        ([12.0 + 6.0 * k for k in range(15)], 140.0, {"node99": 116.0}),
+        # a gap longer than the grace between two returns ends it: the dead node and the late
+        # agent (returning at 60 after the grace ended at 32) are both lost at 32 — the gap is
+        # the agents' worst reconnect time, so a node still silent then is lost
+        ([12.0, 60.0], 80.0, {"node99": 32.0, "node01": 32.0}),
+    ],
+    ids=["within-grace", "slow-herd", "gap-ends-it"],
+)
+def test_a_reconnecting_herd_holds_the_grace_open_until_it_stops_returning(returns, until, lost_at):
+    book, lost = herd(returns, until)
+    assert lost == lost_at
+    assert book.recovery_since is None  # the window closed: ordinary countdowns again
+
+
+def test_a_herd_extends_the_grace_once_per_node():
+    # node00 heartbeats every second after returning: only its first heartbeat is a return,
+    # so the grace ends 20 s after it and the dead node is lost then, not 20 s after node00's last
+    events = [("hb", 0, 1, "b1", "node00"), ("hb", 0, 1, "b1", "node99"), ("down", 0.5), ("up", 10.0)]
+    events += [("hb", 12.0 + k, 2 + k, "b1", "node00") for k in range(40)]
+    events += [("tick", 10.0 + k / 2) for k in range(0, 82)]
+    events.sort(key=lambda e: (e[1], e[0] != "hb"))
+    book, seen = run(events)
+    lost = [(n, new) for n, _old, new in seen if new == "lost"]
+    assert lost == [("node99", "lost")]
+    assert book.leases["node99"].since == 32.0 and book.leases["node00"].state == "ready"
+
+
+def test_a_warm_takeover_is_not_a_herd():
+    # the standby heard every live node within a suspect window of taking over: no node
+    # returns, so the grace ends where it always did (load at 5 + 20)
+    events = [("hb", 0, 1, "b1", "node99")] + [("hb", float(k), 1 + k, "b1", "node00") for k in range(6)]
+    events += [("load", 5.5)] + [("hb", 5.5 + k, 10 + k, "b1", "node00") for k in range(1, 30)]
+    events += [("tick", 5.5 + k / 2) for k in range(0, 60)]
+    events.sort(key=lambda e: (e[1], {"hb": 0, "load": 1, "tick": 2}[e[0]]))
+    book, seen = run(events)
+    assert [(n, new) for n, _o, new in seen if new == "lost"] == [("node99", "lost")]
+    assert book.leases["node99"].since == 25.5
