@@ -162,8 +162,10 @@ def for_identity(role: str, name: str) -> Permissions:
             subscribe=[S.ALL_STATUS],
             # launch/stop/list requests to agents; of the registry it asks
             # only cordon (auto-cordon; the registry writes node records) —
-            # drain and the rest are read from node records.
-            publish=[f"{S.CMD_SPACE}.*.>", S.api("registry", "cordon")],
+            # drain and the rest are read from node records; of the health
+            # monitor a node's exact lease (whether a node a peer reported lost
+            # was heard since: the bucket holds renewals only as checkpoints).
+            publish=[f"{S.CMD_SPACE}.*.>", S.api("registry", "cordon"), S.api("health", "lease")],
         )
     if role == "gateway":
         return _service(

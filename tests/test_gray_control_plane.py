@@ -27,6 +27,7 @@ from llmgw.shared.schemas import DeploymentSpec, Event, NameRequest, NodeRecord,
 from llmgw.shared.states import ReplicaState as RS
 
 from .cluster_helpers import HEALTH, SCHED, Cluster
+from .waiting import eventually
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
@@ -160,3 +161,21 @@ async def test_the_scheduler_identity_may_ask_the_registry_to_cordon_and_nothing
         with pytest.raises(Exception) as e:
             await sched.request(S.api("registry", verb), encode(NodeRequest(node_id="node09")), timeout=1)
         assert type(e.value).__name__ in ("TimeoutError", "NoRespondersError")
+
+
+async def test_the_scheduler_identity_may_ask_the_health_monitor_for_a_lease_and_nothing_else(cluster, connector):
+    # The scheduler asks whether a node a peer reported lost was heard since (the bucket
+    # holds renewals only as checkpoints): it may read a lease, not release a quarantine.
+    await cluster.start_service(HealthMonitor, "health")
+    sched = await connector.as_new("scheduler-y", "scheduler")
+
+    async def acting_answer() -> bytes | None:
+        reply = await sched.request(S.api("health", "lease"), encode(NodeRequest(node_id="node09")), timeout=5)
+        assert reply.headers and reply.headers.get("Nats-Service-Error-Code")
+        return None if b"standing by" in reply.data else reply.data
+
+    # Allowed: the acting monitor answers (no such node: a clear error, and it keeps running).
+    assert b"no lease for node 'node09'" in await eventually(acting_answer, what="the health monitor to act")
+    with pytest.raises(Exception) as e:
+        await sched.request(S.api("health", "release"), encode(NodeRequest(node_id="node09")), timeout=1)
+    assert type(e.value).__name__ in ("TimeoutError", "NoRespondersError")

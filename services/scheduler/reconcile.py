@@ -116,6 +116,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from llmgw.shared.durations import format_duration
+from llmgw.shared.specs import is_outdated
 from llmgw.shared.schemas import (
     DeploymentSpec,
     Event,
@@ -461,7 +462,7 @@ class _Cycle:
         want = spec.replicas if spec is not None else 0
         wanted = [r for r in mine if r.state in WANTED_REPLICA]
         digest = template_digest(spec) if spec is not None else ""
-        outdated = [r for r in wanted if digest and r.spec_digest and r.spec_digest != digest]
+        outdated = [r for r in wanted if is_outdated(r, digest)]
         stale = {r.id for r in outdated}
         draining = [r for r in wanted if r.id not in stale and self.draining(r)]
         counted = [r for r in wanted if r.id not in stale and not self.draining(r)]

@@ -47,7 +47,7 @@ from llmgw.shared.bus import EVENT_MAX_AGE
 from llmgw.shared.errors import BusError, ConfigError, LlmgwError, WireError
 from llmgw.shared.events import event_id
 from llmgw.shared.kvmirror import KvMirror, open_bucket
-from llmgw.shared.names import check_name
+from llmgw.shared.specs import is_outdated, validate_spec
 from llmgw.shared.schemas import (
     CommandAck,
     DeploymentSpec,
@@ -67,6 +67,7 @@ from llmgw.shared.schemas import (
 
 from llmgw.shared.states import REPLICA_ORDER, EngineState, ReplicaState
 
+from ..leases import BOOT_SETTLED_HEARTBEATS as SETTLE_HEARTBEATS
 from ..runtime import ServiceRuntime, run_service
 from . import ReconcileConfig, explain, fence
 from .incremental import Reconciler
@@ -99,7 +100,6 @@ OWN_WRITE_GRACE = 5.0
 MAX_UNKNOWN_PER_NODE = 256
 # Heartbeats a new agent incarnation must hold the lease before its full report
 # may mark engines absent (a clone's alternation shows within two or three).
-SETTLE_HEARTBEATS = 4
 TRUNCATED = Counter("llmgw_scheduler_status_facts_dropped_total", "Engine facts dropped from status reports: unknown engines over the per-node cap")
 # Rebuilds (issue #19). The reason label is one of REBUILD_REASONS, never free text.
 REPLICA_FAILURES = Counter(
@@ -229,25 +229,6 @@ class UnknownDeployment(LlmgwError):
     code = "unknown_deployment"
 
 
-def validate_spec(spec: DeploymentSpec) -> DeploymentSpec:
-    """Refuse what could never run, with the field named."""
-    check_name(spec.name, "deployment name")
-    if not spec.model:
-        raise ConfigError("model: must not be empty")
-    if spec.replicas < 0:
-        raise ConfigError(f"replicas: must be 0 or more, got {spec.replicas}")
-    if spec.nodes_per_replica < 1:
-        raise ConfigError(f"nodes_per_replica: must be at least 1, got {spec.nodes_per_replica}")
-    if spec.gpus_per_node < 0:
-        raise ConfigError(f"gpus_per_node: must be 0 or more, got {spec.gpus_per_node}")
-    if spec.startup_timeout <= 0:
-        raise ConfigError(f"startup_timeout: must be positive, got {spec.startup_timeout}")
-    for k in spec.env:
-        if not k or "=" in k or not k.replace("_", "a").isalnum():
-            raise ConfigError(f"env: {k!r} is not a valid environment variable name")
-    return spec
-
-
 class Scheduler(ServiceRuntime):
     role = "scheduler"
     buckets = (S.BUCKET_DEPLOYMENTS, S.BUCKET_REPLICAS, S.BUCKET_LEADERS)
@@ -274,6 +255,8 @@ class Scheduler(ServiceRuntime):
         self._pruned_at = 0.0
         # node -> replica failures that implicated it (auto-cordon's evidence)
         self.node_failures: dict[str, list[NodeFailure]] = {}
+        # node -> (when asked, the acting health monitor's lease or None): see _heard
+        self.heard_asked: dict[str, tuple[float, Lease | None]] = {}
         # node -> (when asked, reason): cordons asked of the registry, not yet in its record
         self.cordoning: dict[str, tuple[float, str]] = {}
         # deployment -> (when, record) of our own writes the watch has not echoed yet
@@ -295,8 +278,9 @@ class Scheduler(ServiceRuntime):
         for m in (self.nodes, self.deployments, self.replicas):
             m.listeners.append(lambda *_: self.wake.set())
         self.replicas.listeners.append(lambda key, _old, _new: self.outbox_dirty.add(key))
-        # Leases are rewritten on every renewal; only a change of state (or of
-        # the agent's boot) can change a placement, so only that wakes us.
+        # A lease is rewritten for checkpoints and boot changes too; only a change of
+        # state (or of the agent's boot, or a quarantine) can change a placement, so
+        # only that wakes us.
         self.leases.listeners.append(lambda _k, old, new: self.wake.set() if (old is None or new is None or (old.state, old.boot_id, old.quarantine) != (new.state, new.boot_id, new.quarantine)) else None)
         self.leases.listeners.append(self._on_lease)
         await self.nc.subscribe(S.ALL_STATUS, cb=self.on_status)
@@ -505,7 +489,7 @@ class Scheduler(ServiceRuntime):
                 continue
             if any(m.node_id not in self.nodes.items for m in rep.members):
                 continue  # reconcile fails it
-            if rep.spec_digest and rep.spec_digest != template_digest(spec):
+            if is_outdated(rep, template_digest(spec)):
                 continue  # the spec changed since: reconcile retires it (case 7), and no member may start on the new one
             for launch in launches_for(spec, rep, self.nodes.items):
                 if (rep.id, launch.member.rank) not in self.reported.get(launch.node_id, {}):
@@ -551,6 +535,50 @@ class Scheduler(ServiceRuntime):
             out[node] = msgspec.structs.replace(rec, admin="cordoned", admin_by="auto", admin_reason=reason)
         return out
 
+    async def _heard(self, leases: dict[str, Lease]) -> dict[str, Lease]:
+        """``leases``, with the exact last renewal of each node a peer reported lost
+        whose stored renewal predates the report.
+
+        Placement avoids such a node until it is heard from again (the case-3
+        suspicion, ``peer_lost_suspects``). The bucket holds a ready lease's
+        renewals only as checkpoints (``services/leases.py``), minutes apart, so
+        only the acting health monitor knows whether the node has heartbeated
+        since: it is asked (``llmgw.api.health.lease``), at most once a heartbeat
+        interval per node. Without an answer the stored lease stands and the node
+        stays avoided — the safe side, until its next checkpoint.
+        """
+        due: dict[str, Lease] = {}
+        for fs in self.node_failures.values():
+            for f in fs:
+                lease = leases.get(f.node_id)
+                if f.kind == "peer-lost" and lease is not None and lease.state == "ready" and lease.last_renew <= f.time:
+                    due[f.node_id] = lease
+        for node in [n for n in self.heard_asked if n not in due]:
+            del self.heard_asked[node]
+        if not due:
+            return leases
+        stamp = time.monotonic()
+        ask = [n for n in due if stamp - self.heard_asked.get(n, (float("-inf"), None))[0] >= self.cfg.health.heartbeat_interval]
+        for node, answer in zip(ask, await asyncio.gather(*(self._ask_lease(n) for n in ask))):
+            self.heard_asked[node] = (stamp, answer)
+        out = leases
+        for node, stored in due.items():
+            answer = self.heard_asked.get(node, (0.0, None))[1]
+            if answer is not None and answer.boot_id == stored.boot_id and answer.last_renew > stored.last_renew:
+                if out is leases:
+                    out = dict(leases)
+                out[node] = msgspec.structs.replace(stored, last_renew=answer.last_renew)
+        return out
+
+    async def _ask_lease(self, node: str) -> Lease | None:
+        try:
+            reply = await self.nc.request(S.api("health", "lease"), encode(NodeRequest(node_id=node)), timeout=min(0.5, self.cfg.scheduler.command_timeout))
+            if reply.headers and reply.headers.get("Nats-Service-Error-Code"):
+                return None  # a standby answered, or no lease: ask again next interval
+            return decode(reply.data, Lease)
+        except Exception:
+            return None
+
     async def reconcile_once(self) -> Plan:
         base = dict(self.replicas.items)
         current = self._with_reports(base)
@@ -558,7 +586,7 @@ class Scheduler(ServiceRuntime):
         if full:
             self._full_at = time.monotonic()
         plan = self.reconciler.step(
-            self._deployments(), current, self._nodes(), self.leases.items, now(), failures=self.node_failures, full=full
+            self._deployments(), current, self._nodes(), await self._heard(self.leases.items), now(), failures=self.node_failures, full=full
         )
         RECONCILES.labels("full" if full else "incremental").inc()
         RECONCILE_WORK.labels("replicas_advanced").inc(self.reconciler.advanced)

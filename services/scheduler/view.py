@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmgw.shared.errors import ConfigError
+from llmgw.shared.readmodel import HOLDS_GPUS, gpu_blocks  # the operator tools read the same facts
 from llmgw.shared.schemas import FabricMembership, Lease, NodeRecord, Replica
-from llmgw.shared.states import ACTIVE_REPLICA, ENDING_REPLICA, WANTED_REPLICA
+from llmgw.shared.states import ACTIVE_REPLICA
 
 # Every state but gone holds its members' GPUs and ports: a failed or reaping
 # replica's processes may still run until an agent reports them exited, and a
 # degraded one may recover.
-HOLDS_RESOURCES = WANTED_REPLICA | ENDING_REPLICA
+HOLDS_RESOURCES = HOLDS_GPUS  # the operator tools count the same set (shared/readmodel.py)
 # Replicas that count for spreading: the ones meant to keep serving.
 LIVE = ACTIVE_REPLICA
 # A leader binds a rendezvous port and an HTTP port; workers bind none.
@@ -116,18 +117,6 @@ class NodeView:
         if min(used) >= ports.base and max(used) < ports.base + ports.count:  # the usual case: all in range
             return ports.count - len(used)
         return ports.count - sum(1 for p in used if p in ports)
-
-
-def gpu_blocks(record: NodeRecord) -> dict[int, str]:
-    """The GPUs of ``record`` placement must not offer, index -> why (issue #14)."""
-    out: dict[int, str] = {}
-    for g in record.gpus:
-        if not g.healthy:
-            out[g.index] = f"unhealthy: {g.problem or 'reported unhealthy by its agent'}"
-        elif g.foreign_mib > 0 or g.foreign_pids:
-            pids = ", ".join(str(p) for p in g.foreign_pids) or "unknown pids"
-            out[g.index] = f"busy: {g.foreign_mib} MiB held by process(es) llmgw did not start (pid {pids})"
-    return out
 
 
 def node_view(node_id: str, record: NodeRecord | None, lease: Lease | None, suspect: str = "") -> NodeView:
