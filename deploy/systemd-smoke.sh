@@ -35,9 +35,11 @@
 #   units is as shipped.
 # - The doc's comment "the gateway also wants e.g. gateway: {listen: …}" is
 #   carried out (the line is appended to gateway.yaml).
-# - onboard-node.sh is given --ssh-user ops (the doc's recipe ssh's to the
-#   machine as ops) unless the doc already says it, and --install-wheel (the
-#   machine has no llmgw yet; this exercises the script's install path).
+# - onboard-node.sh must run with --ssh-user ops (the user the preparation
+#   below makes) and --install-wheel ./llmgw-*.whl (the machine has no llmgw
+#   yet; this exercises the script's install path). The doc's recipe says both,
+#   so its command runs as written; an option the doc lacks is appended and
+#   marked "# [smoke] added", and another user or wheel is refused (exit 2).
 # - Machine preparation a site has before onboarding: the user ops with
 #   passwordless sudo and the CA host's ssh key, the machine's host key in the
 #   CA host's known_hosts, and /etc/pip.conf pointing pip at a wheelhouse
@@ -151,11 +153,21 @@ while recipe[end].rstrip().endswith("\\"):
 command = " ".join(recipe[k:end + 1])
 if f"--node {node} " not in command:
     fail(f"the recipe's onboard-node.sh command is not for {node}: {command!r}")
+# What this smoke's machines need of the command: ssh as ops (the user the
+# machine preparation makes) and llmgw installed from the wheel the CA host's
+# checkout holds (sim01 has none). The doc says both; a doc that lost one gets
+# it back, marked; a doc that names another value is refused, since the
+# machines here are prepared for these.
+needs = [("--ssh-user", "ops"), ("--install-wheel", "./llmgw-*.whl")]
 extra = []
-if "--ssh-user" not in command:
-    extra.append("--ssh-user ops")
-extra.append("--install-wheel ./llmgw-*.whl")
-recipe[end] += " " + " ".join(extra) + "   # [smoke] added"
+for option, value in needs:
+    said = re.findall(rf"(?:^|\s){re.escape(option)}\s+(\S+)", command)
+    if not said:
+        extra.append(f"{option} {value}")
+    elif said != [value]:
+        fail(f"the recipe's onboard-node.sh command has {option} {' '.join(said)}, the smoke's machines are prepared for {option} {value}")
+if extra:
+    recipe[end] += " " + " ".join(extra) + "   # [smoke] added"
 
 (out / "once.sh").write_text("\n".join(once) + "\n")
 (out / "sim-node.sh").write_text("\n".join(recipe) + "\n")
@@ -393,7 +405,7 @@ mark "control plane up: llmgw-nats, -registry, -health, -scheduler, -gateway act
 # -- the doc, block 2 ------------------------------------------------------------------------
 step "doc: Machines with neither GPUs nor InfiniBand (onboard-node.sh for $NODE_ID)"
 FOCUS=("$NODE llmgw-agent" "$CA llmgw-nats" "$CA llmgw-registry")
-say "onboard-node.sh amended with: $AMENDED"
+if [ -n "$AMENDED" ]; then say "onboard-node.sh amended with: $AMENDED"; else say "onboard-node.sh as the doc has it"; fi
 # The user's shell still has block 1's export.
 { echo 'export LLMGW_CONFIG=~/.llmgw/operator.yaml'; cat "$WORK/sim-node.sh"; } \
   | in_ca bash -euo pipefail >"$WORK/onboard.log" 2>&1 \

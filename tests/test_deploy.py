@@ -567,7 +567,7 @@ def test_seed_deployment_file_is_valid():
 # the scripts
 # --------------------------------------------------------------------------
 
-SCRIPTS = ("onboard-node.sh", "compose-init.sh", "compose-smoke.sh")
+SCRIPTS = ("onboard-node.sh", "compose-init.sh", "compose-smoke.sh", "systemd-smoke.sh")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -5,7 +5,10 @@ debootstrap for its base image); it is marked ``docker`` and skipped, saying
 why, where it cannot run. What it runs is taken from the doc's own blocks, so
 that extraction is checked everywhere: the commands it would type are the
 doc's lines, and a doc that lost a block stops it with a message naming what
-is missing instead of running something else.
+is missing instead of running something else. The doc's onboard-node.sh
+command already has what the smoke's machines need (--ssh-user ops,
+--install-wheel), so it is typed as written; an option the doc loses is added
+back and marked, another user or wheel is refused.
 """
 
 from __future__ import annotations
@@ -48,9 +51,8 @@ def test_script_passes_shellcheck():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_walkthrough_is_the_docs_lines_in_order():
-    r = walkthrough()
-    assert r.returncode == 0, r.stderr
+def amendments(r: subprocess.CompletedProcess) -> list[str]:
+    """The walk-through's lines marked "# [smoke]", after checking that every other line is the doc's next one."""
     doc = DOC.read_text().splitlines()
     pos = 0
     amended = []
@@ -67,12 +69,72 @@ def test_walkthrough_is_the_docs_lines_in_order():
             line = base
         assert line in doc[pos:], f"not the doc's next line: {line!r}"
         pos = doc.index(line, pos) + 1
-    # Exactly the two amendments the script's header names, and the commands that matter.
-    assert len(amended) == 2, amended
+    return amended
+
+
+# The no-GPU recipe's onboard-node.sh command in the doc: the options this
+# smoke's machines need (ssh as ops, llmgw from the checkout's wheel) are the
+# doc's own, so the smoke types the command as written.
+RECIPE = (
+    "\ndeploy/onboard-node.sh --node sim01 --addr 10.0.0.151 --server tls://10.0.0.140:4222 \\\n"
+    "    --fabric ib-a --nvidia-smi /opt/llmgw-sim/nvidia-smi --ib-root /opt/llmgw-sim/ib \\\n"
+    "    --ssh-user ops --install-wheel ./llmgw-*.whl\n"
+)
+
+
+def test_walkthrough_is_the_docs_lines_in_order():
+    r = walkthrough()
+    assert r.returncode == 0, r.stderr
+    amended = amendments(r)
+    # The one amendment the doc still needs (its gateway comment carried out);
+    # onboard-node.sh runs as the doc has it, nothing appended.
+    assert len(amended) == 1, amended
     assert amended[0].startswith("echo 'gateway: {listen: ") and amended[0].split("#")[0].rstrip().endswith(">> /etc/llmgw/gateway/gateway.yaml")
-    assert amended[1].endswith(" --install-wheel ./llmgw-*.whl   # [smoke] added") and " --ssh-user ops " in amended[1]
     assert "systemctl enable --now llmgw.target\n" in r.stdout
-    assert "\ndeploy/onboard-node.sh --node sim01 --addr 10.0.0.151 --server tls://10.0.0.140:4222 \\\n" in r.stdout
+    assert RECIPE in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize(
+    "old, new, added",
+    [
+        (" --ssh-user ops --install-wheel", " --install-wheel", "--ssh-user ops"),
+        ("--ssh-user ops --install-wheel ./llmgw-*.whl", "--ssh-user ops", "--install-wheel ./llmgw-*.whl"),
+        (" \\\n    --ssh-user ops --install-wheel ./llmgw-*.whl", "", "--ssh-user ops --install-wheel ./llmgw-*.whl"),
+    ],
+    ids=["no-ssh-user", "no-install-wheel", "neither"],
+)
+def test_walkthrough_adds_back_what_the_recipe_lost(tmp_path, old, new, added):
+    # The smoke's machines need both options; a doc that drops one still gets
+    # it, on its command's last line and marked, so the run says where it departs.
+    text = DOC.read_text()
+    assert RECIPE in text and old in RECIPE, "the doc's recipe changed: update RECIPE with the smoke"
+    doc = tmp_path / "node-onboarding.md"
+    doc.write_text(text.replace(RECIPE, RECIPE.replace(old, new)))
+    r = walkthrough(doc)
+    assert r.returncode == 0, r.stderr
+    amended = amendments(r)
+    assert len(amended) == 2, amended
+    assert amended[1].endswith(f" {added}   # [smoke] added"), amended[1]
+    assert amended[1].count("--ssh-user") == 1 and amended[1].count("--install-wheel") == 1, amended[1]
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        ("--ssh-user ops", "--ssh-user admin", "has --ssh-user admin, the smoke's machines are prepared for --ssh-user ops"),
+        ("--install-wheel ./llmgw-*.whl", "--install-wheel /srv/llmgw.whl", "has --install-wheel /srv/llmgw.whl, the smoke's machines are prepared for --install-wheel ./llmgw-*.whl"),
+    ],
+    ids=["other-user", "other-wheel"],
+)
+def test_walkthrough_refuses_a_recipe_for_other_machines(tmp_path, old, new, message):
+    text = DOC.read_text()
+    assert RECIPE in text and old in RECIPE, "the doc's recipe changed: update RECIPE with the smoke"
+    doc = tmp_path / "node-onboarding.md"
+    doc.write_text(text.replace(RECIPE, RECIPE.replace(old, new)))
+    r = walkthrough(doc)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr, r.stderr
+    assert r.stdout == ""
 
 
 @pytest.mark.parametrize(
