@@ -103,8 +103,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmgw.services.simcluster import GPU_MEMORY_MIB, GPU_NAME, HCAS_PER_NODE, fabric_name, gpu_uuid
-from llmgw.services.up import Cluster
+from llmgw.services.devcluster.simcluster import GPU_MEMORY_MIB, GPU_NAME, HCAS_PER_NODE, fabric_name, gpu_uuid
+from llmgw.services.devcluster.up import Cluster
 from llmgw.shared import bus, pki, subjects as S
 from llmgw.shared.durations import format_duration, parse_duration
 from llmgw.shared.kvmirror import KvMirror, open_bucket

@@ -689,7 +689,7 @@ class Bench:
 
     def start_agent(self, node: str) -> None:
         """Start a node's agent as 'llmgw up' and 'sim start-node' do (it adopts the engines still running)."""
-        from llmgw.services.simcluster import cluster_env
+        from llmgw.services.devcluster.simcluster import cluster_env
 
         self.c.spawn(f"agent-{node}", [*LLMGW, "agent", "--config", self.c.agent_configs[node]], env=cluster_env(self.c.dir, node))
 

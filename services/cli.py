@@ -242,11 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--scenario", choices=("seed", "fabric"),
         help="run a story and print its timeline: seed (node02 dies), fabric (node02's ib-a HCA port goes DOWN)",
     )  # fmt: skip
-    p.set_defaults(func=_lazy("llmgw.services.up:up"))
+    p.set_defaults(func=_lazy("llmgw.services.devcluster.up:up"))
 
     p = sub.add_parser("down", help="stop what 'llmgw up --detach' started")
     p.add_argument("--dir", default=".llmgw")
-    p.set_defaults(func=_lazy("llmgw.services.up:down"))
+    p.set_defaults(func=_lazy("llmgw.services.devcluster.up:down"))
 
     p = sub.add_parser("sim", help="simulated cluster tools: kill-node, start-node, hang-engine, resume-engine, stall-replica, hca-down/up, gpu-fault/ok")
     ss = p.add_subparsers(dest="sim_cmd", required=True, metavar="COMMAND")
@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("node")
     q.add_argument("index", type=int)
     q.add_argument("--dir", default=".llmgw")
-    p.set_defaults(func=_lazy("llmgw.services.up:sim"))
+    p.set_defaults(func=_lazy("llmgw.services.devcluster.up:sim"))
 
     p = sub.add_parser("tui", help="the live console: fabrics, nodes, replicas and events, as they change")
     p.add_argument("--config", help="operator.yaml (default $LLMGW_CONFIG, then ./.llmgw/operator.yaml)")

@@ -5,7 +5,7 @@ test did not start and cannot ask - and never connects to anything, so looking
 cannot change what is seen. Each line also carries the socket's inode, which
 ``/proc/<pid>/fd/*`` links name (``socket:[inode]``): that is how the agent
 proves a listening port belongs to the engine it launched
-(``services/agent/procfs.py``).
+(``shared/procfs.py``).
 """
 
 from __future__ import annotations

@@ -17,9 +17,8 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from llmgw.services.agent import procfs
 from llmgw.services.agent.enginedir import EngineDir
-from llmgw.shared import subjects as S
+from llmgw.shared import procfs, subjects as S
 from llmgw.shared.bus import TlsFiles
 from llmgw.shared.errors import WireError
 from llmgw.shared.natsserver import free_port

@@ -17,7 +17,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from llmgw.services import simcluster
+from llmgw.services.devcluster import simcluster
 from llmgw.services.health import HealthMonitor
 from llmgw.services.registry import Registry
 from llmgw.services.scheduler.service import Scheduler

@@ -20,8 +20,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from llmgw.services.agent import procfs
-from llmgw.shared import subjects as S
+from llmgw.shared import procfs, subjects as S
 from llmgw.shared.bus import TlsFiles
 from llmgw.shared.schemas import CommandAck, FabricMembership, Gpu, StatusReport, StopCommand, decode, encode
 

@@ -24,7 +24,7 @@ import textwrap
 
 import pytest
 
-from llmgw.services import simcluster
+from llmgw.services.devcluster import simcluster
 from llmgw.services.agent.config import SupervisorConfig
 from llmgw.services.agent.supervisor import PORT_BUSY, Supervisor
 from llmgw.shared import procnet, subjects as S

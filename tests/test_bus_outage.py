@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from llmgw.services import simcluster
+from llmgw.services.devcluster import simcluster
 from llmgw.services.health import HealthMonitor
 from llmgw.shared import subjects as S
 from llmgw.shared.schemas import Lease, encode

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from llmgw.services import simcluster
+from llmgw.services.devcluster import simcluster
 from llmgw.shared.schemas import DeploymentSpec, template_digest
 
 from .cluster_helpers import Cluster

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.services import simcluster
-from llmgw.services.scenario import observe_fabric_story, report_fabric
+from llmgw.services.devcluster import simcluster
+from llmgw.services.devcluster.scenario import observe_fabric_story, report_fabric
 from llmgw.shared import bus
 from llmgw.shared.config import load_service_config
 

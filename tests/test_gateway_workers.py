@@ -15,8 +15,7 @@ import sys
 import aiohttp
 import pytest
 import yaml
-from llmgw.services.agent import procfs
-from llmgw.shared import procnet
+from llmgw.shared import procfs, procnet
 from llmgw.shared.natsserver import free_port
 
 from .gateway_helpers import HOST, Board, metric_sum, replica, start_sims, wait_for

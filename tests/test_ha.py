@@ -17,7 +17,7 @@ import signal
 
 import pytest
 
-from llmgw.services import simcluster
+from llmgw.services.devcluster import simcluster
 from llmgw.shared import subjects as S
 
 from .cluster_helpers import Cluster

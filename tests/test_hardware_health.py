@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from llmgw.services import simcluster
+from llmgw.services.devcluster import simcluster
 from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.schemas import DeploymentSpec, NodeRecord

@@ -25,7 +25,7 @@ import urllib.request
 import pytest
 from prometheus_client import REGISTRY
 
-from llmgw.services import simcluster
+from llmgw.services.devcluster import simcluster
 from llmgw.services.health import HealthMonitor
 from llmgw.services.registry import Registry
 from llmgw.services.scheduler.service import Scheduler

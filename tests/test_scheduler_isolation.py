@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from llmgw.services import simcluster
+from llmgw.services.devcluster import simcluster
 from llmgw.services.health import HealthMonitor
 from llmgw.services.registry import Registry
 from llmgw.services.scheduler.service import Scheduler

@@ -18,8 +18,8 @@ import sys
 import openai
 import pytest
 
-from llmgw.services import simcluster
-from llmgw.services.scenario import observe_seed_story, report
+from llmgw.services.devcluster import simcluster
+from llmgw.services.devcluster.scenario import observe_seed_story, report
 from llmgw.shared import bus
 from llmgw.shared.config import load_service_config
 from llmgw.shared.procnet import listening_on

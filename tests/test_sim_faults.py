@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from llmgw.services import cli
-from llmgw.services.agent import procfs
 from llmgw.services.agent.config import SupervisorConfig
 from llmgw.services.agent.supervisor import Supervisor
+from llmgw.shared import procfs
 from llmgw.shared.natsserver import free_port
 
 from .agent_helpers import eventually, kill_engines, make_launch

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-from llmgw.services import simcluster
+from llmgw.services.devcluster import simcluster
 
 
 def spawn(env: dict[str, str]) -> subprocess.Popen:
@@ -39,7 +39,7 @@ def test_up_puts_its_nodes_on_a_loopback_net_no_one_listens_on():
     127.0.M.0/24 instead of sharing the first's addresses and engine ports."""
     import socket
 
-    from llmgw.services.up import _free_node_net
+    from llmgw.services.devcluster.up import _free_node_net
 
     first = _free_node_net(4)
     with socket.socket() as s:  # the first cluster's node02 engine, listening

@@ -15,10 +15,10 @@ import subprocess
 import msgspec
 import pytest
 
-from llmgw.services.agent import procfs
 from llmgw.services.agent.config import SupervisorConfig
 from llmgw.services.agent.enginedir import EngineDir, EngineSpec, PidRecord
 from llmgw.services.agent.supervisor import Supervisor
+from llmgw.shared import procfs
 from llmgw.shared.schemas import EngineFact
 
 from .agent_helpers import eventually, group_alive, kill_engines, make_launch, recorded_engines

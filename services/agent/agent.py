@@ -59,7 +59,7 @@ from collections.abc import Awaitable, Callable
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from llmgw.shared import bus, subjects as S
+from llmgw.shared import bus, procfs, subjects as S
 from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import ConfigError, LlmgwError, WireError
 from llmgw.shared.schemas import (
@@ -76,7 +76,6 @@ from llmgw.shared.schemas import (
     encode,
 )
 
-from . import procfs
 from .config import AgentConfig, check_identity, load_agent_config
 from .discovery import Discovery, DiscoveryError, NvmlHealth, discover
 from .supervisor import Supervisor

@@ -73,13 +73,13 @@ from pathlib import Path
 
 import aiohttp
 
-from llmgw.shared import procnet
+from llmgw.shared import procfs, procnet
 from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import LlmgwError, WireError
 from llmgw.shared.schemas import CommandAck, EngineFact, LaunchCommand, TrafficReport
 from llmgw.shared.states import EngineState
 
-from . import adapters, procfs
+from . import adapters
 from .config import SupervisorConfig
 from .enginedir import EngineDir, EngineSpec, PidRecord, StopRequest, atomic_write, check_replica_id, dir_name
 

@@ -25,8 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from llmgw.shared.procfs import start_time
+
 from .enginedir import EngineDir, PidRecord
-from .procfs import start_time
 
 # Shell conventions, so an operator reading exit_code recognises them.
 EXIT_CANNOT_EXECUTE = 126

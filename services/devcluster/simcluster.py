@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from llmgw.shared import pki
+from llmgw.shared import pki, procfs
 from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import ConfigError
 
@@ -438,8 +438,6 @@ class SimEngine:
 
     def state(self) -> str:
         """The kernel's process state letter: ``T`` for stopped, ``S``/``R`` running."""
-        from .agent import procfs
-
         st = procfs.stat(self.pid)
         return st.state if st is not None and st.start_time == self.start_time else "gone"
 
@@ -457,8 +455,7 @@ def running_engines(node_id: str, work_dir: Path) -> list[SimEngine]:
     """Every live engine recorded under ``work_dir``, newest generation first, then by rank."""
     from llmgw.shared.errors import WireError
 
-    from .agent import procfs
-    from .agent.enginedir import EngineDir
+    from ..agent.enginedir import EngineDir
 
     root = Path(work_dir) / "engines"
     out = []
@@ -482,8 +479,6 @@ def running_engines(node_id: str, work_dir: Path) -> list[SimEngine]:
 
 def signal_engine(e: SimEngine, sig: signal.Signals, *, group: bool = True) -> bool:
     """Send ``sig`` to the engine (its whole process group by default) if it is still that process."""
-    from .agent import procfs
-
     if group:
         return procfs.signal_group(e.pid, e.start_time, sig)
     if not procfs.is_alive(e.pid, e.start_time):

@@ -6,6 +6,10 @@ alone could take over, or kill, an unrelated process after a restart. So every
 process the supervisor remembers is remembered as (pid, start time), the start
 time being field 22 of ``/proc/<pid>/stat`` (clock ticks after boot), which two
 processes holding the same pid one after the other cannot share.
+
+In shared/ because two sides read the same facts: the agent (its supervisor and
+the engine wrapper) and the dev cluster's ``llmgw up``/``down``, which records
+and stops what it started by the same (pid, start time).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from llmgw.shared.procnet import listening_on
 from llmgw.shared.schemas import Lease, Replica
 
 from . import simcluster
+from .demo import DEMO_MODEL
 
 
 @dataclass
@@ -123,8 +124,6 @@ def report(story: Story, addresses: dict[str, str], say=print) -> None:
 
 
 async def run_seed_scenario(cluster, args) -> Story:
-    from .up import DEMO_MODEL
-
     nc, js = await cluster.connect()
     try:
         addresses = {n.spec.node_id: n.spec.mgmt_addr for n in cluster.nodes}
@@ -187,8 +186,8 @@ async def observe_fabric_story(
     the node's lease stays ready and it still fits single-node work."""
     from llmgw.shared.schemas import NodeRecord
 
-    from .scheduler.placement import explain
-    from .scheduler.view import ClusterView
+    from ..scheduler.placement import explain
+    from ..scheduler.view import ClusterView
 
     story = FabricStory(victim=victim, hca=hca)
     replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS), Replica).start()
@@ -297,8 +296,6 @@ def report_fabric(story: FabricStory, say=print) -> None:
 
 
 async def run_fabric_scenario(cluster, args) -> FabricStory:
-    from .up import DEMO_MODEL
-
     victim = next(n for n in cluster.nodes if n.spec.node_id == "node02")
     nc, js = await cluster.connect()
     try:

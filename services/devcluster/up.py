@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmgw.shared import bus, pki, subjects as S
+from llmgw.shared import bus, pki, procfs, subjects as S
 from llmgw.shared.config import write_config
 from llmgw.shared.durations import format_duration, parse_duration
 from llmgw.shared.errors import ConfigError, LlmgwError
@@ -43,6 +43,7 @@ from llmgw.shared.natsserver import NatsCluster, NatsServer, free_port
 from llmgw.shared.schemas import DeploymentSpec, Lease, NodeAddrRequest, NodeRecord, Replica, encode
 
 from . import simcluster
+from .demo import DEMO_MODEL
 from .simcluster import SimNode, Timings
 
 SERVICES = ("registry", "health", "scheduler", "gateway")
@@ -53,7 +54,6 @@ HA_SERVICES = ("health-b", "scheduler-b", "gateway-b")
 RESTART_DELAY = 1.0
 RESTART_BURST = 5
 RESTART_WINDOW = 60.0
-DEMO_MODEL = "sim-70b"
 
 
 class UpError(LlmgwError):
@@ -61,23 +61,22 @@ class UpError(LlmgwError):
 
 
 def _start_time(pid: int) -> int | None:
-    """Process start time in clock ticks (/proc/<pid>/stat field 22), against pid reuse.
+    """Process start time in clock ticks (shared/procfs.py), recorded against pid reuse.
 
     None for a process that is gone — or a zombie: it has exited and only
     waits for its parent to reap it, so waiting for it to die would be waiting
     for nothing.
     """
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return None if fields[0] == "Z" else int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    st = procfs.stat(pid)
+    return None if st is None or st.state in ("Z", "X") else st.start_time
 
 
 def _alive(pid: int, start: int | None) -> bool:
-    st = _start_time(pid)
-    return st is not None and (start is None or st == start)
+    """``pid`` still the process recorded as started at ``start``; with no start
+    recorded (it had already exited when recorded), any live process of that pid."""
+    if start is None:
+        return _start_time(pid) is not None
+    return procfs.is_alive(pid, start)
 
 
 def _free_node_net(nodes: int) -> str:
