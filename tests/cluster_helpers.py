@@ -24,7 +24,7 @@ from llmgw.services.scheduler.service import Scheduler
 from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.natsserver import NatsServer
-from llmgw.shared.schemas import DeploymentSpec, Lease, Replica, encode
+from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRequest, Replica, decode, encode
 
 from .conftest import service_config
 from .waiting import _UNSET, eventually
@@ -108,6 +108,18 @@ class Cluster:
         reply = await self.ops.request(S.api("scheduler", "apply"), encode(spec), timeout=5)
         assert not (reply.headers or {}).get("Nats-Service-Error-Code"), reply.data
         return reply
+
+    async def monitor_lease(self, node: str) -> Lease | None:
+        """``node``'s lease as the acting health monitor holds it (exact ``last_renew``
+        and ``last_seq``; the bucket's are checkpoints, written once per 40 heartbeat
+        intervals), or None while no monitor acts or it has no lease for the node."""
+        try:
+            reply = await self.ops.request(S.api("health", "lease"), encode(NodeRequest(node_id=node)), timeout=2)
+        except Exception:
+            return None
+        if reply.headers and reply.headers.get("Nats-Service-Error-Code"):
+            return None
+        return decode(reply.data, Lease)
 
     async def wait(self, observe, expected=_UNSET, *, timeout=20.0, what="condition"):
         """Wait until ``observe()`` is truthy (or equals ``expected``); fail with the last
