@@ -15,7 +15,8 @@ over where the records say the work stands, so a restart in the middle of a
 rebuild neither duplicates nor loses a replica: every decision is re-derived
 from the stored records, never from memory.
 
-What a node reports is bounded and attributed (issue #12). ``reported`` keeps,
+What a node reports is bounded and attributed (issue #12); the fold itself is
+pure (``reports.ReportBook``, time passed in). ``reported`` keeps,
 per node, the engines a replica record names plus at most
 ``MAX_UNKNOWN_PER_NODE`` others (kept for fencing; more are dropped and
 counted), so one node cannot grow the scheduler's memory. A report is believed
@@ -51,7 +52,6 @@ from llmgw.shared.specs import is_outdated, validate_spec
 from llmgw.shared.schemas import (
     CommandAck,
     DeploymentSpec,
-    EngineFact,
     Lease,
     NameRequest,
     NodeRecord,
@@ -73,6 +73,7 @@ from . import ReconcileConfig, explain, fence
 from .incremental import Reconciler
 from .plan import Backoff, Cordon, Launch, NodeFailure, Plan, Stop
 from .reconcile import SPEC_CHANGED, backoff_text, launches_for, remember_failures
+from .reports import ReportBook
 from .view import ClusterView
 
 RECONCILE_SECONDS = Histogram("llmgw_scheduler_reconcile_seconds", "Time to compute and apply one plan")
@@ -244,15 +245,16 @@ class Scheduler(ServiceRuntime):
         self.leases = await KvMirror(leases_kv, Lease).start()
         self.deployments = await KvMirror(self.deployments_kv, DeploymentSpec).start()
         self.replicas = await KvMirror(self.replicas_kv, Replica).start()
-        # node -> {(replica id, rank): fact}, from the agents' status reports
-        self.reported: dict[str, dict[tuple[str, int], EngineFact]] = defaultdict(dict)
-        self.full_report_at: dict[str, float] = {}
-        # node -> boot id of the agent whose full report that was
-        self.full_report_boot: dict[str, str] = {}
-        self.absent: set[tuple[str, int]] = set()
-        # replica id -> (when, record or None if deleted) for our own recent writes
-        self.recent: dict[str, tuple[float, Replica | None]] = {}
-        self._pruned_at = 0.0
+        # What agents reported, and our own recent writes (the pure fold: reports.py)
+        self.book = ReportBook(
+            self.replicas.items,
+            self.leases.items,
+            max_unknown=MAX_UNKNOWN_PER_NODE,
+            settle_heartbeats=SETTLE_HEARTBEATS,
+            launch_grace=sc.command_timeout,
+        )
+        # node -> {(replica id, rank): fact}: the book's, mutated in place, never replaced
+        self.reported = self.book.reported
         # node -> replica failures that implicated it (auto-cordon's evidence)
         self.node_failures: dict[str, list[NodeFailure]] = {}
         # node -> (when asked, the acting health monitor's lease or None): see _heard
@@ -289,20 +291,6 @@ class Scheduler(ServiceRuntime):
         self.spawn(self.loop())
 
     # -- agent status ------------------------------------------------------------
-    def _distrust(self, node: str, boot_id: str) -> str:
-        """Why a report from ``boot_id`` on ``node`` is not believed, or "" if it is."""
-        lease = self.leases.items.get(node)
-        if lease is None:
-            return ""  # not heard yet (or no health monitor): as before
-        if lease.quarantine:
-            return "quarantined"
-        if lease.boot_id != boot_id and lease.state != "lost":
-            # Not (yet) the incarnation holding the lease; asked again when it does. A lost
-            # node's replicas are already failed: its returning agent is heard at once,
-            # so its stale engines are fenced without waiting for a heartbeat.
-            return "other_boot"
-        return ""
-
     def _on_lease(self, node: str, old: Lease | None, new: Lease | None) -> None:
         """A lease changed hands (new boot id), left quarantine or returned from lost
         (same boot id: a partition healed, or an agent slow to reconnect after a bus
@@ -312,36 +300,16 @@ class Scheduler(ServiceRuntime):
         returned = old is not None and old.state == "lost" and new.state != "lost"
         if old is not None and old.boot_id == new.boot_id and not old.quarantine and not returned:
             return
-        if old is None and node in self.full_report_boot and self.full_report_boot[node] == new.boot_id:
+        if old is None and self.book.full_report_boot.get(node) == new.boot_id:
             return
         self._background(self._ask_status(node))
-
-    def _bounded(self, node: str, engines, base: dict) -> dict:
-        """``base`` updated with ``engines``, keeping only engines a replica record
-        names plus ``MAX_UNKNOWN_PER_NODE`` others."""
-        known = self.known_replicas({f.replica_id for f in engines})
-        out = dict(base)
-        unknown = sum(1 for (rid, _r) in out if rid not in self.replicas.items and rid not in self.recent)
-        dropped = 0
-        for f in engines:
-            key = (f.replica_id, f.rank)
-            if f.replica_id not in known and key not in out:
-                if unknown >= MAX_UNKNOWN_PER_NODE:
-                    dropped += 1
-                    continue
-                unknown += 1
-            out[key] = f
-        if dropped:
-            TRUNCATED.inc(dropped)
-            self.log.warning("status from %s: %d engines no replica names dropped (at most %d kept per node)", node, dropped, MAX_UNKNOWN_PER_NODE)
-        return out
 
     async def on_status(self, msg) -> None:
         report = self.node_message(msg, StatusReport, STATUS, "status")
         if report is None:
             return
         node = report.node_id
-        why = self._distrust(node, report.boot_id)
+        why = self.book.distrust(node, report.boot_id)
         if why:
             STATUS.labels(why).inc()
             self.log.debug("status from %s (boot %s) ignored: %s", node, report.boot_id[:8], why)
@@ -353,21 +321,18 @@ class Scheduler(ServiceRuntime):
     def _take_report(self, report: StatusReport) -> None:
         """Fold a believed report into ``reported`` and fence what it shows (leader only)."""
         node = report.node_id
-        if report.full:
-            self.reported[node] = self._bounded(node, report.engines, {})
-            self.full_report_at[node] = time.time()
-            self.full_report_boot[node] = report.boot_id
-        else:
-            self.reported[node] = self._bounded(node, report.engines, self.reported.get(node, {}))
+        stamp = time.time()
+        engines, dropped = self.book.take(report, stamp)
+        if dropped:
+            TRUNCATED.inc(dropped)
+            self.log.warning("status from %s: %d engines no replica names dropped (at most %d kept per node)", node, dropped, MAX_UNKNOWN_PER_NODE)
         if self.leadership and self.leadership.is_leader:
             # Fence on every report, not only full ones: a node whose lease went
             # lost while its agent stayed connected keeps reporting its stale
             # engines, and those must stop too. Sent in the background: this
             # handler serves every node's reports and must not wait on one node.
             # Only what was kept is fenced: at most MAX_UNKNOWN_PER_NODE stops.
-            kept = self.reported[node]
-            engines = [f for f in report.engines if kept.get((f.replica_id, f.rank)) is f]
-            stops = fence({node: engines}, self.known_replicas({f.replica_id for f in engines}))
+            stops = fence({node: engines}, self.book.known_replicas({f.replica_id for f in engines}, stamp))
             stops = [st for st in stops if (st.node_id, st.replica_id, st.generation) not in self.stops_in_flight]
             if stops:
                 self.stops_in_flight.update((st.node_id, st.replica_id, st.generation) for st in stops)
@@ -384,69 +349,6 @@ class Scheduler(ServiceRuntime):
 
         task.add_done_callback(finished)
         return task
-
-    def known_replicas(self, ids: set[str]) -> dict[str, Replica]:
-        """The records of ``ids`` (those a report names): the mirror's, or what this
-        instance wrote and its watch has not echoed yet, whichever is newer.
-
-        Without the second part an agent's "starting" report can beat our own
-        record through the watch, and fencing would stop an engine we just launched.
-        Only the named ids are looked up: a report per node per heartbeat must
-        not copy the whole replica table.
-        """
-        now_ = time.time()
-        if now_ - self._pruned_at > 1.0:  # once a second, not once a report
-            self._pruned_at = now_
-            for rid in [r for r, (at, _) in self.recent.items() if at < now_ - 30]:
-                del self.recent[rid]
-        known = {}
-        for rid in ids:
-            rep = self.replicas.items.get(rid)
-            if rid in self.recent:
-                mine = self.recent[rid][1]
-                if mine is None:
-                    rep = None
-                elif rep is None or rep.generation <= mine.generation:
-                    rep = mine
-            if rep is not None:
-                known[rid] = rep
-        return known
-
-    def _missing(self, node: str, rep: Replica) -> bool:
-        """A full report from ``node``, taken well after the launch, lacks this engine.
-
-        The grace covers a launch still in flight when the report was taken.
-        """
-        at = self.full_report_at.get(node)
-        if at is None or rep.created_at <= 0 or at <= rep.created_at + self.cfg.scheduler.command_timeout:
-            return False
-        lease = self.leases.items.get(node)
-        if lease is None:
-            return True
-        # Only the incarnation holding the lease, settled, and not quarantined may say an
-        # engine is gone (a lease from before these fields, boot_since 0, counts as settled).
-        settled = lease.boot_since == 0 or lease.boot_heartbeats >= SETTLE_HEARTBEATS
-        return not lease.quarantine and self.full_report_boot.get(node) == lease.boot_id and settled
-
-    def _with_reports(self, replicas: dict[str, Replica]) -> dict[str, Replica]:
-        """Replicas with members' engine states folded in from the latest reports."""
-        out = {}
-        for rid, rep in replicas.items():
-            members = []
-            changed = False
-            for m in rep.members:
-                fact = self.reported.get(m.node_id, {}).get((rid, m.rank))
-                state, detail, pid = m.engine_state, m.engine_detail, m.pid
-                if fact is not None and fact.generation == rep.generation:
-                    state, detail, pid = EngineState(fact.state), fact.detail, fact.pid
-                elif (rid, m.rank) in self.absent or self._missing(m.node_id, rep):
-                    state, detail = EngineState.ABSENT, "missing from its node's full report, or the launch was refused"
-                if (state, detail, pid) != (m.engine_state, m.engine_detail, m.pid):
-                    changed = True
-                    m = msgspec.structs.replace(m, engine_state=state, engine_detail=detail, pid=pid)
-                members.append(m)
-            out[rid] = msgspec.structs.replace(rep, members=members) if changed else rep
-        return out
 
     # -- the loop ----------------------------------------------------------------
     async def loop(self) -> None:
@@ -492,7 +394,7 @@ class Scheduler(ServiceRuntime):
             if is_outdated(rep, template_digest(spec)):
                 continue  # the spec changed since: reconcile retires it (case 7), and no member may start on the new one
             for launch in launches_for(spec, rep, self.nodes.items):
-                if (rep.id, launch.member.rank) not in self.reported.get(launch.node_id, {}):
+                if not self.book.has(launch.node_id, rep.id, launch.member.rank):
                     resend.append(launch)
         if resend:
             self.log.info("re-sending %d launches an earlier leader may not have sent", len(resend))
@@ -504,7 +406,7 @@ class Scheduler(ServiceRuntime):
             report = decode(reply.data, StatusReport)
         except Exception:
             return  # unreachable: its lease decides what happens to its replicas
-        if report.node_id == node and report.full and not self._distrust(node, report.boot_id):
+        if report.node_id == node and report.full and not self.book.distrust(node, report.boot_id):
             self._take_report(report)  # fenced too: the agent's own connect-time report may have been another boot's
             self.wake.set()
 
@@ -581,7 +483,7 @@ class Scheduler(ServiceRuntime):
 
     async def reconcile_once(self) -> Plan:
         base = dict(self.replicas.items)
-        current = self._with_reports(base)
+        current = self.book.with_reports(base)
         full = time.monotonic() - self._full_at >= FULL_PASS_INTERVAL or self.reconciler.fresh
         if full:
             self._full_at = time.monotonic()
@@ -657,7 +559,7 @@ class Scheduler(ServiceRuntime):
         async def write(rid: str, rep: Replica) -> None:
             async with room:
                 await self.replicas_kv.put(rid, encode(rep))
-            self.recent[rid] = (time.time(), rep)
+            self.book.wrote(rid, rep, time.time())
             launched.extend(asyncio.create_task(self._launch(l)) for l in launches.get(rid, ()))
 
         results = await asyncio.gather(*(write(rid, rep) for rid, rep in writes.items()), return_exceptions=True)
@@ -673,12 +575,12 @@ class Scheduler(ServiceRuntime):
                 await self._publish(ev)
                 published.add(id(ev))
         for rid in plan.deletes:
-            self.recent[rid] = (stamp, None)
+            self.book.wrote(rid, None, stamp)
             try:
                 await self.replicas_kv.purge(rid)
             except Exception as e:
                 self.log.warning("could not delete replica %s: %s", rid, e)
-            self.absent = {k for k in self.absent if k[0] != rid}
+            self.book.forget(rid)
         # 3b. the launches of records not written here (none today), and the stops,
         # concurrently: a rebuild should not wait on one slow agent.
         orphans = [l for l in plan.launches if l.replica_id not in writes]
@@ -775,7 +677,7 @@ class Scheduler(ServiceRuntime):
         else:
             COMMANDS.labels("launch", ack.code or "refused").inc()
             self.log.warning("launch of %s on %s refused: %s %s", launch.replica_id, launch.node_id, ack.code, ack.reason)
-            self.absent.add(key)
+            self.book.refused(*key)
             self.wake.set()
 
     async def _request_launch(self, launch: Launch):
