@@ -229,6 +229,81 @@ def test_placement_flags_in_engine_args_are_refused(engine, args, flag):
     assert f"{engine}: engine_args may not set {flag}" in str(e.value)
 
 
+# Every spelling vLLM's argparse reads as a flag llmgw owns (aliases from
+# vllm/engine/arg_utils.py and vllm/entrypoints/openai/cli_args.py), what the
+# error names, and a word of why.
+PLACED = "from the replica's placement"
+DP = "data parallelism in llmgw is a deployment's replicas"
+VLLM_REFUSED = [
+    ("nnodes-short", ["-n", "2"], "-n (--nnodes)", PLACED),
+    ("nnodes-short-attached", ["-n2"], "-n2 (--nnodes)", PLACED),
+    ("nnodes-short-equals", ["-n=2"], "-n (--nnodes)", PLACED),
+    ("nnodes-prefix", ["--nnode", "2"], "--nnode (--nnodes)", PLACED),
+    ("node-rank-short", ["-r", "1"], "-r (--node-rank)", PLACED),
+    ("node-rank-short-attached", ["-r1"], "-r1 (--node-rank)", PLACED),
+    ("node-rank-prefix", ["--node-r=1"], "--node-r (--node-rank)", PLACED),
+    ("uds", ["--uds", "/tmp/v.sock"], "--uds", PLACED),
+    ("dp-size", ["--data-parallel-size", "2"], "--data-parallel-size", DP),
+    ("dp-size-short", ["-dp", "2"], "-dp (--data-parallel-*)", DP),
+    ("dp-rank-short", ["-dpn=1"], "-dpn (--data-parallel-*)", DP),
+    ("dp-address-underscore", ["--data_parallel_address", "10.0.0.9"], "--data-parallel-address", DP),
+    ("dp-rpc-port-short", ["-dpp", "13345"], "-dpp (--data-parallel-*)", DP),
+    ("dp-hybrid-lb-short", ["-dph"], "-dph (--data-parallel-*)", DP),
+    ("dp-unknown-future", ["--data-parallel-something-new", "1"], "--data-parallel-something-new", DP),
+    ("dp-prefix", ["--data-parallel", "2"], "--data-parallel (--data-parallel-*)", DP),
+    ("api-server-count", ["--api-server-count", "0"], "--api-server-count", "0 would serve no HTTP at all"),
+    ("api-server-count-short", ["-asc", "4"], "-asc (--api-server-count)", "exactly one API server"),
+    ("api-server-count-prefix", ["-as", "4"], "-as (--api-server-count)", "exactly one API server"),
+    ("headless", ["--headless"], "--headless", PLACED),
+    ("config", ["--config", "serve.yaml"], "--config", "a vLLM config file can set any flag"),
+    ("config-equals", ["--config=serve.yaml"], "--config", "put its options in engine_args"),
+]
+
+
+@pytest.mark.parametrize("args, shown, why", [r[1:] for r in VLLM_REFUSED], ids=[r[0] for r in VLLM_REFUSED])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_vllm_refuses_every_spelling_of_what_llmgw_owns(args, shown, why, rank):
+    with pytest.raises(AdapterError) as e:
+        run(member("vllm", rank, engine_args=["--max-model-len", "8192", *args]))
+    message = str(e.value)
+    assert message.startswith(f"vllm: engine_args may not set {shown}: "), message
+    assert why in message
+
+
+# Look-alikes that are other vLLM flags (or values) and must pass through.
+VLLM_ALLOWED = [
+    ("config-format", ["--config-format", "auto"]),
+    ("compilation-level", ["-O3"]),
+    ("expert-parallel", ["--enable-expert-parallel"]),
+    ("expert-parallel-short", ["-ep"]),
+    ("context-parallel-short", ["-dcp", "2"]),
+    ("served-name", ["--served-model-name", "chat"]),
+    ("negative-value", ["--max-num-seqs", "-1"]),
+]
+
+
+@pytest.mark.parametrize("args", [a[1] for a in VLLM_ALLOWED], ids=[a[0] for a in VLLM_ALLOWED])
+def test_vllm_passes_look_alikes_through(args):
+    assert run(member("vllm", 0, engine_args=args)).argv[-len(args) :] == args
+
+
+def test_vllm_names_every_refused_flag_once_grouped_by_reason():
+    args = ["-n", "2", "--port", "9", "-dp", "2", "--config", "x.yaml", "-n", "2"]
+    with pytest.raises(AdapterError) as e:
+        run(member("vllm", 0, engine_args=args))
+    assert str(e.value).split("; ") == [
+        "vllm: engine_args may not set -n (--nnodes), --port: llmgw sets them from the replica's placement (ranks, addresses, ports)",
+        (
+            "engine_args may not set -dp (--data-parallel-*): data parallelism in llmgw is a deployment's replicas "
+            "(scale with `replicas`), and vLLM's own would start engines and open ports the scheduler never placed"
+        ),
+        (
+            "engine_args may not set --config: a vLLM config file can set any flag, including those llmgw sets, "
+            "out of this check's sight, so put its options in engine_args instead"
+        ),
+    ]
+
+
 # --------------------------------------------------------------------------
 # Environment
 # --------------------------------------------------------------------------

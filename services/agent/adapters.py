@@ -20,7 +20,11 @@ A user's own ``--tensor-parallel-size`` / ``--pipeline-parallel-size`` in the
 deployment's ``engine_args`` replaces ours. Flags that carry what llmgw
 allocated (ports, ranks, addresses) cannot be overridden: a deployment setting
 ``--port`` would make the gateway route to a port nobody listens on, so such
-engine_args are refused with ``AdapterError``.
+engine_args are refused with ``AdapterError``. For vLLM that covers every
+spelling its parser reads as one of those flags (short aliases such as ``-n``
+and ``-r``, ``-n2``, unambiguous prefixes), and also the flags that would take
+the replica's shape out of llmgw's hands: ``--data-parallel-*`` (llmgw's
+replicas are its data parallelism), ``--api-server-count`` and ``--config``.
 """
 
 from __future__ import annotations
@@ -143,21 +147,107 @@ def _hostport(host: str, port: int) -> str:
 
 _VLLM_TP = ("--tensor-parallel-size", "-tp")
 _VLLM_PP = ("--pipeline-parallel-size", "-pp")
-_VLLM_RESERVED = (
-    "--nnodes",
-    "--node-rank",
-    "--master-addr",
-    "--master-port",
-    "--headless",
-    "--host",
-    "--port",
-    "--distributed-executor-backend",
+
+_VLLM_FAMILY = "--data-parallel-"  # every --data-parallel-* flag, present and future
+_PLACEMENT = "llmgw sets {them} from the replica's placement (ranks, addresses, ports)"
+# Every spelling vLLM's parser accepts for a flag llmgw must own, and why.
+# Aliases as vllm-project/vllm declares them: ``vllm/engine/arg_utils.py``
+# (EngineArgs.add_cli_args, the ParallelConfig group: ``"--nnodes", "-n"``,
+# ``"--node-rank", "-r"``, ``"--data-parallel-size", "-dp"``, ``-dpn``, ``-dpr``,
+# ``-dpl``, ``-dpa``, ``-dpp``, ``-dpb``, ``-dph``, ``-dpe``) and
+# ``vllm/entrypoints/openai/cli_args.py`` (make_arg_parser: ``--headless``,
+# ``"--api-server-count", "-asc"``, ``--config``; FrontendArgs: ``--host``,
+# ``--port``, ``--uds``, which "if set, host and port arguments are ignored").
+_VLLM_REFUSED: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("--nnodes", ("-n",), _PLACEMENT),
+    ("--node-rank", ("-r",), _PLACEMENT),
+    ("--master-addr", (), _PLACEMENT),
+    ("--master-port", (), _PLACEMENT),
+    ("--headless", (), _PLACEMENT),
+    ("--host", (), _PLACEMENT),
+    ("--port", (), _PLACEMENT),
+    ("--uds", (), _PLACEMENT),
+    ("--distributed-executor-backend", (), _PLACEMENT),
+    (
+        _VLLM_FAMILY + "*",
+        ("-dp", "-dpn", "-dpr", "-dpl", "-dpa", "-dpp", "-dpb", "-dph", "-dpe"),
+        # vLLM's data parallelism starts engines on other nodes with ranks, an
+        # address and an RPC port of its own, none of which the scheduler placed.
+        (
+            "data parallelism in llmgw is a deployment's replicas (scale with `replicas`), and "
+            "vLLM's own would start engines and open ports the scheduler never placed"
+        ),
+    ),
+    (
+        "--api-server-count",
+        ("-asc",),
+        # vLLM runs headless (no HTTP at all) for a count below 1, and more than
+        # one API server process is a layout the agent's listener check does not know.
+        "the leader runs exactly one API server on the port llmgw gave it (0 would serve no HTTP at all)",
+    ),
+    (
+        "--config",
+        (),
+        (
+            "a vLLM config file can set any flag, including those llmgw sets, out of this check's sight, "
+            "so put its options in engine_args instead"
+        ),
+    ),
 )
+
+
+def _vllm_refusal(arg: str) -> tuple[str, str] | None:
+    """(the flag ``arg`` sets, why it is refused), or None if ``arg`` may be given.
+
+    Matches what vLLM's argparse would read ``arg`` as: the long names, their
+    aliases, a short alias with its value attached (``-n2``: argparse reads a
+    one-letter option's value from the same token), and an unambiguous prefix
+    (``--node-r``, ``-as``: argparse expands prefixes of long options, and of
+    single-dash ones whatever ``allow_abbrev`` says). A prefix of several refused
+    flags is refused too: vLLM would reject it as ambiguous anyway.
+    """
+    flag = _norm_flag(arg)
+    if flag is None:
+        return None
+    single_dash = not flag.startswith("--")
+    for long, aliases, why in _VLLM_REFUSED:
+        if long == _VLLM_FAMILY + "*":
+            if flag.startswith(_VLLM_FAMILY):
+                return flag, why
+            if not single_dash and _VLLM_FAMILY.startswith(flag):
+                return f"{flag} ({long})", why
+        elif flag == long:
+            return long, why
+        elif not single_dash and long.startswith(flag):
+            return f"{flag} ({long})", why
+        for alias in aliases:
+            attached = single_dash and len(alias) == 2 and flag[:2] == alias
+            if attached or (single_dash and alias.startswith(flag)):
+                return f"{flag} ({long})", why
+    return None
+
+
+def _check_vllm_args(args: list[str]) -> set[str]:
+    refused: dict[str, list[str]] = {}
+    for arg in args:
+        hit = _vllm_refusal(arg)
+        if hit and hit[0] not in refused.get(hit[1], []):
+            refused.setdefault(hit[1], []).append(hit[0])
+    if refused:
+        raise AdapterError(
+            "vllm: "
+            + "; ".join(
+                f"engine_args may not set {', '.join(flags)}: "
+                + why.format(them="it" if len(flags) == 1 else "them")
+                for why, flags in refused.items()
+            )
+        )
+    return _flags(args)
 
 
 def _vllm(cmd: LaunchCommand, mgmt_addr: str, mgmt_interface: str, python: str) -> EngineCommand:
     _check(cmd, need_gpus=True)
-    given = _check_engine_args("vllm", cmd.engine_args, _VLLM_RESERVED)
+    given = _check_vllm_args(cmd.engine_args)
     argv = ["vllm", "serve", cmd.model]
     if not given & set(_VLLM_TP):
         argv += ["--tensor-parallel-size", str(len(cmd.gpus))]
