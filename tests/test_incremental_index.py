@@ -18,7 +18,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmgw.services.scheduler.incremental import Reconciler
-from llmgw.services.scheduler.placement import _indexes
+from llmgw.services.scheduler.placement import _indexes, cache_of
 from llmgw.services.scheduler.reconcile import ReconcileConfig, reconcile, remember_failures
 from llmgw.services.scheduler.view import ClusterView
 
@@ -34,6 +34,7 @@ def view_facts(view: ClusterView) -> dict:
     """Everything placement reads from a view, in comparable form."""
     for multi in (False, True):
         _indexes(view, multi)
+    cache = cache_of(view)
     nodes = {
         nid: (
             n.record, n.lease, n.gpus, tuple(n.fabrics), n.usable_fabrics, frozenset(n.used_gpus),
@@ -41,10 +42,10 @@ def view_facts(view: ClusterView) -> dict:
         )
         for nid, n in view.nodes.items()
     }
-    static = {k: v for k, v in view.static.items() if k[0] in view.nodes}
+    static = {k: v for k, v in cache.static.items() if k[0] in view.nodes}
     indexes = {
         (multi, group): (tuple((k, tuple(b)) for k, b in sorted(idx.buckets.items())), idx.total_gpus, idx.used_gpus)
-        for multi, by_group in view.indexes.items()
+        for multi, by_group in cache.indexes.items()
         for group, idx in by_group.items()
         if idx.buckets
     }
@@ -169,7 +170,7 @@ def test_a_lost_node_advances_only_its_replicas_and_replaces_them_as_the_full_pa
     plan = rec.step(deps, replicas, nodes, lost, 20.0)
     assert rec.advanced == len(hosted) and rec.converged == 1
     assert plan == reconcile(deps, replicas, nodes, lost, 20.0)
-    assert {l.node_id for l in plan.launches}.isdisjoint({victim}) and len(plan.launches) == 2 * len(hosted)
+    assert {launch.node_id for launch in plan.launches}.isdisjoint({victim}) and len(plan.launches) == 2 * len(hosted)
 
 
 def test_a_startup_timeout_fires_with_no_input_changing():
@@ -196,4 +197,4 @@ def test_a_pending_deployment_is_placed_when_a_node_joins():
     leases = {**leases, "node09": make_lease("node09", "ready", since=12.0)}
     plan = rec.step(deps, replicas, nodes, leases, 12.0)
     assert plan == reconcile(deps, replicas, nodes, leases, 12.0)
-    assert [l.node_id for l in plan.launches] == ["node09"]
+    assert [launch.node_id for launch in plan.launches] == ["node09"]

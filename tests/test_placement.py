@@ -11,12 +11,13 @@ from llmgw.services.scheduler import reasons as R
 from llmgw.services.scheduler.placement import (
     FILTERS,
     GROUP_SCORERS,
-    NODE_SCORER,
     Request,
+    cache_of,
     check_node,
     explain,
     place,
 )
+from llmgw.services.scheduler.scorers import NodeBinPack
 from llmgw.services.scheduler.view import ClusterView, PortRange
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.schemas import Replica, ReplicaMember
@@ -278,11 +279,50 @@ def test_scorers_stay_within_0_and_1():
     full_a = holding("sim-g1", ("node01", range(8)), ("node02", range(8)), fabric="ib-a", deployment="sim")
     view = view_of(nodes, leases, full_a)
     place(SEED_REQ, view)  # builds the indexes
-    for group, index in view.indexes[True].items():
+    for group, index in cache_of(view).indexes[True].items():
         for scorer in GROUP_SCORERS:
             assert 0.0 <= scorer.score(group, index, SEED_REQ, view) <= 1.0
+    oracle = NodeBinPack()  # best_fit's test oracle, not a pipeline stage
     for node in view.nodes.values():
-        assert 0.0 <= NODE_SCORER.score(node, Request("d", 0, 1), view) <= 1.0
+        assert 0.0 <= oracle.score(node, Request("d", 0, 1), view) <= 1.0
+
+
+# --------------------------------------------------------------------------
+# Placement's memo of a view (PlacementCache)
+# --------------------------------------------------------------------------
+
+
+def index_buckets(view, multi):
+    return {g: {k: list(b) for k, b in idx.buckets.items()} for g, idx in cache_of(view).indexes[multi].items()}
+
+
+def test_commit_moves_nodes_in_the_indexes_as_a_fresh_build_would_place_them():
+    nodes, leases = seed_cluster()
+    view = view_of(nodes, leases)
+    place(SEED_REQ, view)  # builds the multi-node indexes
+    place(Request("one", 4, 1), view)  # and the single-node ones
+    held = holding("sim-g1", ("node01", range(4), 20000, 20001), ("node02", range(4)), fabric="ib-a", deployment="sim")
+    view.commit(held)
+    fresh = view_of(nodes, leases, held)
+    place(SEED_REQ, fresh)
+    place(Request("one", 4, 1), fresh)
+    assert index_buckets(view, True)["ib-a"] == {4: ["node01", "node02"]}
+    for multi in (False, True):
+        assert index_buckets(view, multi) == index_buckets(fresh, multi)
+
+
+def test_a_refusal_is_reused_until_the_view_changes_then_recomputed():
+    nodes, leases = seed_cluster(node02="lost", node03="lost", node04="lost")
+    view = view_of(nodes, leases, holding("a", ("node01", range(4), 20000, 20001)))
+    whole = Request("d", 8, 1)
+    first = place(whole, view)
+    assert not first.placed and first.details["node01"].startswith("4 of 8 GPUs free")
+    assert place(whole, view) == first
+    assert list(cache_of(view).refusals) == [(8, 1)] and cache_of(view).refusals_version == view.version
+    view.commit(holding("b", ("node01", [4, 5], 20002, 20003)))
+    again = place(whole, view)
+    assert again.details["node01"].startswith("2 of 8 GPUs free")  # not the refusal cached before the commit
+    assert cache_of(view).refusals_version == view.version
 
 
 # --------------------------------------------------------------------------

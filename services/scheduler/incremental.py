@@ -7,9 +7,10 @@ takes the same arguments and returns the same plan — the property tests in
 ``tests/test_incremental_index.py`` hold the two equal, plan for plan, over
 random histories — but keeps, between calls:
 
-* a ``LiveView``: the ``ClusterView`` (nodes, what each holds, the static
-  filters' verdicts, the capacity indexes, the spread), updated in place by
-  the differences of its inputs instead of rebuilt;
+* a ``LiveView``: the ``ClusterView`` (nodes, what each holds, the spread)
+  with placement's memo of it (``PlacementCache``: the static filters'
+  verdicts, the capacity indexes), updated in place by the differences of its
+  inputs instead of rebuilt;
 * what it was given last time. The shell's KV mirrors replace an entry when it
   changes, so an unchanged entry is the same object: a walk comparing
   identities (about 1 ms per 10,000 entries) finds what changed.
@@ -53,7 +54,7 @@ from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRecord, Replica
 from llmgw.shared.states import ReplicaState as RS
 
 from .filters import Request
-from .placement import static_verdict
+from .placement import PlacementCache, static_verdict
 from .plan import NodeFailure, Plan
 from .reconcile import _LEADER_UP, _STARTING, ReconcileConfig, _Cycle, advance_order, replica_order
 from .view import HOLDS_RESOURCES, LIVE, ClusterView, NodeView, PortRange, node_view
@@ -69,11 +70,18 @@ class LiveView(ClusterView):
     """A ``ClusterView`` kept current across cycles: nodes are set, replicas held
     and released, and every index follows. Equal, at the end of each step, to
     ``ClusterView.build`` of the same nodes, leases, suspects and replicas (with
-    both shapes' indexes built) — ``tests/test_incremental_index.py`` checks it."""
+    both shapes' indexes built) — ``tests/test_incremental_index.py`` checks it.
+
+    Placement's memo is kept here too, since the view changes in ways
+    ``commit`` alone does not: both shapes' static verdicts and indexes from
+    the start, each node's redone when it changes. Its refusals need no care:
+    every change bumps ``version``, which they are valid for."""
+
+    placement: PlacementCache
 
     def __init__(self, ports: PortRange):
         super().__init__({}, ports, Counter())
-        self.indexes = {False: {}, True: {}}
+        self.placement = PlacementCache(indexes={False: {}, True: {}})
         self.held: dict[str, Replica] = {}  # replica id -> the record whose holdings are in the view
         self._spread_key: dict[str, tuple] = {}  # replica id -> the spread entry it counts in
         # node -> how many held members use each GPU / port: two records naming
@@ -102,8 +110,7 @@ class LiveView(ClusterView):
         if record is None and lease is None and not self.on_node.get(node_id):
             self.nodes.pop(node_id, None)
             self._inputs.pop(node_id, None)
-            self.static.pop((node_id, False), None)
-            self.static.pop((node_id, True), None)
+            self._forget_verdicts(node_id)
             self.version += 1
             return
         node = node_view(node_id, record, lease, suspect)
@@ -119,10 +126,14 @@ class LiveView(ClusterView):
     def _add_node(self, node: NodeView) -> None:
         self.nodes[node.node_id] = node
         self._size(len(node.gpus), +1)
-        for multi, shape in SHAPES.items():
-            self.static.pop((node.node_id, multi), None)
+        self._forget_verdicts(node.node_id)
+        for shape in SHAPES.values():
             static_verdict(node, shape, self)
         self._index(node.node_id)
+
+    def _forget_verdicts(self, node_id: str) -> None:
+        for multi in SHAPES:
+            self.placement.static.pop((node_id, multi), None)
 
     def _size(self, gpus: int, delta: int) -> None:
         self._sizes[gpus] += delta
@@ -132,26 +143,25 @@ class LiveView(ClusterView):
 
     def _index(self, node_id: str) -> None:
         for multi in SHAPES:
-            verdict = self.static.get((node_id, multi))
-            if verdict is not None and verdict.ok:
-                self.index_add(multi, node_id)
+            if self.placement.indexed(node_id, multi):
+                self.placement.index_add(self, multi, node_id)
 
     def _unindex(self, node_id: str) -> None:
         node = self.nodes.get(node_id)
         if node is None:
             return
-        key = self._index_key(node_id)
+        key = self.index_key(node_id)
         if key is None:
             return
+        indexes = self.placement.indexes
         for multi in SHAPES:
-            verdict = self.static.get((node_id, multi))
-            if verdict is None or not verdict.ok:
+            if not self.placement.indexed(node_id, multi):
                 continue
             for group in self.groups(node, multi):
-                index = self.indexes[multi][group]
+                index = indexes[multi][group]
                 index.remove(node_id, key, len(node.gpus))
                 if not index.buckets:
-                    del self.indexes[multi][group]
+                    del indexes[multi][group]
 
     # -- replicas ------------------------------------------------------------
 
@@ -227,8 +237,7 @@ class LiveView(ClusterView):
         node = self.nodes.pop(nid)
         self._size(len(node.gpus), -1)
         self._inputs.pop(nid, None)
-        self.static.pop((nid, False), None)
-        self.static.pop((nid, True), None)
+        self._forget_verdicts(nid)
         self._gpu_refs.pop(nid, None)
         self._port_refs.pop(nid, None)
 
@@ -288,7 +297,6 @@ class Reconciler:
         self._unsettled: set[str] = set()
         self._deadlines: list[tuple[float, str]] = []
         self._deadline_of: dict[str, float] = {}
-        self._cache_version = -1
         self.fresh = True
         # What the last step did, for metrics and logs.
         self.advanced = 0
@@ -310,8 +318,6 @@ class Reconciler:
         full = self.fresh
         cfg = self.config
         view = self.view
-        if view.version != self._cache_version:
-            view.cycle.clear()  # placement's failure cache, valid for one view state
         # -- what changed ------------------------------------------------------
         if full:
             dirty_reps = set(replicas)
@@ -411,7 +417,6 @@ class Reconciler:
         self._deployments = dict(deployments)
         self._effective = effective
         self._suspects = suspects
-        self._cache_version = view.version
         self.fresh = False
         return plan
 

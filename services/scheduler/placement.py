@@ -7,6 +7,16 @@ when no single fabric holds all of it, it does not go anywhere.
 
 ``place`` is a query: it reserves nothing. The reconciler commits what it
 decides to place with ``ClusterView.commit``.
+
+What decides: the filters (in ``FILTERS``' order) say which nodes can take a
+member; the group scorers (``GROUP_SCORERS``) choose the fabric, or a
+single-node replica's group; inside it ``CapacityIndex.best_fit`` chooses the
+nodes, fullest first. ``scorers.NodeBinPack`` is not part of the pipeline: it
+is the oracle the tests hold ``best_fit``'s order to.
+
+Placement's memo of a view is a ``PlacementCache`` (``cache_of``): verdicts and
+indexes that stay true while the view changes only by ``commit``, and refusals
+that stay true until the next change.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from .filters import (
     Schedulable,
     Verdict,
 )
-from .scorers import FabricBinPack, FabricSpread, NodeBinPack
+from .scorers import FabricBinPack, FabricSpread
 from .view import PORTS_PER_LEADER, CapacityIndex, ClusterView, NodeView
 
 # --------------------------------------------------------------------------
@@ -66,10 +76,75 @@ GROUP_SCORERS = (
     FabricSpread(),
     FabricBinPack(),
 )
-# Ranking nodes inside the chosen group. ``CapacityIndex.best_fit`` yields
-# nodes in this scorer's order (fewest GPUs left, then node id), so choosing
-# n nodes is a bucket walk rather than a sort of every node.
-NODE_SCORER = NodeBinPack()
+# Nodes inside the chosen group are not scored: ``CapacityIndex.best_fit``
+# picks them (fewest GPUs left, then node id), a bucket walk rather than a
+# sort of every node. ``scorers.NodeBinPack`` is its test oracle.
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a replica of one shape fits nowhere: ``PlacementResult``'s why-not fields."""
+
+    reasons: dict[str, str]  # node id -> reason constant
+    details: dict[str, str]  # node id -> human detail
+    summary: str
+
+
+@dataclass(eq=False)
+class PlacementCache:
+    """What placement memoises about one ``ClusterView`` (``view.placement``).
+
+    ``static`` and ``indexes`` stay true while the view changes only by
+    ``commit`` (the view re-buckets committed nodes through ``reindex``); a view
+    that changes otherwise — the incremental ``LiveView`` — keeps them in step
+    itself. ``refusals`` hold for one ``view.version``: capacity only shrinks
+    between commits, so until the next one a shape fails the same way.
+    """
+
+    # (node id, multi-node shape) -> the static filters' verdict
+    static: dict[tuple[str, bool], Verdict] = field(default_factory=dict)
+    # multi-node shape -> group -> capacity index of the nodes passing ``static``;
+    # a shape is present once its indexes are built
+    indexes: dict[bool, dict[str | None, CapacityIndex]] = field(default_factory=dict)
+    # (GPUs per node, nodes per replica) -> why that shape fits nowhere
+    refusals: dict[tuple[int, int], Refusal] = field(default_factory=dict)
+    refusals_version: int = -1  # the view version ``refusals`` hold for
+
+    def indexed(self, node_id: str, multi: bool) -> bool:
+        """Whether the static filters let ``node_id`` into the ``multi`` shape's indexes."""
+        verdict = self.static.get((node_id, multi))
+        return verdict is not None and verdict.ok
+
+    def index_add(self, view: ClusterView, multi: bool, node_id: str) -> None:
+        """Put a node the static filters passed into its groups' indexes."""
+        key = view.index_key(node_id)
+        if key is None:
+            return
+        node = view.nodes[node_id]
+        for group in view.groups(node, multi):
+            self.indexes[multi].setdefault(group, CapacityIndex()).add(node_id, key, len(node.gpus))
+
+    def reindex(self, view: ClusterView, node_id: str, old_key: int | None) -> None:
+        """Move a node whose holdings grew from bucket ``old_key`` to its bucket now."""
+        node = view.nodes[node_id]
+        new_key = view.index_key(node_id)
+        for multi, by_group in self.indexes.items():
+            if not self.indexed(node_id, multi):
+                continue
+            for group in view.groups(node, multi):
+                index = by_group.setdefault(group, CapacityIndex())
+                if old_key is not None:
+                    index.remove(node_id, old_key, len(node.gpus))
+                if new_key is not None:
+                    index.add(node_id, new_key, len(node.gpus))
+
+
+def cache_of(view: ClusterView) -> PlacementCache:
+    """``view``'s placement memo, made empty on first use."""
+    cache = view.placement
+    if cache is None:
+        cache = view.placement = PlacementCache()
+    return cache
 
 
 @dataclass
@@ -129,15 +204,16 @@ def request_for(spec: DeploymentSpec) -> Request:
 
 def static_verdict(node: NodeView, request: Request, view: ClusterView) -> Verdict:
     """The static filters' verdict, computed once per node and shape per cycle."""
+    static = cache_of(view).static
     key = (node.node_id, request.multi)
-    verdict = view.static.get(key)
+    verdict = static.get(key)
     if verdict is None:
         verdict = OK
         for f in STATIC_FILTERS:
             verdict = f.check(node, request, view)
             if not verdict.ok:
                 break
-        view.static[key] = verdict
+        static[key] = verdict
     return verdict
 
 
@@ -155,13 +231,14 @@ def check_node(node: NodeView, request: Request, view: ClusterView) -> Verdict:
 
 def _indexes(view: ClusterView, multi: bool) -> dict[str | None, CapacityIndex]:
     """The capacity index of nodes passing the static filters, built on first use."""
-    by_group = view.indexes.get(multi)
+    cache = cache_of(view)
+    by_group = cache.indexes.get(multi)
     if by_group is None:
-        by_group = view.indexes[multi] = {}
+        by_group = cache.indexes[multi] = {}
         shape = Request("", 0, 2 if multi else 1)
         for node in view.nodes.values():
             if static_verdict(node, shape, view).ok:
-                view.index_add(multi, node.node_id)
+                cache.index_add(view, multi, node.node_id)
     return by_group
 
 
@@ -189,7 +266,7 @@ def place(request: Request, view: ClusterView) -> PlacementResult:
     if best is None:
         return _unplaceable(request, view)
     _rank, group, index = best
-    node_ids = index.best_fit(need, n)
+    node_ids = index.best_fit(need, n)  # the nodes, fullest first: what decides inside the group
     for node_id in node_ids:
         verdict = check_node(view.nodes[node_id], request, view)
         if not verdict.ok:  # the index and the filters disagree: a bug, never a placement
@@ -269,19 +346,22 @@ def _summary(request: Request, verdicts: dict[str, Verdict], fits: dict[str, int
 def _unplaceable(request: Request, view: ClusterView) -> PlacementResult:
     # Capacity only shrinks within a cycle, so until the next commit the same
     # shape fails the same way: a thousand pending replicas cost one walk.
-    key = ("unplaceable", request.gpus_per_node, request.nodes_per_replica, view.version)
-    cached = view.cycle.get(key)
-    if cached is None:
+    cache = cache_of(view)
+    if cache.refusals_version != view.version:
+        cache.refusals.clear()
+        cache.refusals_version = view.version
+    shape = (request.gpus_per_node, request.nodes_per_replica)
+    refusal = cache.refusals.get(shape)
+    if refusal is None:
         verdicts, fits = _node_verdicts(request, view)
         if request.multi and any(c >= request.nodes_per_replica for c in fits.values()):
             raise AssertionError(f"capacity index found no fabric but the filters did: {fits}")
-        cached = view.cycle[key] = (
+        refusal = cache.refusals[shape] = Refusal(
             {nid: v.reason for nid, v in verdicts.items() if not v.ok},
             {nid: v.detail for nid, v in verdicts.items() if not v.ok},
             _summary(request, verdicts, fits),
         )
-    reasons, details, summary = cached
-    return PlacementResult(None, None, dict(reasons), dict(details), summary)
+    return PlacementResult(None, None, dict(refusal.reasons), dict(refusal.details), refusal.summary)
 
 
 def explain(deployment: DeploymentSpec, view: ClusterView) -> Explanation:

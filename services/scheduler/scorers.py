@@ -1,7 +1,12 @@
 """Scorers: among feasible choices, which is best. Each returns 0..1, higher is better.
 
 Group scorers rank fabrics (for a multi-node replica) or a single-node
-replica's group; node scorers rank nodes inside the chosen group.
+replica's group; placement runs them (``placement.GROUP_SCORERS``).
+
+Nodes inside the chosen group are not scored in production:
+``CapacityIndex.best_fit`` picks them by walking its buckets. ``NodeBinPack``
+below states that order as a score — the oracle the tests check ``best_fit``'s
+choices against — and nothing in the scheduler runs it.
 """
 
 from __future__ import annotations
@@ -30,11 +35,18 @@ class FabricSpread:
         return 1.0 / (1 + view.spread[(request.deployment, group)])
 
 
-class NodeBinPack:
-    """Prefer the node left fullest after placing, so whole nodes stay free.
+# --------------------------------------------------------------------------
+# Test oracle: not part of the pipeline
+# --------------------------------------------------------------------------
 
-    ``CapacityIndex.best_fit`` returns nodes in exactly this order (fewest free
-    GPUs first, then node id); tests hold the two to each other.
+
+class NodeBinPack:
+    """The oracle ``CapacityIndex.best_fit``'s order is checked against.
+
+    Prefers the node left fullest after placing, so whole nodes stay free:
+    ``best_fit`` returns nodes in this order (fewest free GPUs first, then node
+    id), and ``tests/test_scheduler_properties.py`` holds it to this score.
+    Placement never calls it; it stays a score so the rule reads as one line.
     """
 
     name = "node_bin_pack"

@@ -4,9 +4,15 @@ Built once per cycle from node records, leases and replicas, then updated in
 place as the cycle places replicas (``commit``), so filters and scorers read
 precomputed facts instead of walking every replica for every node.
 
+The view holds the cluster's state; what placement memoises about it (static
+verdicts, capacity indexes, refusals) is placement's own ``PlacementCache``,
+hung on the view as ``placement`` so that it lives exactly as long as the
+state it describes. The view's only duty to it is to keep the capacity indexes
+in step with what it commits.
+
 Capacity only ever shrinks during a cycle: nothing is freed here. Replicas are
 freed by being deleted (``gone``) before the view is built. That monotonicity
-is what lets placement cache a failure for the rest of the cycle.
+is what lets placement cache a failure until the next commit.
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ import functools
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.readmodel import HOLDS_GPUS, gpu_blocks  # the operator tools read the same facts
 from llmgw.shared.schemas import FabricMembership, Lease, NodeRecord, Replica
 from llmgw.shared.states import ACTIVE_REPLICA
+
+if TYPE_CHECKING:  # placement imports the view; the view only names placement's memo
+    from .placement import PlacementCache
 
 # Every state but gone holds its members' GPUs and ports: a failed or reaping
 # replica's processes may still run until an agent reports them exited, and a
@@ -141,6 +150,9 @@ class CapacityIndex:
     Placement asks "which nodes have at least g free GPUs" a thousand times a
     cycle; the buckets answer in O(max GPUs per node) instead of O(nodes). Each
     bucket keeps node ids sorted, so ties break by node id, deterministically.
+    Placement owns the indexes (``PlacementCache.indexes``); the class is
+    defined here, under placement, because the group scorers placement imports
+    take one as an argument.
     """
 
     __slots__ = ("buckets", "total_gpus", "used_gpus")
@@ -171,7 +183,12 @@ class CapacityIndex:
         return n
 
     def best_fit(self, gpus: int, n: int) -> list[str]:
-        """``n`` nodes with at least ``gpus`` free, fullest first (bin-packing)."""
+        """``n`` nodes with at least ``gpus`` free, fullest first (bin-packing).
+
+        This is what chooses a replica's nodes inside its group in production:
+        fewest free GPUs first, then node id. ``scorers.NodeBinPack`` states the
+        same order as a score; the property tests hold this walk to it.
+        """
         chosen: list[str] = []
         for free in sorted(k for k in self.buckets if k >= gpus):
             chosen.extend(self.buckets[free][: n - len(chosen)])
@@ -181,22 +198,22 @@ class CapacityIndex:
 
 
 class ClusterView:
-    """Nodes, their usage, and per-cycle caches (indexes, static verdicts)."""
+    """Nodes, what they hold, and the spread: the cluster as this cycle sees it."""
 
     def __init__(self, nodes: dict[str, NodeView], ports: PortRange, spread: Counter):
         self.nodes = nodes
         self.ports = ports
         # (deployment, group) -> live replicas of that deployment in that group
         self.spread = spread
-        # Bumped by every commit; placement keys its failure cache on it.
+        # Bumped by every change to what nodes hold or can take; placement's
+        # cached refusals are valid for one version.
         self.version = 0
-        # The largest node, so node scores share one scale across the cluster.
+        # The largest node: the scale of the bin-packing oracle's node scores
+        # (``scorers.NodeBinPack``), which tests hold ``best_fit`` to.
         self.max_gpus = max((len(n.gpus) for n in nodes.values()), default=0) or 1
-        # Filled by placement: verdicts that cannot change within a cycle, and
-        # the capacity indexes built from them. ``indexes[multi][group]``.
-        self.static: dict[tuple[str, bool], Any] = {}
-        self.indexes: dict[bool, dict[str | None, CapacityIndex]] = {}
-        self.cycle: dict[Any, Any] = {}
+        # Placement's memo of this view, made by placement on first use
+        # (``placement.cache_of``); None until then.
+        self.placement: PlacementCache | None = None
 
     @classmethod
     def build(
@@ -243,47 +260,27 @@ class ClusterView:
             self.spread[(replica.deployment, self.group_of(replica))] += 1
 
     def commit(self, replica: Replica) -> None:
-        """Reserve a replica placed this cycle, keeping the indexes in step."""
-        touched = {m.node_id for m in replica.members}
-        before = {n: self._index_key(n) for n in touched}
+        """Reserve a replica placed this cycle, keeping placement's indexes in step."""
+        touched = sorted({m.node_id for m in replica.members})
+        before = {n: self.index_key(n) for n in touched}
         self._hold(replica)
-        for node_id in touched:
-            self._reindex(node_id, before[node_id])
+        if self.placement is not None:
+            for node_id in touched:
+                self.placement.reindex(self, node_id, before[node_id])
         self.version += 1
 
-    # -- index upkeep (the indexes themselves are built by placement) --------
+    # -- what placement's capacity indexes are keyed on ----------------------
 
     def groups(self, node: NodeView, multi: bool) -> tuple[str | None, ...]:
+        """The groups a node is indexed under: its usable fabrics, or its home."""
         return node.usable_fabrics if multi else (node.home,)
 
-    def _index_key(self, node_id: str) -> int | None:
-        """Bucket of a node in the indexes, None when it cannot take a leader."""
+    def index_key(self, node_id: str) -> int | None:
+        """Bucket of a node in the indexes (its free GPUs), None when it cannot take a leader."""
         node = self.nodes[node_id]
         if node.free_port_count(self.ports) < PORTS_PER_LEADER:
             return None
         return node.free_gpu_count()
-
-    def index_add(self, multi: bool, node_id: str) -> None:
-        node = self.nodes[node_id]
-        key = self._index_key(node_id)
-        if key is None:
-            return
-        for group in self.groups(node, multi):
-            self.indexes[multi].setdefault(group, CapacityIndex()).add(node_id, key, len(node.gpus))
-
-    def _reindex(self, node_id: str, old_key: int | None) -> None:
-        node = self.nodes[node_id]
-        new_key = self._index_key(node_id)
-        for multi, by_group in self.indexes.items():
-            verdict = self.static.get((node_id, multi))
-            if verdict is None or not verdict.ok:
-                continue
-            for group in self.groups(node, multi):
-                index = by_group.setdefault(group, CapacityIndex())
-                if old_key is not None:
-                    index.remove(node_id, old_key, len(node.gpus))
-                if new_key is not None:
-                    index.add(node_id, new_key, len(node.gpus))
 
     def free_ports(self, node: NodeView, n: int) -> list[int]:
         """The ``n`` lowest ports of the range not held on ``node``."""
