@@ -32,7 +32,7 @@ from llmgw.shared.names import is_valid_name
 from llmgw.shared.schemas import Heartbeat, Lease, NodeRequest, decode, encode
 
 from .leases import WRITE_CAUSES, LeaseBook, Timings, Transition
-from .runtime import ServiceRuntime, run_service
+from .runtime import ServiceRuntime, Turn, run_service
 
 HEARTBEATS = Counter("llmgw_health_heartbeats_total", "Heartbeats received, by result", ["result"])
 LEASES = Gauge("llmgw_health_leases", "Node leases, by state", ["state"])
@@ -95,7 +95,6 @@ class HealthMonitor(ServiceRuntime):
         # bulk read (and none of nats-py's key listing, which can come back empty
         # from a bucket holding values).
         self.stored_leases: KvMirror[Lease] = await KvMirror(self.leases_kv, Lease).start()
-        self.acting = False
         self.heard: dict[str, tuple[Heartbeat, float]] = {}
         _ACTING.add(self)
         self.lead(h.leader_ttl)
@@ -133,6 +132,8 @@ class HealthMonitor(ServiceRuntime):
         """Continue from the stored leases and the heartbeats heard while standing by."""
         await self._load()
         heard, self.heard = self.heard, {}
+        # Acting before the heard heartbeats are applied (follow_leadership would set
+        # it only after): one arriving meanwhile goes to the book, not to ``heard``.
         self.acting = True
         transitions = [tr for hb, at in heard.values() if (tr := self.book.heartbeat(hb, at))]
         try:
@@ -212,16 +213,12 @@ class HealthMonitor(ServiceRuntime):
         period = min(h.heartbeat_interval / 4, 1.0)
         while True:
             await asyncio.sleep(period)
-            leading = bool(self.leadership and self.leadership.is_leader)
-            if leading and not self.acting:
-                try:
-                    await self._take_over()
-                except Exception as e:
-                    self.log.warning("taking over failed (%s); trying again at the next tick", e or type(e).__name__)
-                continue
-            if not leading and self.acting:
-                self.acting = False
-            if not self.acting:
+            try:
+                # The round it takes over in judges nothing: the next tick does.
+                if await self.follow_leadership(self._take_over) != Turn.ACTING:
+                    continue
+            except Exception as e:
+                self.log.warning("taking over failed (%s); trying again at the next tick", e or type(e).__name__)
                 continue
             try:
                 if self.write_blocked:

@@ -10,6 +10,8 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from enum import StrEnum
 
 from nats.micro import add_service
 from nats.micro.request import Request
@@ -30,6 +32,14 @@ VERSION = "0.1.0"
 BUS_WRITE_FAILURES = Counter("llmgw_bus_write_failures_total", "Control-plane writes (KV, events) the bus refused or did not acknowledge", ["service"])
 
 
+class Turn(StrEnum):
+    """Where a leader-elected service stands after ``follow_leadership``."""
+
+    STANDING_BY = "standing-by"  # not leading (or no longer): do nothing
+    TOOK_OVER = "took-over"  # just became the acting instance this round
+    ACTING = "acting"  # was acting already and still leads
+
+
 class ServiceRuntime:
     role: str = ""
     buckets: tuple[str, ...] = ()
@@ -47,6 +57,9 @@ class ServiceRuntime:
         self.events: EventPublisher | None = None
         self.micro = None
         self.leadership: Leadership | None = None
+        # Whether this instance acts on its leadership (``follow_leadership``):
+        # leading is decided by the lease, acting starts only once taking over is done.
+        self.acting = False
         self.stopping = asyncio.Event()
         self.tasks: list[asyncio.Task] = []
         role, name = cfg.tls_files().identity()
@@ -153,6 +166,23 @@ class ServiceRuntime:
         self.leadership = Leadership(_CountedWrites(self.kv[subjects.BUCKET_LEADERS], self.write_failed), self.role, self.instance, ttl)
         self.spawn(self.leadership.run())
         return self.leadership
+
+    async def follow_leadership(self, take_over: Callable[[], Awaitable[None]]) -> Turn:
+        """One round of "leading and not acting: take over; not leading and acting:
+        step down", for the services that only one instance of may act (health,
+        scheduler). ``take_over`` runs before ``acting`` is set, so a standby never
+        acts on state it has not caught up on; if it raises, the instance is still
+        not acting and the exception is the caller's (the next round tries again).
+        Stepping down is immediate: the round that finds the lease lost does nothing."""
+        leading = bool(self.leadership and self.leadership.is_leader)
+        if leading and not self.acting:
+            await take_over()
+            self.acting = True
+            return Turn.TOOK_OVER
+        if not leading:
+            self.acting = False
+            return Turn.STANDING_BY
+        return Turn.ACTING
 
     async def stop(self) -> None:
         """Stop, each step bounded: a stop that waits for ever on the bus (a drain

@@ -68,7 +68,7 @@ from llmgw.shared.schemas import (
 from llmgw.shared.states import REPLICA_ORDER, EngineState, ReplicaState
 
 from ..leases import BOOT_SETTLED_HEARTBEATS as SETTLE_HEARTBEATS
-from ..runtime import ServiceRuntime, run_service
+from ..runtime import ServiceRuntime, Turn, run_service
 from . import ReconcileConfig, explain, fence
 from .incremental import Reconciler
 from .plan import Backoff, Cordon, Launch, NodeFailure, Plan, Stop
@@ -276,7 +276,6 @@ class Scheduler(ServiceRuntime):
         _ACTING.add(self)
         self.started_at = now()
         self.wake = asyncio.Event()
-        self.acting = False
         for m in (self.nodes, self.deployments, self.replicas):
             m.listeners.append(lambda *_: self.wake.set())
         self.replicas.listeners.append(lambda key, _old, _new: self.outbox_dirty.add(key))
@@ -359,11 +358,7 @@ class Scheduler(ServiceRuntime):
             except asyncio.TimeoutError:
                 pass
             self.wake.clear()
-            leading = bool(self.leadership and self.leadership.is_leader)
-            if leading and not self.acting:
-                await self.take_over()
-            self.acting = leading
-            if not leading:
+            if await self.follow_leadership(self.take_over) == Turn.STANDING_BY:
                 continue
             try:
                 with RECONCILE_SECONDS.time():
