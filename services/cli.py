@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     # -- operator tools ------------------------------------------------------
     ctl = sub.add_parser("ctl", help="operator tools: certificates, NATS config, nodes, deployments, events")
+    # Accepted before the verb as well as after it (``ctl --config F nodes``),
+    # as kubectl takes its flags: the verbs' own --config default to SUPPRESS,
+    # so a verb's parser never overwrites this one's value with None.
+    ctl.add_argument("--config", default=None, help="operator.yaml, for the verbs that talk to the cluster (they take it after the verb too)")
     ctl_sub = ctl.add_subparsers(dest="ctl_cmd", required=True, metavar="COMMAND")
     _cert_commands(ctl_sub)
 
@@ -127,8 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def op(name, help, target):
         p = ctl_sub.add_parser(name, help=help)
-        p.add_argument("--config", help="operator.yaml (default $LLMGW_CONFIG, then ./.llmgw/operator.yaml)")
-        p.set_defaults(func=_lazy(f"llmgw.services.ctl.ops:{target}"))
+        p.add_argument("--config", default=argparse.SUPPRESS, help="operator.yaml (default $LLMGW_CONFIG, then ./.llmgw/operator.yaml)")
+        p.set_defaults(func=_lazy(f"llmgw.services.ctl.ops:{target}"), reads_operator_config=True)
         return p
 
     _add_output(op("nodes", "nodes with lease state, admin state, fabrics and free GPUs", "nodes"))
@@ -302,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "ctl" and args.config is not None and not getattr(args, "reads_operator_config", False):
+        # cert and nats-config read the PKI directory, not operator.yaml: say so
+        # rather than let a --config given before the verb be silently ignored.
+        parser.error(f"'llmgw ctl {args.ctl_cmd}' takes no --config (it reads the PKI directory, not operator.yaml)")
     from llmgw.shared.logs import setup_logging
 
     setup_logging(args.log_level)

@@ -7,6 +7,7 @@ as its own process, as an operator runs it.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -65,3 +66,39 @@ def test_deploy_apply_on_an_empty_cluster_says_the_scheduler_is_missing(operator
     f.write_text("name: demo\nmodel: sim-7b\nengine: sim\nreplicas: 1\nnodes_per_replica: 1\ngpus_per_node: 1\n")
     line = one_line_error(ctl(operator_cfg, "deploy", "apply", "-f", str(f)))
     assert "the scheduler did not answer apply" in line, line
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        (("nodes",), ()),
+        (("deploy",), ("delete", "demo")),
+        (("node",), ("release", "node01")),
+    ],
+    ids=["nodes", "deploy-delete", "node-release"],
+)
+def test_config_is_read_before_the_verb_as_after_it(operator_cfg, tmp_path, before, after):
+    """``ctl --config F VERB`` as kubectl takes it, and ``ctl VERB --config F``.
+
+    Run from an empty directory with LLMGW_CONFIG unset: a --config that was not
+    read would fall back to ./.llmgw/operator.yaml and say there is none.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "LLMGW_CONFIG"}
+
+    def run(*args):
+        r = subprocess.run([sys.executable, "-m", "llmgw.services", "ctl", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+        return one_line_error(r)
+
+    first = run("--config", str(operator_cfg), *before, *after)
+    last = run(*before, *after, "--config", str(operator_cfg))
+    assert "no operator configuration" not in first, first
+    assert first == last
+
+
+def test_config_before_a_verb_that_reads_no_operator_yaml_is_refused(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "llmgw.services", "ctl", "--config", str(tmp_path / "operator.yaml"), "nats-config"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "'llmgw ctl nats-config' takes no --config (it reads the PKI directory, not operator.yaml)" in r.stderr
