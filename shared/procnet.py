@@ -17,6 +17,7 @@ import struct
 from typing import NamedTuple
 
 TCP_LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN = 10
+TCP_ESTABLISHED = "01"  # include/net/tcp_states.h: TCP_ESTABLISHED = 1
 
 
 def _decode_addr(hex_addr: str) -> str:
@@ -155,3 +156,34 @@ def listening_sockets() -> set[tuple[str, int]]:
 def listening_on(addr: str) -> list[int]:
     """Ports in LISTEN state on one address (e.g. a simulated node's 127.0.1.N)."""
     return sorted(p for a, p in listening_sockets() if a == addr)
+
+
+def connected_to(addr: str, port: int) -> set[int]:
+    """Inodes of the ESTABLISHED TCP sockets on this machine whose far end is
+    ``addr:port`` (an IPv4-mapped address counts as IPv4).
+
+    How the agent sees a worker join its leader: a worker rank of vLLM or
+    SGLang holds a connection to the leader's rendezvous (torch's TCPStore on
+    ``--master-port`` / ``--dist-init-addr``), and so does the sim's. Read from
+    ``/proc/net/tcp{,6}``: a look happens only while a worker is starting.
+    """
+    found: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except FileNotFoundError:  # no IPv6 in this kernel
+            continue
+        for line in lines:
+            fields = line.split()
+            # sl local rem st tx:rx tr:when retrnsmt uid timeout inode ...
+            if len(fields) < 10 or fields[3] != TCP_ESTABLISHED:
+                continue
+            raddr, rport = fields[2].split(":")
+            if int(rport, 16) != port or _decode_addr(raddr) != addr:
+                continue
+            try:
+                found.add(int(fields[9]))
+            except ValueError:
+                continue
+    return found

@@ -19,6 +19,7 @@ from llmgw.services.agent.config import SupervisorConfig
 from llmgw.services.agent.enginedir import EngineDir, EngineSpec, PidRecord
 from llmgw.services.agent.supervisor import Supervisor
 from llmgw.shared import procfs
+from llmgw.shared.natsserver import free_port
 from llmgw.shared.schemas import EngineFact
 
 from .agent_helpers import eventually, group_alive, kill_engines, make_launch, recorded_engines
@@ -111,6 +112,19 @@ async def test_leader_becomes_ready_and_a_repeated_launch_starts_nothing(supervi
     changed = await sup.launch(msgspec.structs.replace(cmd, gpus=[2]), NODE_GPUS)
     assert not changed.ok and changed.code == "launch_conflict", changed
     assert recorded_engines(work_dir) == before
+
+
+async def test_a_worker_that_joins_its_leader_is_joined_not_starting(supervisors, work_dir):
+    # A worker serves nothing, so nothing can be asked of it; its connection to the
+    # leader's rendezvous (the kernel's table, matched to its own process) says it joined.
+    sup = await supervisors()
+    port = free_port()
+    worker = await sup.launch(make_launch("r2", rank=1, nnodes=2, gpus=(2, 3), rendezvous_port=port), NODE_GPUS)
+    assert worker.ok, worker
+    assert sup.on_change.state("r2", rank=1) == "starting"  # no leader yet: nothing to join
+    leader = await sup.launch(make_launch("r2", rank=0, nnodes=2, gpus=(0, 1), rendezvous_port=port), NODE_GPUS)
+    assert leader.ok, leader
+    await eventually(lambda: (sup.on_change.state("r2", rank=0), sup.on_change.state("r2", rank=1)) == ("ready", "joined"), "leader ready, worker joined")
 
 
 async def test_launches_that_cannot_run_here_are_refused_with_a_reason(supervisors, work_dir):

@@ -12,6 +12,7 @@ adopts it as it is: nothing killed, nothing restarted.
 Engine states, as reported in ``EngineFact.state`` (``shared/states.py``)::
 
     launch / adopt ──> starting ──(leader: GET /health == 200)──> ready
+                          └──(worker: holds a connection to its leader's rendezvous)──> joined
                                                                   │  ^
         (leader: a canary gets no token in probe_timeout,         v  │ (a canary gets a token,
          or a gateway's requests in flight get no byte for     stalled  or a gateway's completed
@@ -683,6 +684,7 @@ class Supervisor:
                 log.info("%s: the engine's pid is %d (the wrapper was slow to start it)", e.label, e.pid)
                 self._notify(e)
         await self._probe_leaders()
+        self._probe_workers()
         self._probe_progress()
 
     def _exited(self, e: Engine) -> None:
@@ -707,7 +709,7 @@ class Supervisor:
         """Move a running engine to ``state``; ``detail`` is what the control plane is told about why."""
         if e.state != state and e.live:
             e.state, e.detail, e.since = state, detail, time.time()
-            log.log(logging.INFO if state in (EngineState.READY, EngineState.STARTING) else logging.WARNING,
+            log.log(logging.INFO if state in (EngineState.READY, EngineState.STARTING, EngineState.JOINED) else logging.WARNING,
                     "%s (pid %d) is %s: %s", e.label, e.pid, state, why)  # fmt: skip
             self._notify(e)
 
@@ -718,6 +720,28 @@ class Supervisor:
             self.on_change(e.fact())
         except Exception:  # the listener's bug is not the engine's state
             log.exception("engine state listener failed for %s", e.label)
+
+    def _probe_workers(self) -> None:
+        """A starting worker rank that holds a connection to its leader's rendezvous
+        has joined its group: ``joined``, so that operators (and ``ctl replicas``)
+        do not see a worker "starting" for as long as its replica serves. A worker
+        serves nothing, so there is no port to ask; the kernel's table of
+        connections, matched to the worker's own process tree, is the evidence."""
+        starting = [
+            e for e in self._engines.values()
+            if e.live and not e.spec.serves_http and e.state == EngineState.STARTING and e.pids is not None
+            and e.cmd.nnodes > 1 and e.cmd.leader_addr and e.cmd.rendezvous_port
+        ]  # fmt: skip
+        for e in starting:
+            links = procnet.connected_to(e.cmd.leader_addr, e.cmd.rendezvous_port)
+            if not links:
+                continue
+            mine = procfs.socket_inodes(e.pid)
+            if not links & mine:  # vLLM's and SGLang's ranks hold it in a child process
+                for pid in procfs.tree(e.pid) - {e.pid}:
+                    mine |= procfs.socket_inodes(pid)
+            if links & mine:
+                self._set_state(e, EngineState.JOINED, f"connected to its leader's rendezvous {e.cmd.leader_addr}:{e.cmd.rendezvous_port}")
 
     async def _probe_leaders(self) -> None:
         leaders = [
