@@ -59,7 +59,7 @@ async def _observe(d, info):
     nc = await bus.connect(cfg.server, cfg.tls_files(), name="test", initial_attempts=5)
     try:
         addresses = {n["node_id"]: n["mgmt_addr"] for n in info["nodes"]}
-        return await observe_seed_story(nc.jetstream(), gateway_url=info["gateway_url"], model="sim-70b", addresses=addresses, timeout=60, say=lambda *_: None)
+        return await observe_seed_story(nc.jetstream(), gateway_url=info["gateway_url"], model="sim-70b", addresses=addresses, cluster_dir=d, timeout=60, say=lambda *_: None)
     finally:
         await nc.close()
 

@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror, open_bucket
@@ -61,7 +62,9 @@ def chat(gateway_url: str, model: str, prompt: str, timeout: float = 30.0) -> st
         return f"failed: {e}"
 
 
-async def observe_seed_story(js, *, gateway_url: str, model: str, addresses: dict[str, str], victim: str = "node02", timeout: float = 180.0, say=print) -> Story:
+async def observe_seed_story(
+    js, *, gateway_url: str, model: str, addresses: dict[str, str], cluster_dir, victim: str = "node02", timeout: float = 180.0, say=print
+) -> Story:
     story = Story()
     replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS), Replica).start()
     leases = await KvMirror(await open_bucket(js, S.BUCKET_LEASES), Lease).start()
@@ -72,7 +75,8 @@ async def observe_seed_story(js, *, gateway_url: str, model: str, addresses: dic
         doomed = {k for k, r in story.before.items() if any(m.node_id == victim for m in r.members)}
 
         story.killed_at = time.time()
-        story.killed_pids = len(simcluster.kill_node(victim))
+        # Only this cluster's node: another cluster on the machine has a node02 too.
+        story.killed_pids = len(simcluster.kill_node(victim, str(Path(cluster_dir).resolve())))
         story.mark(story.killed_at, f"{victim} killed ({story.killed_pids} processes, SIGKILL)")
         say(f"killed {victim}; waiting for the control plane to notice")
         deadline = time.monotonic() + timeout
@@ -127,7 +131,7 @@ async def run_seed_scenario(cluster, args) -> Story:
     nc, js = await cluster.connect()
     try:
         addresses = {n.spec.node_id: n.spec.mgmt_addr for n in cluster.nodes}
-        story = await observe_seed_story(js, gateway_url=cluster.gateway_url, model=DEMO_MODEL, addresses=addresses, timeout=args.node_lost_after + args.engine_load_time * 4 + 60, say=cluster.say)
+        story = await observe_seed_story(js, gateway_url=cluster.gateway_url, model=DEMO_MODEL, addresses=addresses, cluster_dir=cluster.dir, timeout=args.node_lost_after + args.engine_load_time * 4 + 60, say=cluster.say)
     finally:
         await nc.close()
     report(story, addresses)
