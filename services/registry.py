@@ -50,7 +50,7 @@ from llmgw.shared.errors import LlmgwError, WireError
 from llmgw.shared.pki import subject_dn
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.names import host_problem, is_valid_name
-from llmgw.shared.schemas import Inventory, Lease, NodeAddrRequest, NodeRecord, NodeRequest, decode, encode, now
+from llmgw.shared.schemas import CommandAck, Inventory, Lease, NodeAddrRequest, NodeRecord, NodeRequest, decode, decode_reply, encode, now
 
 from .runtime import ServiceRuntime, run_service
 
@@ -143,7 +143,10 @@ class Registry(ServiceRuntime):
     async def _pull_one(self, node: str) -> None:
         try:
             reply = await self.nc.request(S.cmd_inventory(node), b"{}", timeout=5)
-            inv = decode(reply.data, Inventory)
+            inv = decode_reply(reply.data, Inventory)
+            if isinstance(inv, CommandAck):  # there, and said no: not "unreachable"
+                self.log.warning("%s refused to send its inventory: %s (%s)", node, inv.reason or "no reason given", inv.code or "no code")
+                return
             if inv.node_id != node:
                 INVENTORIES.labels("inconsistent").inc()
                 return

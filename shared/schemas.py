@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import typing
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -112,7 +113,7 @@ class FabricMembership(Base, kw_only=True):
     problem: Text = ""
 
 
-class Inventory(Base, kw_only=True):
+class Inventory(Base, kw_only=True, tag="inventory"):
     node_id: Short
     boot_id: Short
     hostname: Host = ""
@@ -174,7 +175,7 @@ class EngineFact(Base, kw_only=True):
     since: float = 0.0
 
 
-class StatusReport(Base, kw_only=True):
+class StatusReport(Base, kw_only=True, tag="status"):
     """Engine facts from a node.
 
     ``full`` is true when ``engines`` is the complete list (sent on every
@@ -222,7 +223,7 @@ class StopCommand(Base, kw_only=True):
     reason: str = ""
 
 
-class CommandAck(Base, kw_only=True):
+class CommandAck(Base, kw_only=True, tag="ack"):
     ok: bool
     # A stable reason constant when refused ("stale_generation", "gpu_busy", …).
     code: str = ""
@@ -480,6 +481,8 @@ def _decoder_for(schema: Any) -> msgspec.json.Decoder:
 
 
 def _schema_name(schema: Any) -> str:
+    if args := typing.get_args(schema):  # a union: "StatusReport | Inventory | CommandAck"
+        return " | ".join(_schema_name(a) for a in args)
     return getattr(schema, "__name__", None) or str(schema)
 
 
@@ -495,6 +498,33 @@ def decode(data: bytes | bytearray | memoryview | str, schema: type[T]) -> T:
         raise WireError(_schema_name(schema), str(e)) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise WireError(_schema_name(schema), f"{type(e).__name__}: {e}") from None
+
+
+# What an agent answers a command with (``llmgw.cmd.<node>.*``). Tagged (``"type":
+# "status" | "inventory" | "ack"``), so that a requester tells a refusal (a
+# ``CommandAck`` with ``ok`` false: the agent is there and said no) from the
+# answer it asked for, and a malformed answer from no answer at all.
+AgentReply = StatusReport | Inventory | CommandAck
+
+
+def decode_reply(data: bytes | bytearray | memoryview | str, expected: type[T]) -> T | CommandAck:
+    """An agent's answer to a command that asked for ``expected``: that, or the
+    agent's ``CommandAck`` (a refusal, or an error that stopped the handler).
+    Raises ``WireError`` for anything else — a malformed answer, or one of
+    another kind — which is not the same as no answer.
+
+    An answer without a ``type`` comes from an agent older than the tags: it is
+    read as ``expected``, so a control plane upgraded first keeps its nodes.
+    """
+    try:
+        reply = decode(data, AgentReply)
+    except WireError as e:
+        if "missing required field `type`" not in str(e):
+            raise
+        return decode(data, expected)
+    if not isinstance(reply, (expected, CommandAck)):
+        raise WireError(_schema_name(expected), f"the agent answered with {type(reply).__name__}")
+    return reply
 
 
 def to_builtins(obj: Any) -> Any:

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmgw.shared import schemas as W
 from llmgw.shared.errors import WireError
+from llmgw.shared.schemas import CommandAck, Inventory, StatusReport, decode_reply, encode
 
 
 def _example(schema: type) -> object:
@@ -125,3 +126,36 @@ def test_a_node_cannot_report_a_state_only_the_scheduler_writes():
     for state in ("absent", ""):
         with pytest.raises(WireError):
             W.decode(b'{"replica_id": "r-g1", "generation": 1, "state": "%s"}' % state.encode(), W.EngineFact)
+
+
+@pytest.mark.parametrize(
+    "data, expected, answer",
+    [
+        # the answer asked for, tagged
+        (encode(StatusReport(node_id="n1", boot_id="b")), StatusReport, StatusReport(node_id="n1", boot_id="b")),
+        # a refusal: the agent is there and said no — not "unreachable", not malformed
+        (encode(CommandAck(ok=False, code="gpu_busy", reason="r")), StatusReport, CommandAck(ok=False, code="gpu_busy", reason="r")),
+        (encode(CommandAck(ok=True, pid=7)), CommandAck, CommandAck(ok=True, pid=7)),
+        # an agent older than the tags: read as what was asked for
+        (b'{"node_id": "n1", "boot_id": "b", "engines": []}', StatusReport, StatusReport(node_id="n1", boot_id="b")),
+    ],
+    ids=["status", "refusal", "ack", "untagged"],
+)
+def test_an_agent_reply_is_the_answer_asked_for_or_a_command_ack(data, expected, answer):
+    assert decode_reply(data, expected) == answer
+
+
+@pytest.mark.parametrize(
+    "data, expected, message",
+    [
+        (encode(Inventory(node_id="n1", boot_id="b", mgmt_addr="10.0.0.1")), StatusReport, "the agent answered with Inventory"),
+        (b'{"type": "ack"}', StatusReport, "StatusReport | Inventory | CommandAck: Object missing required field `ok`"),
+        (b'{"type": "mystery", "ok": true}', CommandAck, "Invalid value 'mystery'"),
+        (b"not json", CommandAck, "malformed"),
+    ],
+    ids=["another-kind", "malformed-ack", "unknown-tag", "not-json"],
+)
+def test_an_agent_reply_of_another_kind_or_malformed_is_a_wire_error(data, expected, message):
+    with pytest.raises(WireError) as e:
+        decode_reply(data, expected)
+    assert message in str(e.value)
