@@ -158,15 +158,17 @@ async def test_agent_publishes_its_node_and_runs_a_two_member_replica(node, cont
     assert {(hb.node_id, hb.boot_id) for hb in tap.heartbeats} == {(NODE, boot)}
 
     acks = await launch_pair(sched)
-    # the leader's "ready" and the worker's report are separate messages: wait for both
+    # the leader's "ready" and the worker's "joined" (it holds a connection to the
+    # leader's rendezvous) are separate messages: wait for both
     leader, worker = await eventually(
-        lambda: (f := tap.engine("r1", 0)) and f.state == "ready" and (w := tap.engine("r1", 1)) and (f, w), "the leader ready and the worker reported"
+        lambda: (f := tap.engine("r1", 0)) and f.state == "ready" and (w := tap.engine("r1", 1)) and w.state == "joined" and (f, w),
+        "the leader ready and the worker joined",
     )
     assert (leader.pid, leader.serves_http, leader.gpus) == (acks[0].pid, True, [0, 1, 2, 3])
-    assert (worker.pid, worker.serves_http, worker.state) == (acks[1].pid, False, "starting")
+    assert (worker.pid, worker.serves_http) == (acks[1].pid, False)
 
     listed = await command(sched, S.cmd_list(NODE), b"", StatusReport)
-    assert listed.full and {(f.rank, f.state) for f in listed.engines} == {(0, "ready"), (1, "starting")}
+    assert listed.full and {(f.rank, f.state) for f in listed.engines} == {(0, "ready"), (1, "joined")}
 
     stop = await command(sched, S.cmd_stop(NODE), encode(StopCommand(replica_id="r1", generation=1, reason="test")))
     assert stop.ok, stop
