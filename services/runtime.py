@@ -15,7 +15,7 @@ from enum import StrEnum
 
 from nats.micro import add_service
 from nats.micro.request import Request
-from prometheus_client import Counter, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, start_http_server
 
 from llmgw.shared import bus, subjects as S
 from llmgw.shared.config import ServiceConfig, load_service_config
@@ -46,6 +46,12 @@ class ServiceRuntime:
     # The gateway's hot path is socket I/O, where uvloop costs a third less CPU
     # per request (docs/performance.md); the rest keep the standard loop.
     event_loop: str = "asyncio"
+    # What nats-py may buffer while disconnected (``bus.connect``): nothing for a
+    # service that writes control-plane state (a write that failed is never
+    # replayed later, over a newer one).
+    bus_pending_size: int = 0
+    # What metrics_listen serves.
+    metrics_registry: CollectorRegistry = REGISTRY
     log: logging.Logger
 
     def __init__(self, cfg: ServiceConfig):
@@ -75,7 +81,7 @@ class ServiceRuntime:
         if cfg.metrics_listen:
             host, _, port = cfg.metrics_listen.rpartition(":")
             try:
-                start_http_server(int(port), addr=host or "0.0.0.0")
+                start_http_server(int(port), addr=host or "0.0.0.0", registry=self.metrics_registry)
             except (OSError, ValueError) as e:
                 raise ConfigError(f"{cfg.source}: metrics_listen {cfg.metrics_listen}: {e}") from None
         self.nc = await bus.connect(
@@ -87,14 +93,21 @@ class ServiceRuntime:
             logger=self.log,
             on_disconnect=self.on_bus_disconnect,
             on_reconnect=self.on_bus_reconnect,
-            pending_size=0,  # a write that failed is never replayed later (shared/bus.py)
+            pending_size=self.bus_pending_size,
         )
         self.js = self.nc.jetstream(timeout=5)
-        # Its own buckets and the event stream: created with kv_replicas, and
-        # brought to it when they exist with another count (a grown cluster).
-        self.kv = await bus.provision(self.js, self.buckets, events=True, replicas=cfg.kv_replicas, adjust=True, logger=self.log)
-        self.events = EventPublisher(self.js, self.role, on_failure=self.write_failed)
+        await self.open_buckets()
         await self.setup()
+
+    async def open_buckets(self) -> None:
+        """Connected, before ``setup``: the buckets and streams the service needs.
+
+        Its own buckets and the event stream: created with kv_replicas, and
+        brought to it when they exist with another count (a grown cluster). A
+        service that owns none and only reads others' (the gateway) opens those
+        instead."""
+        self.kv = await bus.provision(self.js, self.buckets, events=True, replicas=self.cfg.kv_replicas, adjust=True, logger=self.log)
+        self.events = EventPublisher(self.js, self.role, on_failure=self.write_failed)
 
     async def setup(self) -> None:
         """Subscriptions, watchers and API endpoints of the concrete service."""

@@ -26,12 +26,10 @@ import ssl
 import time
 from pathlib import Path
 
-from llmgw.shared import bus
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.schemas import DeploymentSpec, Replica, ReplicaTraffic, TrafficReport, encode
-from prometheus_client import start_http_server
 
 from ..runtime import ServiceRuntime
 from .access import AccessLog
@@ -151,6 +149,9 @@ class Gateway(ServiceRuntime):
     role = "gateway"
     buckets = ()
     event_loop = "uvloop"
+    # It writes no control-plane state: its traffic reports are true whenever they
+    # arrive, so nats-py may buffer them over a reconnect (bus.connect's default).
+    bus_pending_size = 256 * 1024
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -163,6 +164,7 @@ class Gateway(ServiceRuntime):
             routing=g.routing, load_bound=g.routing_load_bound, load_slack=g.routing_load_slack, prefix_chars=g.routing_prefix_chars,
         )  # fmt: skip
         self.metrics = GatewayMetrics(self.router)
+        self.metrics_registry = self.metrics.registry  # metrics_listen, an optional second listener kept off the API port
         self.upstream = Upstream(g)
         self.http: HttpServer | None = None
         self.forwarder: Forwarder | None = None
@@ -175,18 +177,9 @@ class Gateway(ServiceRuntime):
         self.reuse_port = False  # a worker of 'llmgw gateway --workers N': its own SO_REUSEPORT socket on the shared port
         self.worker: int | None = None  # that worker's index
 
-    async def start(self) -> None:
-        cfg = self.cfg
-        if cfg.metrics_listen:  # optional second listener for scrapers kept off the API port
-            host, _, port = cfg.metrics_listen.rpartition(":")
-            try:
-                start_http_server(int(port), addr=host or "0.0.0.0", registry=self.metrics.registry)
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"{cfg.source}: metrics_listen {cfg.metrics_listen}: {e}") from None
-        self.nc = await bus.connect(
-            cfg.server, cfg.tls_files(), name=self.role, reconnect_base=cfg.reconnect_base, reconnect_max=cfg.reconnect_max, logger=self.log
-        )
-        self.js = self.nc.jetstream(timeout=5)
+    async def open_buckets(self) -> None:
+        """The deployments and replicas, read through live copies (it owns no bucket
+        and publishes no events); the router hears each record first."""
         deployments_kv = await open_bucket(self.js, S.BUCKET_DEPLOYMENTS, wait=3600, logger=self.log)
         replicas_kv = await open_bucket(self.js, S.BUCKET_REPLICAS, wait=3600, logger=self.log)
         self.deployments = KvMirror(deployments_kv, DeploymentSpec)
@@ -195,7 +188,9 @@ class Gateway(ServiceRuntime):
         self.replicas = KvMirror(replicas_kv, Replica)
         self.replicas.listeners.append(self.router.on_replica)
         await self.replicas.start()
-        await self.setup()
+
+    async def start(self) -> None:
+        await super().start()
         if self.as_process:
             self.give_back = MallocGiveBack()
             # Everything alive now (modules, app, pools) lives as long as the process;
