@@ -202,7 +202,7 @@ async def test_an_agent_restart_kills_nothing(node, control):
     from_boot2 = [(kind, m) for kind, m in tap.order if m.boot_id == boot2]
     first_status = next(m for kind, m in from_boot2 if kind == "status")
     assert first_status.full
-    assert {(f.rank, f.pid, f.state) for f in first_status.engines} == {(0, acks[0].pid, "ready"), (1, acks[1].pid, "starting")}
+    assert {(f.rank, f.pid, f.state) for f in first_status.engines} == {(0, acks[0].pid, "ready"), (1, acks[1].pid, "joined")}
     # …sent on connect, before its second heartbeat (one heartbeat interval later).
     statuses_before_beat2 = next(i for i, (kind, m) in enumerate(from_boot2) if kind == "status")
     beat2 = next((i for i, (kind, m) in enumerate(from_boot2) if kind == "heartbeat" and m.seq >= 2), len(from_boot2))

@@ -345,9 +345,11 @@ class Supervisor:
                 log.error("%s: records the same engine as %s; not adopted, left for a person to look at", path, self._engines[e.key].dir.path)
                 continue
             self._engines[e.key] = e
-        # Ask the leaders now, so the first full report says ``ready`` for a
-        # leader that is serving instead of flapping through ``starting``.
+        # Ask the leaders now, and look at the workers' links, so the first full
+        # report says ``ready`` for a leader that is serving and ``joined`` for a
+        # worker in its group instead of flapping through ``starting``.
         await self._probe_leaders()
+        self._probe_workers()
         live = sum(e.live for e in self._engines.values())
         if self._engines:
             log.info("adopted %d engine(s) from %s: %d running, %d exited", len(self._engines), self.root, live, len(self._engines) - live)
