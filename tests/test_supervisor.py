@@ -213,7 +213,7 @@ async def test_a_new_supervisor_adopts_running_engines_and_learns_their_exit_cod
     facts = facts_by_rank(second)
     assert {k: f.pid for k, f in facts.items()} == {("r1", 0): running["r1.g1.r0"][0], ("r1", 1): running["r1.g1.r1"][0]}
     assert facts[("r1", 0)].state == "ready", "a serving leader is adopted as ready, not re-announced as starting"
-    assert facts[("r1", 1)].state == "starting"
+    assert facts[("r1", 1)].state == "joined", "a worker holding its leader's link is adopted as joined"
     assert all(procfs.is_alive(pid, started) for pid, started in running.values()), "adoption restarted or killed an engine"
     assert recorded_engines(work_dir) == running
 
