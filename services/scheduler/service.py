@@ -59,6 +59,7 @@ from llmgw.shared.schemas import (
     Replica,
     StatusReport,
     decode,
+    decode_reply,
     encode,
     now,
     template_digest,
@@ -398,9 +399,18 @@ class Scheduler(ServiceRuntime):
     async def _ask_status(self, node: str) -> None:
         try:
             reply = await self.nc.request(S.cmd_list(node), b"{}", timeout=self.cfg.scheduler.command_timeout)
-            report = decode(reply.data, StatusReport)
         except Exception:
             return  # unreachable: its lease decides what happens to its replicas
+        try:
+            report = decode_reply(reply.data, StatusReport)
+        except WireError as e:
+            COMMANDS.labels("list", "malformed").inc()
+            self.log.warning("%s answered the engine list with something unreadable: %s", node, e)
+            return
+        if isinstance(report, CommandAck):  # there, and said no: not "unreachable"
+            COMMANDS.labels("list", report.code or "refused").inc()
+            self.log.warning("%s refused to list its engines: %s %s", node, report.code, report.reason)
+            return
         if report.node_id == node and report.full and not self.book.distrust(node, report.boot_id):
             self._take_report(report)  # fenced too: the agent's own connect-time report may have been another boot's
             self.wake.set()
@@ -661,11 +671,18 @@ class Scheduler(ServiceRuntime):
         key = (launch.replica_id, launch.member.rank)
         try:
             reply = await self._request_launch(launch)
-            ack = decode(reply.data, CommandAck)
         except Exception as e:
             # No answer: the node may be dying. Its lease decides; the startup timeout backs it up.
             COMMANDS.labels("launch", "no_answer").inc()
             self.log.warning("launch of %s rank %d on %s: no answer (%s)", launch.replica_id, launch.member.rank, launch.node_id, e or type(e).__name__)
+            return
+        try:
+            ack = decode_reply(reply.data, CommandAck)
+        except WireError as e:
+            # An answer, unreadable: whether the engine started, the agent's status
+            # report says; the startup timeout backs it up, as for no answer.
+            COMMANDS.labels("launch", "malformed").inc()
+            self.log.warning("launch of %s rank %d on %s: the agent's answer is unreadable (%s)", launch.replica_id, launch.member.rank, launch.node_id, e)
             return
         if ack.ok:
             COMMANDS.labels("launch", "ok").inc()
@@ -698,12 +715,18 @@ class Scheduler(ServiceRuntime):
         async def one(stop: Stop):
             try:
                 reply = await self.nc.request(S.cmd_stop(stop.node_id), encode(stop.command), timeout=self.cfg.scheduler.command_timeout)
-                ack = decode(reply.data, CommandAck)
-                COMMANDS.labels("stop", "ok" if ack.ok else ack.code or "refused").inc()
-                self.log.info("stop %s on %s: %s", stop.replica_id, stop.node_id, stop.reason)
             except Exception as e:
                 COMMANDS.labels("stop", "no_answer").inc()
                 self.log.warning("stop of %s on %s: no answer (%s)", stop.replica_id, stop.node_id, e or type(e).__name__)
+                return
+            try:
+                ack = decode_reply(reply.data, CommandAck)
+            except WireError as e:
+                COMMANDS.labels("stop", "malformed").inc()
+                self.log.warning("stop of %s on %s: the agent's answer is unreadable (%s)", stop.replica_id, stop.node_id, e)
+                return
+            COMMANDS.labels("stop", "ok" if ack.ok else ack.code or "refused").inc()
+            self.log.info("stop %s on %s: %s", stop.replica_id, stop.node_id, stop.reason)
 
         await asyncio.gather(*(one(s) for s in stops))
 
