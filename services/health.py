@@ -165,13 +165,21 @@ class HealthMonitor(ServiceRuntime):
         else:
             HEARTBEATS.labels("accepted").inc()
         if tr:
+            # nats-py runs this subscription's callbacks one at a time: while this
+            # write waits (a KV without quorum answers only at its timeout), every
+            # later heartbeat queues behind it unheard. The tick judges nothing
+            # meanwhile — silence it cannot hear is not the nodes' (the outage rule).
+            self._hearing_blocked += 1
             try:
                 await self._apply([tr])
             except Exception:
                 pass  # counted and logged by _store; the lease is written again
+            finally:
+                self._hearing_blocked -= 1
         # A boot change or a settled boot (book.dirty) goes out with the next tick's flush.
 
     _refusing = False
+    _hearing_blocked = 0  # heartbeat handlers waiting on a lease write (see on_heartbeat)
 
     def _refused(self, node: str, reason: str, detail: str) -> None:
         HEARTBEATS.labels(reason).inc()
@@ -233,6 +241,13 @@ class HealthMonitor(ServiceRuntime):
                         self.book.reconnected(time.time())
                         self.log.info("lease writes work again: every node has %.1fs to be heard before anything expires", self.book.grace())
                     continue
+                if self._hearing_blocked:
+                    # Heartbeats are queued behind a lease write: judging now would read
+                    # their delay as the nodes' silence. A grace follows, as after an outage.
+                    self.book.disconnected(time.time())
+                    continue
+                if self.book.outage_since is not None and not self.write_blocked and self.nc.is_connected:
+                    self.book.reconnected(time.time())
                 await self._apply(self.book.expire(time.time()))
                 await self._flush()
             except Exception as e:
