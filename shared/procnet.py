@@ -106,8 +106,9 @@ def _diag_listeners() -> list[Listener]:
     return found
 
 
-def _proc_listeners() -> list[Listener]:
-    found: list[Listener] = []
+def _tcp_rows(state: str):
+    """The fields of each line of ``/proc/net/tcp{,6}`` in TCP ``state``:
+    sl local rem st tx:rx tr:when retrnsmt uid timeout inode ..."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -115,21 +116,28 @@ def _proc_listeners() -> list[Listener]:
         except FileNotFoundError:  # no IPv6 in this kernel
             continue
         for line in lines:
-            # The state is the only field that can read " 0A " (the others are
-            # addr:port pairs, fixed-width hex runs and decimals): skip the
-            # established connections before splitting them.
-            if f" {TCP_LISTEN} " not in line:
+            # The state is the only field that can read " 0A " or " 01 " (the others
+            # are addr:port pairs, fixed-width hex runs and decimals): skip the other
+            # sockets before splitting them.
+            if f" {state} " not in line:
                 continue
             fields = line.split()
-            # sl local rem st tx:rx tr:when retrnsmt uid timeout inode ...
-            if len(fields) < 10 or fields[3] != TCP_LISTEN:
-                continue
-            addr, port = fields[1].split(":")
-            try:
-                inode = int(fields[9])
-            except ValueError:
-                inode = 0
-            found.append(Listener(_decode_addr(addr), int(port, 16), inode))
+            if len(fields) >= 10 and fields[3] == state:
+                yield fields
+
+
+def _inode(fields: list[str]) -> int:
+    try:
+        return int(fields[9])
+    except ValueError:
+        return 0
+
+
+def _proc_listeners() -> list[Listener]:
+    found: list[Listener] = []
+    for fields in _tcp_rows(TCP_LISTEN):
+        addr, port = fields[1].split(":")
+        found.append(Listener(_decode_addr(addr), int(port, 16), _inode(fields)))
     return found
 
 
@@ -168,22 +176,8 @@ def connected_to(addr: str, port: int) -> set[int]:
     ``/proc/net/tcp{,6}``: a look happens only while a worker is starting.
     """
     found: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                lines = f.read().splitlines()[1:]
-        except FileNotFoundError:  # no IPv6 in this kernel
-            continue
-        for line in lines:
-            fields = line.split()
-            # sl local rem st tx:rx tr:when retrnsmt uid timeout inode ...
-            if len(fields) < 10 or fields[3] != TCP_ESTABLISHED:
-                continue
-            raddr, rport = fields[2].split(":")
-            if int(rport, 16) != port or _decode_addr(raddr) != addr:
-                continue
-            try:
-                found.add(int(fields[9]))
-            except ValueError:
-                continue
+    for fields in _tcp_rows(TCP_ESTABLISHED):
+        raddr, rport = fields[2].split(":")
+        if int(rport, 16) == port and _decode_addr(raddr) == addr and (inode := _inode(fields)):
+            found.add(inode)
     return found
