@@ -15,6 +15,7 @@ import sys
 import urllib.request
 
 import pytest
+from nats.js.errors import NoStreamResponseError
 
 from llmgw.shared import bus, natsbin, pki, subjects as S
 from llmgw.shared.errors import ConfigError
@@ -296,7 +297,11 @@ async def test_raising_replicas_from_one_to_three_keeps_the_data_and_survives_it
     try:
         js = nc.jetstream(timeout=5)
         kv = (await bus.provision(js, (S.BUCKET_REPLICAS,), events=True, replicas=1))[S.BUCKET_REPLICAS]
-        await kv.put("r1", b"kept")
+
+        # A stream just made on one server of three is heard through the others only once
+        # its subject interest has crossed the routes; a publish before that finds no
+        # responders (seen once in CI), so the first write waits for the bucket to take it.
+        await eventually(lambda: kv.put("r1", b"kept"), what="the new R1 bucket to take a write", timeout=30, ignore=(NoStreamResponseError,))
         info = await js.stream_info(S.kv_stream(S.BUCKET_REPLICAS))
         assert info.config.num_replicas == 1
         only_copy = next(i for i, m in enumerate(cluster.members) if m.name == info.cluster.leader)
