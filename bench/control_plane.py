@@ -105,7 +105,8 @@ from pathlib import Path
 
 from llmgw.services.devcluster.simcluster import GPU_MEMORY_MIB, GPU_NAME, HCAS_PER_NODE, fabric_name, gpu_uuid
 from llmgw.services.devcluster.up import Cluster
-from llmgw.shared import bus, pki, subjects as S
+from llmgw.shared import bus, pki
+from llmgw.shared import subjects as S
 from llmgw.shared.durations import format_duration, parse_duration
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.natsserver import NatsCluster, NatsServer, free_port
@@ -120,8 +121,8 @@ from llmgw.shared.schemas import (
     HcaPort,
     Heartbeat,
     Inventory,
-    Lease,
     LaunchCommand,
+    Lease,
     NodeRecord,
     Replica,
     StatusReport,
@@ -200,7 +201,7 @@ class SimAgent:
     mgmt_addr: str
     gpus: int
     tls: bus.TlsFiles
-    board: "Board"
+    board: Board
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     seq: int = 0
     last_beat: float = 0.0
@@ -220,9 +221,15 @@ class SimAgent:
             agent_version="bench",
             mgmt_addr=self.mgmt_addr,
             mgmt_interface="eth0",
-            gpus=[Gpu(index=i, uuid=gpu_uuid(self.node_id, i), name=GPU_NAME, memory_mib=GPU_MEMORY_MIB, pci_bus_id=f"00000000:{0x18 + i * 0x10:02X}:00.0") for i in range(self.gpus)],
+            gpus=[
+                Gpu(index=i, uuid=gpu_uuid(self.node_id, i), name=GPU_NAME, memory_mib=GPU_MEMORY_MIB, pci_bus_id=f"00000000:{0x18 + i * 0x10:02X}:00.0")
+                for i in range(self.gpus)
+            ],
             fabrics=[FabricMembership(name=self.fabric, hcas=list(HCAS_PER_NODE), usable=True)],
-            hcas=[Hca(name=h, ports=[HcaPort(port=1, state="ACTIVE", phys_state="LinkUp", rate="200 Gb/sec (4X HDR)", link_layer="InfiniBand")], usable=True) for h in HCAS_PER_NODE],
+            hcas=[
+                Hca(name=h, ports=[HcaPort(port=1, state="ACTIVE", phys_state="LinkUp", rate="200 Gb/sec (4X HDR)", link_layer="InfiniBand")], usable=True)
+                for h in HCAS_PER_NODE
+            ],
             sent_at=time.time(),
         )
 
@@ -261,7 +268,7 @@ class SimAgent:
             return  # a node whose heartbeats were stopped (phase 4) stays silent
         try:
             await self._announce()
-        except Exception:  # noqa: BLE001 - the next heartbeat and inventory re-send try again
+        except Exception:
             pass
 
     async def publish_inventory(self) -> None:
@@ -278,7 +285,7 @@ class SimAgent:
             if self.nc.is_connected:
                 try:
                     await self.heartbeat()
-                except Exception:  # noqa: BLE001 - the next beat tries again
+                except Exception:
                     pass
 
     def stop_heartbeats(self) -> None:
@@ -320,7 +327,19 @@ class SimAgent:
         for key, fact in list(self.engines.items()):
             if fact.replica_id == cmd.replica_id and (cmd.generation == 0 or fact.generation <= cmd.generation):
                 del self.engines[key]
-                ended.append(EngineFact(replica_id=fact.replica_id, generation=fact.generation, deployment=fact.deployment, rank=fact.rank, pid=fact.pid, state="exited", exit_code=0, gpus=fact.gpus, since=time.time()))
+                ended.append(
+                    EngineFact(
+                        replica_id=fact.replica_id,
+                        generation=fact.generation,
+                        deployment=fact.deployment,
+                        rank=fact.rank,
+                        pid=fact.pid,
+                        state="exited",
+                        exit_code=0,
+                        gpus=fact.gpus,
+                        since=time.time(),
+                    )
+                )
         await msg.respond(encode(CommandAck(ok=True)))
         if ended:
             await self.nc.publish(S.status(self.node_id), encode(self.report(full=False, engines=ended)))
@@ -410,7 +429,9 @@ class Bench:
         with one_ledger_write(nats.pki_dir):
             for i, node in enumerate(ids):
                 tls = nats.issue(node, "node")
-                self.agents.append(SimAgent(node, fabric_name(i // per), f"10.{(i + 1) >> 16 & 255}.{(i + 1) >> 8 & 255}.{(i + 1) & 255}", a.gpus, tls, self.board))
+                self.agents.append(
+                    SimAgent(node, fabric_name(i // per), f"10.{(i + 1) >> 16 & 255}.{(i + 1) >> 8 & 255}.{(i + 1) & 255}", a.gpus, tls, self.board)
+                )
         self.out(f"issued {len(ids)} node certificates in {time.monotonic() - t:.1f}s ({a.fabrics} fabrics of {per} nodes)")
         hb, lost = a.heartbeat, a.node_lost_after
         self.suspect_after = next(k for k in (3, 2, 1) if k * hb < lost)
@@ -440,7 +461,9 @@ class Bench:
         self.cluster.start_nats()
         for role in ("registry", "health", "scheduler"):
             self.cluster._spawn(role, self.cluster.llmgw(role, "--config", str(self.configs[role])))
-        self.out("started registry, health, scheduler (pids " + ", ".join(f"{r} {self.cluster.procs[r].pid}" for r in ("registry", "health", "scheduler")) + ")")
+        self.out(
+            "started registry, health, scheduler (pids " + ", ".join(f"{r} {self.cluster.procs[r].pid}" for r in ("registry", "health", "scheduler")) + ")"
+        )
 
     async def connect_operator(self) -> None:
         tls = self.cluster.nats.tls_for("operator", "operator")
@@ -530,7 +553,9 @@ class Bench:
         connect_s = time.monotonic() - t
         self.fig["connect_s"] = connect_s
         self.fig["connect_bench_cpu_pct"] = 100 * (cpu_seconds(os.getpid()) - c0["bench (agents)"]) / connect_s
-        self.out(f"{len(self.agents)} TLS connections (one per node certificate) in {connect_s:.1f}s: {len(self.agents) / connect_s:.0f} handshakes/s; this process used {self.fig['connect_bench_cpu_pct']:.0f}% of a core meanwhile")
+        self.out(
+            f"{len(self.agents)} TLS connections (one per node certificate) in {connect_s:.1f}s: {len(self.agents) / connect_s:.0f} handshakes/s; this process used {self.fig['connect_bench_cpu_pct']:.0f}% of a core meanwhile"
+        )
         want = {ag.node_id for ag in self.agents}
         deadline = time.monotonic() + max(120.0, a.nodes * 0.1)
         last, republished = None, time.monotonic()
@@ -556,7 +581,9 @@ class Bench:
         self.fig["bringup_s"] = time.monotonic() - t_start
         c1 = self.cpu_all()
         self.fig["bringup_cpu_s"] = {k: c1[k] - c0[k] for k in c0}
-        self.out(f"bring-up complete in {self.fig['bringup_s']:.1f}s; this process holds {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB at most so far")
+        self.out(
+            f"bring-up complete in {self.fig['bringup_s']:.1f}s; this process holds {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB at most so far"
+        )
         self.out("CPU seconds from the first agent connect: " + ", ".join(f"{k} {v:.1f}" for k, v in self.fig["bringup_cpu_s"].items()))
         await self.unmirror(nodes)
         await self.unmirror(leases)
@@ -591,7 +618,9 @@ class Bench:
         self.fig["lease_writes_per_s"] = (writes_after - writes_before) / window
         for k, v in pct.items():
             self.out(f"  {k:15s} {v:6.1f}% of one core")
-        self.out(f"registry + health + scheduler: {self.fig['steady_cpu_control_plane']:.1f}% of one core (registry + health {self.fig['steady_cpu_rh']:.1f}%, nats-server {pct['nats-server']:.1f}% beside it); health accepted {self.fig['heartbeats_per_s']:.0f} heartbeats/s and wrote {self.fig['lease_writes_per_s']:.0f} leases/s")
+        self.out(
+            f"registry + health + scheduler: {self.fig['steady_cpu_control_plane']:.1f}% of one core (registry + health {self.fig['steady_cpu_rh']:.1f}%, nats-server {pct['nats-server']:.1f}% beside it); health accepted {self.fig['heartbeats_per_s']:.0f} heartbeats/s and wrote {self.fig['lease_writes_per_s']:.0f} leases/s"
+        )
 
     # -- phase 3 ---------------------------------------------------------------
     async def placement(self) -> None:
@@ -650,14 +679,18 @@ class Bench:
         self.fig["place_ready_s"] = max(ready_at.values()) - t_apply
         self.fig["place_first_record_s"] = min(recorded_at.values()) - t_apply
         self.fig["place_last_record_s"] = max(recorded_at.values()) - t_apply
-        self.out(f"replica records (as a reader sees them): first {1000 * self.fig['place_first_record_s']:.0f} ms, last {1000 * self.fig['place_last_record_s']:.0f} ms after the apply")
+        self.out(
+            f"replica records (as a reader sees them): first {1000 * self.fig['place_first_record_s']:.0f} ms, last {1000 * self.fig['place_last_record_s']:.0f} ms after the apply"
+        )
         c1 = self.cpu_all()
         self.fig["place_cpu_s"] = {k: c1[k] - c0[k] for k in c0}
         sched1 = self.scrape("scheduler")
         k_sum, k_cnt = "llmgw_scheduler_reconcile_seconds_sum", "llmgw_scheduler_reconcile_seconds_count"
         self.fig["place_reconciles"] = sched1.get(k_cnt, 0) - sched0.get(k_cnt, 0)
         self.fig["place_reconcile_s"] = sched1.get(k_sum, 0) - sched0.get(k_sum, 0)
-        self.out(f"all {want} replicas ready {self.fig['place_ready_s']:.2f}s after the apply ({self.fig['place_reconciles']:.0f} reconciles, {self.fig['place_reconcile_s']:.2f}s in them)")
+        self.out(
+            f"all {want} replicas ready {self.fig['place_ready_s']:.2f}s after the apply ({self.fig['place_reconciles']:.0f} reconciles, {self.fig['place_reconcile_s']:.2f}s in them)"
+        )
         self.out("CPU seconds meanwhile: " + ", ".join(f"{k} {v:.2f}" for k, v in self.fig["place_cpu_s"].items()))
         self.replicas = replicas
         # For context: steady state again, now with every replica placed.
@@ -710,8 +743,12 @@ class Bench:
         self.fig["failover_last_s"] = lastl - ev.time
         self.fig["failover_replicas"] = len(hosted)
         self.fig["failover_event_seen_s"] = seen_lost - ev.time
-        self.out(f"{victim_id} declared lost {ev.time - victim.last_beat:.2f}s after its last heartbeat (event time from {S.EVENT_STREAM}; lost after {format_duration(a.node_lost_after)}, checked every {format_duration(min(a.heartbeat / 4, 1.0))})")
-        self.out(f"replacement launch commands ({len(new)} for {len(hosted)} replicas) arrived {1000 * (first - ev.time):.0f} .. {1000 * (lastl - ev.time):.0f} ms after the lost event")
+        self.out(
+            f"{victim_id} declared lost {ev.time - victim.last_beat:.2f}s after its last heartbeat (event time from {S.EVENT_STREAM}; lost after {format_duration(a.node_lost_after)}, checked every {format_duration(min(a.heartbeat / 4, 1.0))})"
+        )
+        self.out(
+            f"replacement launch commands ({len(new)} for {len(hosted)} replicas) arrived {1000 * (first - ev.time):.0f} .. {1000 * (lastl - ev.time):.0f} ms after the lost event"
+        )
         new_ids = {s.replica_id for s in new}
         t_wait = time.monotonic()
         while not all(self.replicas.items.get(r) is not None and self.replicas.items[r].state == "ready" for r in new_ids):
@@ -792,7 +829,9 @@ class Bench:
         t_ready = time.time()
         self.fig["restart_down_s"] = t_start - t_kill
         self.fig["restart_ready_s"] = t_ready - t_start
-        self.out(f"nats-server started again (pid {nats.proc.pid}, same port and JetStream store) {t_start - t_kill:.2f}s after the stop; healthy {t_ready - t_start:.2f}s after its start")
+        self.out(
+            f"nats-server started again (pid {nats.proc.pid}, same port and JetStream store) {t_start - t_kill:.2f}s after the stop; healthy {t_ready - t_start:.2f}s after its start"
+        )
         renewed: dict[str, float] = {}  # node -> when the monitor first accepted its heartbeat after the start
         deadline = time.time() + max(120.0, a.nodes * 0.05)
         poll = 0.2 if a.nodes <= 2000 else 0.5  # a scrape of 10,000 series costs the monitor too
@@ -808,15 +847,22 @@ class Bench:
             back = sum(1 for ag in live if ag.reconnected_at)
             if time.time() - last_print >= 2 or (len(renewed) == len(live_ids) and back == len(live)):
                 last_print = time.time()
-                self.out(f"  {time.time() - t_start:5.1f}s after the start: agents reconnected {back}/{len(live)}, leases renewed by the monitor {len(renewed)}/{len(live_ids)}")
+                self.out(
+                    f"  {time.time() - t_start:5.1f}s after the start: agents reconnected {back}/{len(live)}, leases renewed by the monitor {len(renewed)}/{len(live_ids)}"
+                )
             if len(renewed) == len(live_ids) and back == len(live):
                 break
             if time.time() > deadline:
-                raise BenchError(f"after the restart only {back} of {len(live)} agents reconnected and {len(renewed)} of {len(live_ids)} leases were renewed within {deadline - t_start:.0f}s")
+                raise BenchError(
+                    f"after the restart only {back} of {len(live)} agents reconnected and {len(renewed)} of {len(live_ids)} leases were renewed within {deadline - t_start:.0f}s"
+                )
             await asyncio.sleep(poll)
         c1 = {k: v for k, v in self.cpu_all().items() if k != "nats-server"}
         span = time.time() - t_kill
-        self.fig["restart_cpu_pct"] = {**{k: 100.0 * (c1[k] - c0[k]) / span for k in c0}, "nats-server (new)": 100.0 * cpu_seconds(nats.proc.pid) / (time.time() - t_start)}
+        self.fig["restart_cpu_pct"] = {
+            **{k: 100.0 * (c1[k] - c0[k]) / span for k in c0},
+            "nats-server (new)": 100.0 * cpu_seconds(nats.proc.pid) / (time.time() - t_start),
+        }
         firsts = sorted(ag.reconnected_at[0] for ag in live)
         self.fig["reconnect_first_s"] = firsts[0] - t_start
         self.fig["reconnect_last_s"] = firsts[-1] - t_start
@@ -853,7 +899,10 @@ class Bench:
             f"live nodes declared lost during the restart: {len(wrongly)}{' (' + ', '.join(wrongly[:10]) + (' …' if len(wrongly) > 10 else '') + ')' if wrongly else ''}; "
             f"the monitor's transitions to lost: {trans:.0f}; live leases not ready in {S.BUCKET_LEASES} afterwards: {len(not_ready)}"
         )
-        self.out("CPU meanwhile (% of one core, from the stop; nats-server from its new start): " + ", ".join(f"{k} {v:.0f}%" for k, v in self.fig["restart_cpu_pct"].items()))
+        self.out(
+            "CPU meanwhile (% of one core, from the stop; nats-server from its new start): "
+            + ", ".join(f"{k} {v:.0f}%" for k, v in self.fig["restart_cpu_pct"].items())
+        )
         if self.fig["reconnect_first_s"] - self.fig["restart_ready_s"] > 2 * AGENT_RECONNECT_MAX:
             self.out(
                 "note: no agent was back within two reconnect_max of a healthy server. Every simulated agent's TLS handshake is made "
@@ -905,7 +954,9 @@ class Bench:
                 os.killpg(proc.pid, signal.SIGKILL)
             else:
                 nc.kill(victim)
-            self.out(f"SIGKILLed {meta}, the meta leader ({'also' if dep_leader == meta else 'not'} the leader of {S.kv_stream(S.BUCKET_DEPLOYMENTS)}: {dep_leader})")
+            self.out(
+                f"SIGKILLed {meta}, the meta leader ({'also' if dep_leader == meta else 'not'} the leader of {S.kv_stream(S.BUCKET_DEPLOYMENTS)}: {dep_leader})"
+            )
             deadline = time.monotonic() + 60
             while not [t for t in acked if t > t_kill] and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -970,7 +1021,9 @@ def summary(args, fig: Figures, argv: list[str]) -> str:
     if "steady_cpu_rh" in v:
         p = v["steady_cpu_pct"]
         cp = v["steady_cpu_control_plane"]
-        lines.append(row("steady", f"registry + health + scheduler CPU ({v['steady_window_s']:.0f} s)", f"{cp:.1f} %", f"< {TARGETS['cpu']:.0f} %", cp < TARGETS["cpu"]))
+        lines.append(
+            row("steady", f"registry + health + scheduler CPU ({v['steady_window_s']:.0f} s)", f"{cp:.1f} %", f"< {TARGETS['cpu']:.0f} %", cp < TARGETS["cpu"])
+        )
         lines.append(row("steady", "  registry + health", f"{v['steady_cpu_rh']:.1f} %"))
         for k in ("registry", "health", "scheduler", "nats-server", "bench (agents)"):
             lines.append(row("steady", f"  {k}", f"{p[k]:.1f} %"))
@@ -981,7 +1034,15 @@ def summary(args, fig: Figures, argv: list[str]) -> str:
             lines.append(row("placement", "apply -> first replica record visible", f"{v['place_first_record_s']:.2f} s"))
             lines.append(row("placement", f"apply -> last of {args.replicas} records visible", f"{v['place_last_record_s']:.2f} s"))
         lines.append(row("placement", "apply -> first launch at an agent", f"{v['place_first_launch_s']:.2f} s"))
-        lines.append(row("placement", f"apply -> last of {2 * args.replicas} launches at agents", f"{v['place_last_launch_s']:.2f} s", f"< {TARGETS['placement']:.0f} s", v["place_last_launch_s"] < TARGETS["placement"]))
+        lines.append(
+            row(
+                "placement",
+                f"apply -> last of {2 * args.replicas} launches at agents",
+                f"{v['place_last_launch_s']:.2f} s",
+                f"< {TARGETS['placement']:.0f} s",
+                v["place_last_launch_s"] < TARGETS["placement"],
+            )
+        )
     if "place_ready_s" in v:
         lines.append(row("placement", f"apply -> all {args.replicas} replicas ready", f"{v['place_ready_s']:.2f} s"))
     if "placed_cpu_pct" in v:
@@ -993,7 +1054,15 @@ def summary(args, fig: Figures, argv: list[str]) -> str:
     if "failover_last_s" in v:
         lines.append(row("failover", "last heartbeat -> lost event", f"{v['lost_after_beat_s']:.2f} s"))
         lines.append(row("failover", "lost -> first replacement launch", f"{1000 * v['failover_first_s']:.0f} ms"))
-        lines.append(row("failover", f"lost -> last replacement launch ({v['failover_replicas']} repl.)", f"{1000 * v['failover_last_s']:.0f} ms", f"< {1000 * TARGETS['failover']:.0f} ms", v["failover_last_s"] < TARGETS["failover"]))
+        lines.append(
+            row(
+                "failover",
+                f"lost -> last replacement launch ({v['failover_replicas']} repl.)",
+                f"{1000 * v['failover_last_s']:.0f} ms",
+                f"< {1000 * TARGETS['failover']:.0f} ms",
+                v["failover_last_s"] < TARGETS["failover"],
+            )
+        )
         if "failover_ready_s" in v:
             lines.append(row("failover", "lost -> replacements ready", f"{1000 * v['failover_ready_s']:.0f} ms"))
     if "meta_kill_blocked_s" in v:
@@ -1010,7 +1079,15 @@ def summary(args, fig: Figures, argv: list[str]) -> str:
         lines.append(row("restart", "  agents' connection errors meanwhile", f"{v['reconnect_errors']:.0f} errors"))
         within = TARGETS["restart_heartbeats"] * args.heartbeat
         lines.append(row("restart", "started -> every lease renewed by health", f"{v['restart_renewed_s']:.2f} s"))
-        lines.append(row("restart", "healthy -> every lease renewed by health", f"{v['restart_renewed_after_ready_s']:.2f} s", f"< {within:g} s", v["restart_renewed_after_ready_s"] < within))
+        lines.append(
+            row(
+                "restart",
+                "healthy -> every lease renewed by health",
+                f"{v['restart_renewed_after_ready_s']:.2f} s",
+                f"< {within:g} s",
+                v["restart_renewed_after_ready_s"] < within,
+            )
+        )
         lines.append(row("restart", "live nodes declared lost", f"{v['restart_wrongly_lost']:.0f} nodes", "0", v["restart_wrongly_lost"] == 0))
         for k, pct in v["restart_cpu_pct"].items():
             lines.append(row("restart", f"  CPU {k}", f"{pct:.1f} %"))
@@ -1174,7 +1251,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     print(summary(args, bench.fig, argv_full), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "cores": os.cpu_count(), "rc": rc, **bench.fig.values}, indent=2, default=str) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"args": {k: v for k, v in vars(args).items()}, "cores": os.cpu_count(), "rc": rc, **bench.fig.values}, indent=2, default=str) + "\n"
+        )
     return rc
 
 

@@ -83,7 +83,6 @@ import contextlib
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -159,7 +158,7 @@ class Load:
             t0 = time.perf_counter()
             try:
                 await asyncio.wait_for(self._one(r, body, t0), self.timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 r.error = "timeout"
             except (aiohttp.ClientError, OSError):
                 r.error = r.error or "conn"
@@ -235,7 +234,15 @@ class Watch:
         for name in ("llmgw.bench.bus", "llmgw.kv", "asyncio"):  # asyncio: its TLS eof notice after a server restart
             logging.getLogger(name).setLevel(logging.ERROR)
         cfg = load_service_config(self.operator_config)
-        self.nc = await bus.connect(cfg.server, cfg.tls_files(), name="bench-failover", initial_attempts=10, reconnect_base=0.2, reconnect_max=1.0, logger=logging.getLogger("llmgw.bench.bus"))
+        self.nc = await bus.connect(
+            cfg.server,
+            cfg.tls_files(),
+            name="bench-failover",
+            initial_attempts=10,
+            reconnect_base=0.2,
+            reconnect_max=1.0,
+            logger=logging.getLogger("llmgw.bench.bus"),
+        )
         self.js = self.nc.jetstream(timeout=5)
         await self.open_mirrors()
         self._events_task = asyncio.create_task(self._follow_events())
@@ -248,7 +255,12 @@ class Watch:
         for m in self.mirrors.values():
             await m.stop()
         self.mirrors = {}
-        for name, bucket, schema in (("replicas", S.BUCKET_REPLICAS, Replica), ("leases", S.BUCKET_LEASES, Lease), ("deployments", S.BUCKET_DEPLOYMENTS, DeploymentSpec), ("nodes", S.BUCKET_NODES, NodeRecord)):
+        for name, bucket, schema in (
+            ("replicas", S.BUCKET_REPLICAS, Replica),
+            ("leases", S.BUCKET_LEASES, Lease),
+            ("deployments", S.BUCKET_DEPLOYMENTS, DeploymentSpec),
+            ("nodes", S.BUCKET_NODES, NodeRecord),
+        ):
             self.mirrors[name] = await KvMirror(await open_bucket(self.js, bucket, wait=30), schema).start(timeout=20)
 
     async def reopen(self) -> None:
@@ -367,7 +379,7 @@ async def run_cmd(*argv: str, check: bool = True, timeout: float = 60.0) -> str:
     p = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         out, _ = await asyncio.wait_for(p.communicate(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         p.kill()
         await p.wait()
         raise RuntimeError(f"{' '.join(argv[2:])} did not finish in {timeout:g}s") from None
@@ -568,19 +580,38 @@ class Bench:
         # The replacement: the first new replica to become ready and still be ready at the
         # heal (one that turned ready and failed again is a false start, not a replacement).
         lasting = {r.id for r in self.w.ready(self.deployment)} - before
-        readies = [ev for ev in self.w.events if ev.time >= t0 and ev.kind == "replica" and ev.what == "ready" and ev.subject.startswith(self.deployment + "-") and ev.subject not in before]
+        readies = [
+            ev
+            for ev in self.w.events
+            if ev.time >= t0 and ev.kind == "replica" and ev.what == "ready" and ev.subject.startswith(self.deployment + "-") and ev.subject not in before
+        ]
         kept = [ev for ev in readies if ev.subject in lasting] or readies
         if kept:
             res.replacement = kept[0].time - t0
         if len({ev.subject for ev in readies}) > len({ev.subject for ev in kept}):
-            res.note = (res.note + "; " if res.note else "") + "false start: " + ", ".join(sorted({ev.subject for ev in readies} - lasting)) + " was ready, then failed"
+            res.note = (
+                (res.note + "; " if res.note else "")
+                + "false start: "
+                + ", ".join(sorted({ev.subject for ev in readies} - lasting))
+                + " was ready, then failed"
+            )
         # Another cluster's teardown on this machine may kill "our" nodes: 'llmgw sim kill-node' and
         # 'llmgw down' find a node's processes by LLMGW_SIM_NODE alone. Such a run is not this fault's.
-        outside = sorted({ev.subject for ev in self.w.events if t0 <= ev.time <= res.end and ev.kind == "node" and ev.what == "lost" and ev.subject != sick_node})
+        outside = sorted(
+            {ev.subject for ev in self.w.events if t0 <= ev.time <= res.end and ev.kind == "node" and ev.what == "lost" and ev.subject != sick_node}
+        )
         if outside:
             res.note = (res.note + "; " if res.note else "") + f"disturbed: {', '.join(outside)} lost, not by this fault (figures not this fault's)"
-        res.launches = sum(1 for ev in self.w.events if t0 <= ev.time <= res.end and ev.kind == "replica" and ev.what == "launching" and ev.subject.startswith(self.deployment + "-"))
-        res.replica_events = [f"+{ev.time - t0:.1f}s {ev.subject} {ev.what}" for ev in self.w.events if t0 <= ev.time <= res.end and ev.kind == "replica" and ev.subject.startswith(self.deployment + "-")]
+        res.launches = sum(
+            1
+            for ev in self.w.events
+            if t0 <= ev.time <= res.end and ev.kind == "replica" and ev.what == "launching" and ev.subject.startswith(self.deployment + "-")
+        )
+        res.replica_events = [
+            f"+{ev.time - t0:.1f}s {ev.subject} {ev.what}"
+            for ev in self.w.events
+            if t0 <= ev.time <= res.end and ev.kind == "replica" and ev.subject.startswith(self.deployment + "-")
+        ]
         window = [r for r in self.load.done if t0 <= r.end <= res.end]  # answered between the fault and the heal
         res.requests = len(window)
         for r in window:
@@ -772,11 +803,15 @@ def fmt(v: float | None) -> str:
 
 def table(results: list[Result], steady_p99: float) -> None:
     print(f"\nsteady p99 {steady_p99 * 1e3:.0f} ms; slow = longer than {2 * steady_p99 * 1e3:.0f} ms; times in seconds from the fault\n")
-    print("| fault | victim | detected | last to sick | replacement ready | launches | requests | non-2xx | conn | timeout | stream error | slow | longest | healed |")
+    print(
+        "| fault | victim | detected | last to sick | replacement ready | launches | requests | non-2xx | conn | timeout | stream error | slow | longest | healed |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         e = r.errors
-        print(f"| {r.fault} | {r.victim or '-'} | {fmt(r.detected)} | {fmt(r.last_to_sick)} | {fmt(r.replacement)} | {r.launches} | {r.requests} | {e['http']} | {e['conn']} | {e['timeout']} | {e['stream-error']} | {r.slow} | {fmt(r.longest)} | {'yes' if r.healed else 'no'} |")
+        print(
+            f"| {r.fault} | {r.victim or '-'} | {fmt(r.detected)} | {fmt(r.last_to_sick)} | {fmt(r.replacement)} | {r.launches} | {r.requests} | {e['http']} | {e['conn']} | {e['timeout']} | {e['stream-error']} | {r.slow} | {fmt(r.longest)} | {'yes' if r.healed else 'no'} |"
+        )
     print()
     for r in results:
         print(f"{r.fault}: {r.how or '-'}")
@@ -838,12 +873,20 @@ async def up_cluster(args, d: Path) -> None:
             "--heartbeat-interval", args.heartbeat_interval, "--node-lost-after", args.node_lost_after,
             "--engine-load-time", args.engine_load_time]  # fmt: skip
     offered = []
-    for opt, value in (("--probe-interval", args.probe_interval), ("--stall-after", args.stall_after), ("--hang-timeout", args.hang_timeout), ("--discovery-interval", args.discovery_interval)):
+    for opt, value in (
+        ("--probe-interval", args.probe_interval),
+        ("--stall-after", args.stall_after),
+        ("--hang-timeout", args.hang_timeout),
+        ("--discovery-interval", args.discovery_interval),
+    ):
         if opt in helptext:
             argv += [opt, value]
             offered.append(f"{opt} {value}")
     argv += args.up_args.split()
-    print(f"starting: llmgw up --dir {d} --detach --heartbeat-interval {args.heartbeat_interval} --node-lost-after {args.node_lost_after} --engine-load-time {args.engine_load_time} {' '.join(offered)} {args.up_args}".rstrip(), flush=True)
+    print(
+        f"starting: llmgw up --dir {d} --detach --heartbeat-interval {args.heartbeat_interval} --node-lost-after {args.node_lost_after} --engine-load-time {args.engine_load_time} {' '.join(offered)} {args.up_args}".rstrip(),
+        flush=True,
+    )
     for attempt in range(1, args.up_attempts + 1):
         try:
             await run_cmd(*argv, timeout=240)
@@ -887,13 +930,17 @@ async def main(args) -> int:
             raise SystemExit("no request succeeded during the warm-up; is the gateway serving? see the logs in " + str(d / "logs"))
         bench.steady_p99 = pct([r.seconds for r in warm], 0.99)
         warm_errors = sum(1 for r in load.done if r.error)
-        bench.say(f"warm-up: {len(warm)} requests, p50 {pct([r.seconds for r in warm], 0.5) * 1e3:.0f} ms, p99 {bench.steady_p99 * 1e3:.0f} ms, {warm_errors} errors")
+        bench.say(
+            f"warm-up: {len(warm)} requests, p50 {pct([r.seconds for r in warm], 0.5) * 1e3:.0f} ms, p99 {bench.steady_p99 * 1e3:.0f} ms, {warm_errors} errors"
+        )
         for k, name in enumerate(args.fault_list):
             res = await bench.run(name)
             results.append(res)
-            bench.say(f"{name}: detected {fmt(res.detected)} s, last to sick {fmt(res.last_to_sick)} s, replacement {fmt(res.replacement)} s, errors {res.errors}, slow {res.slow}, healed {res.healed}")
-            if not res.healed and not res.note.startswith("not run") and args.fault_list[k + 1:]:
-                bench.say(f"the cluster did not heal: not running {', '.join(args.fault_list[k + 1:])} (their figures would be those of a broken cluster)")
+            bench.say(
+                f"{name}: detected {fmt(res.detected)} s, last to sick {fmt(res.last_to_sick)} s, replacement {fmt(res.replacement)} s, errors {res.errors}, slow {res.slow}, healed {res.healed}"
+            )
+            if not res.healed and not res.note.startswith("not run") and args.fault_list[k + 1 :]:
+                bench.say(f"the cluster did not heal: not running {', '.join(args.fault_list[k + 1 :])} (their figures would be those of a broken cluster)")
                 break
         await load.stop()
         table(results, bench.steady_p99)

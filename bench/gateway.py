@@ -43,8 +43,8 @@ from pathlib import Path
 
 import aiohttp
 import yaml
-from llmgw.shared.natsserver import NatsServer, free_port
 
+from llmgw.shared.natsserver import NatsServer, free_port
 from tests.gateway_helpers import HOST, Board, Sim, replica, wait_for
 
 MODEL = "sim"
@@ -181,10 +181,14 @@ class LeanClient:
 CLIENTS = {"lean": LeanClient, "aiohttp": AiohttpClient}
 
 
-async def drive(session: LeanClient | AiohttpClient, target: Target, clients: int, stream: bool, seconds: float, into: Sample, rate: float = 0.0, watch: dict | None = None) -> None:
+async def drive(
+    session: LeanClient | AiohttpClient, target: Target, clients: int, stream: bool, seconds: float, into: Sample, rate: float = 0.0, watch: dict | None = None
+) -> None:
     """``clients`` closed-loop clients (each sends its next request when the last one ends), or,
     with ``rate``, clients paced to that many requests per second in total (open loop)."""
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "how fast is the gateway"}], "max_tokens": BODY_TOKENS, "stream": stream}).encode()
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "how fast is the gateway"}], "max_tokens": BODY_TOKENS, "stream": stream}
+    ).encode()
     deadline = time.perf_counter() + seconds
 
     async def client(k: int) -> None:
@@ -273,11 +277,26 @@ async def main() -> int:
         targets = [Target("direct", sim.endpoint)]
         for workers in (int(w) for w in args.workers.split(",")):
             gw_port = free_port(HOST)
-            conf = {"server": nats.url, "tls": {"ca": gw_tls.ca, "cert": gw_tls.cert, "key": gw_tls.key}, "gateway": {"listen": f"{HOST}:{gw_port}", "access_log": args.access_log}}
+            conf = {
+                "server": nats.url,
+                "tls": {"ca": gw_tls.ca, "cert": gw_tls.cert, "key": gw_tls.key},
+                "gateway": {"listen": f"{HOST}:{gw_port}", "access_log": args.access_log},
+            }
             (work / f"gateway-{workers}.yaml").write_text(yaml.safe_dump(conf))
             gw_log = work / f"gateway-{workers}.log"
             with open(gw_log, "wb") as out:
-                argv = [sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(work / f"gateway-{workers}.yaml"), "--workers", str(workers)]
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "llmgw.services",
+                    "--log-level",
+                    "warning",
+                    "gateway",
+                    "-c",
+                    str(work / f"gateway-{workers}.yaml"),
+                    "--workers",
+                    str(workers),
+                ]
                 gw = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
             gateways.append(gw)
             name = "llmgw" if workers == 1 else f"llmgw-w{workers}"
@@ -326,7 +345,9 @@ async def main() -> int:
         print(f"\nmachine: {os.cpu_count()} cores; {args.rounds} rounds x {args.seconds:g}s per target and cell; "
               f"max_tokens {BODY_TOKENS}; load generator: {args.client} client; llmgw access log: {'on' if args.access_log else 'off'}; "
               f"litellm: {litellm_note}\n")  # fmt: skip
-        print("| mode | clients | target | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | first chunk p50 ms | errors | CPU µs/req: proxy | engine | client |")
+        print(
+            "| mode | clients | target | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | first chunk p50 ms | errors | CPU µs/req: proxy | engine | client |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
         def cpu_cells(s: Sample) -> str:

@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 
 import yaml
-from llmgw.shared.natsserver import NatsServer, free_port
 
+from llmgw.shared.natsserver import NatsServer, free_port
 from tests.gateway_helpers import HOST, Board, Sim, metric_sum, replica, wait_for
 
 MiB = 1024 * 1024
@@ -145,7 +145,7 @@ class GoodClient:
                 if not keep:
                     w.close()
                     self.conn = None
-            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, IndexError) as e:
+            except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError, IndexError) as e:
                 kind = type(e).__name__
                 self.failed[kind] = self.failed.get(kind, 0) + 1
                 if self.conn is not None:
@@ -170,7 +170,7 @@ async def _outcome(r: asyncio.StreamReader, tally: Tally, timeout: float) -> Non
     try:
         status, _, _ = await asyncio.wait_for(read_answer(r), timeout)
         tally.add(str(status))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         tally.add("still open at the phase's end")
     except (ConnectionError, asyncio.IncompleteReadError):
         tally.add("closed without an answer")
@@ -342,12 +342,17 @@ async def main() -> int:
             after = proc_status(gw.pid)["VmRSS"]
             total = ok + sum(failed.values())
             fails = ", ".join(f"{k} {v}" for k, v in failed.items()) or "0"
-            print(f"| {name} | {peak_rss / MiB:.0f} | {after / MiB:.0f} | {peak_fds} | {ok}/{total} ({100 * ok / max(total, 1):.1f} %) | {fails} | {pct(lat, 0.5):.1f} | {pct(lat, 0.99):.1f} | {tally} |")
+            print(
+                f"| {name} | {peak_rss / MiB:.0f} | {after / MiB:.0f} | {peak_fds} | {ok}/{total} ({100 * ok / max(total, 1):.1f} %) | {fails} | {pct(lat, 0.5):.1f} | {pct(lat, 0.99):.1f} | {tally} |"
+            )
         good.stop = True
         await asyncio.wait_for(good_task, 15)
         text = await metrics_text(port)
         print()
-        bounded = {reason: metric_sum(text, "llmgw_gateway_bounded_total", reason=reason) for reason in ("connection_limit", "read_timeout", "body_buffer_full", "response_too_large", "out_of_fds")}
+        bounded = {
+            reason: metric_sum(text, "llmgw_gateway_bounded_total", reason=reason)
+            for reason in ("connection_limit", "read_timeout", "body_buffer_full", "response_too_large", "out_of_fds")
+        }
         cooled = metric_sum(text, "llmgw_gateway_cooldowns_total")
         print("gateway counters: " + ", ".join(f"{k} {v:.0f}" for k, v in bounded.items()) + f"; cool-downs {cooled:.0f}")
         print(f"gateway peak RSS over the whole run (VmHWM): {proc_status(gw.pid)['VmHWM'] / MiB:.0f} MB; the big replica sent {big.sent / MiB:.0f} MiB in all")

@@ -63,9 +63,9 @@ from pathlib import Path
 
 import aiohttp
 import yaml
-from llmgw.shared.natsserver import NatsServer, free_port
 
 from bench.gateway import pct, wait_http
+from llmgw.shared.natsserver import NatsServer, free_port
 from tests.gateway_helpers import HOST, Board, Sim, metric_sum, replica
 
 MODEL = "sim"
@@ -162,7 +162,9 @@ async def engine_counts(session: aiohttp.ClientSession, sims: list[Sim]) -> list
     for s in sims:
         async with session.get(f"{s.endpoint}/metrics") as r:
             t = await r.text()
-        out.append((metric_sum(t, "vllm:request_success_total"), metric_sum(t, "vllm:prefix_cache_hits_total"), metric_sum(t, "vllm:prefix_cache_queries_total")))
+        out.append(
+            (metric_sum(t, "vllm:request_success_total"), metric_sum(t, "vllm:prefix_cache_hits_total"), metric_sum(t, "vllm:prefix_cache_queries_total"))
+        )
     return out
 
 
@@ -202,7 +204,11 @@ def start_gateway(work: Path, nats: NatsServer, name: str, routing: str, procs: 
     (work / f"{name}.yaml").write_text(yaml.safe_dump(conf))
     log = work / f"{name}.log"
     with open(log, "wb") as out:
-        p = subprocess.Popen([sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(work / f"{name}.yaml"), "--workers", "1"], stdout=out, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(work / f"{name}.yaml"), "--workers", "1"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     procs.append(p)
     return f"http://{HOST}:{port}", p, log
 
@@ -241,7 +247,9 @@ async def long_prompts(session: aiohttp.ClientSession, sims: list[Sim], gw_url: 
     rng = random.Random(args.seed)
     # ~200 KB of words; each request a different one (a fresh start, so nothing is cached anywhere).
     base = text(rng, 21_000)
-    bodies = [json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"{i}: " + base}], "max_tokens": 4, "stream": True}).encode() for i in range(32)]
+    bodies = [
+        json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"{i}: " + base}], "max_tokens": 4, "stream": True}).encode() for i in range(32)
+    ]
     print(f"\nlong prompts: {len(bodies[0]) / 1000:.0f} KB bodies, {args.concurrency} concurrent clients, {args.seconds:g}s per turn, {args.rounds} turns each")
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start; {args.pinning}\n")
 
@@ -281,7 +289,9 @@ async def long_prompts(session: aiohttp.ClientSession, sims: list[Sim], gw_url: 
         else:
             added_ttft = f"{t50 - pct(d.ttft, 0.5) * 1e3:.1f} / {t99 - pct(d.ttft, 0.99) * 1e3:.1f}"
             added_e2e = f"{p50 - pct(d.e2e, 0.5) * 1e3:.1f} / {p99 - pct(d.e2e, 0.99) * 1e3:.1f}"
-        print(f"| {name} | {len(r.e2e)} | {len(r.e2e) / r.seconds:.0f} | {t50:.1f} | {t99:.1f} | {p50:.1f} | {p99:.1f} | {added_ttft} | {added_e2e} | {r.errors} |")
+        print(
+            f"| {name} | {len(r.e2e)} | {len(r.e2e) / r.seconds:.0f} | {t50:.1f} | {t99:.1f} | {p50:.1f} | {p99:.1f} | {added_ttft} | {added_e2e} | {r.errors} |"
+        )
     g = results["gateway"]
     if g.e2e:
         n = len(g.e2e)
@@ -314,8 +324,13 @@ async def main() -> int:
     ap.add_argument("--long-prompts", action="store_true", help="the 200 KB prompts x --concurrency overhead run instead")
     ap.add_argument("--concurrency", type=int, default=150, help="--long-prompts: clients at once (default 150)")
     ap.add_argument("--rounds", type=int, default=2, help="--long-prompts: turns each target takes (default 2)")
-    ap.add_argument("--gateway-cpu", type=int, default=None, metavar="N",
-                    help="run the gateway(s) on CPU N alone, and the load generator, engines and nats-server on the other CPUs (default: no pinning)")
+    ap.add_argument(
+        "--gateway-cpu",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run the gateway(s) on CPU N alone, and the load generator, engines and nats-server on the other CPUs (default: no pinning)",
+    )
     ap.add_argument("--json", help="also write the raw figures here")
     args = ap.parse_args()
     gateway_cpus, other_cpus, args.pinning = pinning_plan(args.gateway_cpu)
@@ -335,7 +350,16 @@ async def main() -> int:
             extra = ("--max-model-len", "200000", "--max-num-seqs", "1024")
             rate = 2.0  # 4 tokens: ~2 s a request, so 150 in flight leave the CPUs some room
         else:
-            extra = ("--prefill-rate", str(args.prefill_rate), "--kv-cache-tokens", str(args.kv_cache_tokens), "--block-size", "16", "--max-model-len", "100000")
+            extra = (
+                "--prefill-rate",
+                str(args.prefill_rate),
+                "--kv-cache-tokens",
+                str(args.kv_cache_tokens),
+                "--block-size",
+                "16",
+                "--max-model-len",
+                "100000",
+            )
             rate = args.token_rate
         sims = [Sim(work, f"engine{i}", MODEL, token_rate=rate, extra=extra) for i in range(REPLICAS)]
         policies = ["prefix"] if args.long_prompts else args.policies.split(",")
@@ -361,9 +385,11 @@ async def main() -> int:
             # Every gateway must see all four replicas before it is measured.
             for urls in gateways.values():
                 for url in urls:
+
                     async def four(url=url):
                         async with session.get(f"{url}/metrics") as r:
                             return metric_sum(await r.text(), "llmgw_gateway_ready_replicas") == REPLICAS
+
                     deadline = time.monotonic() + 30
                     while not await four():
                         if time.monotonic() > deadline:
@@ -373,7 +399,17 @@ async def main() -> int:
                 await long_prompts(session, sims, gateways["prefix"][0], procs[0].pid, args)
                 return 0
 
-            convs = workload(args.seed, args.seconds, args.rate, systems=args.systems, system_tokens=args.system_tokens, doc_tokens=args.doc_tokens, turns=args.turns, think=args.think, unique_share=args.unique_share)
+            convs = workload(
+                args.seed,
+                args.seconds,
+                args.rate,
+                systems=args.systems,
+                system_tokens=args.system_tokens,
+                doc_tokens=args.doc_tokens,
+                turns=args.turns,
+                think=args.think,
+                unique_share=args.unique_share,
+            )
             n = sum(len(c) for c in convs)
             print(f"\n{args.pinning}")
             print(f"machine: {os.cpu_count()} cores; {n} requests in {args.seconds:g}s (mean {n / args.seconds:.1f}/s, open loop), "
@@ -389,7 +425,9 @@ async def main() -> int:
                     runs.append((p, 2, gateways[p]))
             await run_policy(session, sims, [s.endpoint for s in sims], convs[:8])  # warm-up: imports, pools
             rows = []
-            print("| policy | gateways | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | req/s | cache hit ratio | max load / mean | per-replica requests | conversations on >1 replica | errors |")
+            print(
+                "| policy | gateways | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | req/s | cache hit ratio | max load / mean | per-replica requests | conversations on >1 replica | errors |"
+            )
             print("|---|---|---|---|---|---|---|---|---|---|---|---|")
             for policy, ngw, urls in runs:
                 r = await run_policy(session, sims, urls, convs)

@@ -234,7 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-timeout", help="the scheduler fails a replica degraded this long (default 30s)")
     p.add_argument("--engine-peer-timeout", help="the demo's sim ranks call a silent peer lost after this (sim default 1.6s)")
     p.add_argument("--gateway-port", type=int, default=8080, help="preferred gateway port (a free one is used if taken)")
-    p.add_argument("--routing", choices=("prefix", "least-outstanding"), help="the gateway's routing: prefix-cache aware (default) or least outstanding requests")
+    p.add_argument(
+        "--routing", choices=("prefix", "least-outstanding"), help="the gateway's routing: prefix-cache aware (default) or least outstanding requests"
+    )
     p.add_argument("--gateway-workers", type=int, help="gateway processes on its port (SO_REUSEPORT; default 1 here, 0 = one per core)")
     p.add_argument("--no-demo", action="store_true", help="do not apply the seed's demo deployment")
     p.add_argument("--detach", action="store_true", help="return once ready; stop later with 'llmgw down'")
@@ -254,7 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sim", help="simulated cluster tools: kill-node, start-node, hang-engine, resume-engine, stall-replica, hca-down/up, gpu-fault/ok")
     ss = p.add_subparsers(dest="sim_cmd", required=True, metavar="COMMAND")
-    for verb, what in (("kill-nats", "SIGKILL NATS server N of a cluster, as its machine dies"), ("start-nats", "start NATS server N again on its config and store")):
+    for verb, what in (
+        ("kill-nats", "SIGKILL NATS server N of a cluster, as its machine dies"),
+        ("start-nats", "start NATS server N again on its config and store"),
+    ):
         q = ss.add_parser(verb, help=what)
         q.add_argument("server", type=int, metavar="N", help="which server (1-based, as cluster.json lists them)")
         q.add_argument("--dir", default=".llmgw")

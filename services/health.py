@@ -38,12 +38,20 @@ HEARTBEATS = Counter("llmgw_health_heartbeats_total", "Heartbeats received, by r
 LEASES = Gauge("llmgw_health_leases", "Node leases, by state", ["state"])
 TRANSITIONS = Counter("llmgw_health_transitions_total", "Lease transitions", ["to"])
 QUARANTINED = Gauge("llmgw_health_quarantined_nodes", "Nodes quarantined: two agents heartbeat for one identity")
-WRITE_SECONDS = Histogram("llmgw_health_lease_write_seconds", "Time to store leases: one transition's lease, or one flush of checkpoints, boot writes and retries")
-WRITE_ERRORS = Counter("llmgw_health_lease_write_errors_total", "Lease writes the KV refused or that timed out (the lease stays in memory and is written again)")
-WRITES = Counter("llmgw_health_lease_writes_total", "Lease writes the KV acknowledged, by cause: transition (a state change), boot (a new or settled boot id), checkpoint (renewals)", ["cause"])
+WRITE_SECONDS = Histogram(
+    "llmgw_health_lease_write_seconds", "Time to store leases: one transition's lease, or one flush of checkpoints, boot writes and retries"
+)
+WRITE_ERRORS = Counter(
+    "llmgw_health_lease_write_errors_total", "Lease writes the KV refused or that timed out (the lease stays in memory and is written again)"
+)
+WRITES = Counter(
+    "llmgw_health_lease_writes_total",
+    "Lease writes the KV acknowledged, by cause: transition (a state change), boot (a new or settled boot id), checkpoint (renewals)",
+    ["cause"],
+)
 for _cause in WRITE_CAUSES:
     WRITES.labels(_cause)  # every cause reads 0 before its first write, not absent
-_ACTING: "weakref.WeakSet[HealthMonitor]" = weakref.WeakSet()  # monitors whose leases the scrape reads
+_ACTING: weakref.WeakSet[HealthMonitor] = weakref.WeakSet()  # monitors whose leases the scrape reads
 
 
 class _LeaseAges:
@@ -56,7 +64,9 @@ class _LeaseAges:
 
     def collect(self):
         # From memory: exact, although KV holds renewals only as checkpoints.
-        ages = GaugeMetricFamily("llmgw_health_lease_age_seconds", "Seconds since the node's lease was last renewed by a heartbeat (acting monitor only)", labels=["node"])
+        ages = GaugeMetricFamily(
+            "llmgw_health_lease_age_seconds", "Seconds since the node's lease was last renewed by a heartbeat (acting monitor only)", labels=["node"]
+        )
         stamp = time.time()
         # One acts (one book, no duplicate series): the acting one still on the bus, not
         # one that crashed or stopped in this process (tests, a restart in place).

@@ -232,7 +232,9 @@ class LeaseBook:
         for node, mine in self.leases.items():
             st = merged.get(node)
             if st is not None and st.state == "ready" and st.boot_id == mine.boot_id and mine.last_seq > st.last_seq and mine.last_renew > st.last_renew:
-                merged[node] = msgspec.structs.replace(st, last_seq=mine.last_seq, last_renew=mine.last_renew, boot_heartbeats=max(st.boot_heartbeats, mine.boot_heartbeats))
+                merged[node] = msgspec.structs.replace(
+                    st, last_seq=mine.last_seq, last_renew=mine.last_renew, boot_heartbeats=max(st.boot_heartbeats, mine.boot_heartbeats)
+                )
         self.leases = merged
         # Checkpoints resume at each node's next slot, not all at once.
         self.written_at = {n: at for n in leases}
@@ -282,7 +284,17 @@ class LeaseBook:
             return None
         if old.state == "lost" and hb.boot_id != old.boot_id:
             self._boot_change(node, old, hb.boot_id, at)
-            lease = Lease(node_id=node, state="ready", boot_id=hb.boot_id, last_seq=hb.seq, last_renew=at, since=at, boot_since=at, boot_heartbeats=1, quarantine=old.quarantine)
+            lease = Lease(
+                node_id=node,
+                state="ready",
+                boot_id=hb.boot_id,
+                last_seq=hb.seq,
+                last_renew=at,
+                since=at,
+                boot_since=at,
+                boot_heartbeats=1,
+                quarantine=old.quarantine,
+            )
             self.leases[node] = lease
             return Transition(node, "lost", "ready", lease, f"agent restarted (boot {hb.boot_id[:8]})")
         if hb.boot_id == old.boot_id:
@@ -393,7 +405,9 @@ class LeaseBook:
             cause = self.dirty.get(node)
             if cause is not None:
                 out.append((lease, cause))
-            elif lease.last_renew > self.stored_renew.get(node, -math.inf) and (node not in self.written_at or self._slot(node, at) != self._slot(node, self.written_at[node])):
+            elif lease.last_renew > self.stored_renew.get(node, -math.inf) and (
+                node not in self.written_at or self._slot(node, at) != self._slot(node, self.written_at[node])
+            ):
                 out.append((lease, "checkpoint"))
         return out
 

@@ -46,10 +46,10 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from prometheus_client import Counter, Gauge
 
 from llmgw.shared import subjects as S
-from llmgw.shared.errors import LlmgwError, WireError
-from llmgw.shared.pki import subject_dn
+from llmgw.shared.errors import LlmgwError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.names import host_problem, is_valid_name
+from llmgw.shared.pki import subject_dn
 from llmgw.shared.schemas import CommandAck, Inventory, Lease, NodeAddrRequest, NodeRecord, NodeRequest, decode, decode_reply, encode, now
 
 from .runtime import ServiceRuntime, run_service
@@ -275,8 +275,10 @@ class Registry(ServiceRuntime):
         if not recorded and node not in self.unverified_warned:
             self.unverified_warned.add(node)
             self.log.warning(
-                "%s has no recorded address: its inventory's mgmt_addr %s is taken on its word (unverified); "
-                "record it with 'llmgw ctl node set-addr %s ADDR'", node, inv.mgmt_addr, node,
+                "%s has no recorded address: its inventory's mgmt_addr %s is taken on its word (unverified); record it with 'llmgw ctl node set-addr %s ADDR'",
+                node,
+                inv.mgmt_addr,
+                node,
             )
         return True
 

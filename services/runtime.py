@@ -17,7 +17,8 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, start_http_server
 
-from llmgw.shared import bus, subjects as S
+from llmgw.shared import bus
+from llmgw.shared import subjects as S
 from llmgw.shared.config import ServiceConfig, load_service_config
 from llmgw.shared.errors import ConfigError, LlmgwError, WireError
 from llmgw.shared.events import EventPublisher

@@ -27,7 +27,8 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from . import pki, subjects as S
+from . import pki
+from . import subjects as S
 from .errors import BusError, ConfigError
 
 log = logging.getLogger("llmgw.bus")
@@ -154,7 +155,9 @@ async def connect(
             await on_error(e)
 
     if first_delay > 0:
-        lg.info("first connect to NATS in %.2fs (spread over reconnect_base %.2fs, so nodes starting together do not connect at once)", first_delay, reconnect_base)
+        lg.info(
+            "first connect to NATS in %.2fs (spread over reconnect_base %.2fs, so nodes starting together do not connect at once)", first_delay, reconnect_base
+        )
         await asyncio.sleep(first_delay)
     attempt = 0
     while True:
@@ -166,26 +169,29 @@ async def connect(
             # step hung is not known). An agent whose first connect never ends
             # never starts, so the attempt as a whole is bounded, and so is the
             # close of a failed one below.
-            await asyncio.wait_for(nc.connect(
-                servers=urls,
-                tls=ctx,
-                tls_hostname=None,
-                name=f"{role}:{ident}:{name}",
-                inbox_prefix=S.inbox_prefix(role, ident),
-                connect_timeout=connect_timeout,
-                allow_reconnect=True,
-                # One try per server here: our own loop below does the first
-                # connect's retries (with logging); reconnects are unbounded.
-                max_reconnect_attempts=1,
-                reconnect_time_wait=reconnect_base,
-                reconnect_to_server_handler=pick,
-                disconnected_cb=disconnected,
-                reconnected_cb=reconnected,
-                error_cb=error,
-                # Buffer little (or nothing, for services) while disconnected:
-                # heartbeats and statuses are re-sent fresh after a reconnect.
-                pending_size=pending_size,
-            ), ATTEMPT_TIMEOUTS * connect_timeout + 2 * reconnect_base)
+            await asyncio.wait_for(
+                nc.connect(
+                    servers=urls,
+                    tls=ctx,
+                    tls_hostname=None,
+                    name=f"{role}:{ident}:{name}",
+                    inbox_prefix=S.inbox_prefix(role, ident),
+                    connect_timeout=connect_timeout,
+                    allow_reconnect=True,
+                    # One try per server here: our own loop below does the first
+                    # connect's retries (with logging); reconnects are unbounded.
+                    max_reconnect_attempts=1,
+                    reconnect_time_wait=reconnect_base,
+                    reconnect_to_server_handler=pick,
+                    disconnected_cb=disconnected,
+                    reconnected_cb=reconnected,
+                    error_cb=error,
+                    # Buffer little (or nothing, for services) while disconnected:
+                    # heartbeats and statuses are re-sent fresh after a reconnect.
+                    pending_size=pending_size,
+                ),
+                ATTEMPT_TIMEOUTS * connect_timeout + 2 * reconnect_base,
+            )
             nc.options["max_reconnect_attempts"] = -1
             lg.info("connected to NATS at %s as %s/%s", nc.connected_url.netloc, role, ident)
             return nc
@@ -198,7 +204,7 @@ async def connect(
             lg.warning("cannot reach NATS at %s (%s); retrying in %.1fs", ", ".join(urls), with_reason, delay)
             try:
                 await asyncio.wait_for(nc.close(), connect_timeout)
-            except Exception:  # noqa: BLE001 - a failed attempt's leftovers; the next attempt is a new client
+            except Exception:
                 pass
             await asyncio.sleep(delay)
 
@@ -275,7 +281,7 @@ async def ensure_replicas(js: JetStreamContext, stream: str, replicas: int, *, l
     cfg.num_replicas = replicas
     try:
         await js.update_stream(cfg)
-    except Exception as e:  # noqa: BLE001 - the server says why (e.g. insufficient resources)
+    except Exception as e:
         lg.warning("stream %s has %d replicas, configured %d; the server refused the change: %s", stream, have, replicas, e)
         return None
     change = f"stream {stream}: replicas {have} -> {replicas}"

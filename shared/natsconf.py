@@ -63,8 +63,7 @@ def check_cluster_size(n: int) -> None:
     if n < 1:
         raise ConfigError(f"{n} NATS servers: there must be at least 1 (use 1, or an odd number of 3 or more)")
     raise ConfigError(
-        f"{n} NATS servers: use 1, or an odd number of 3 or more (JetStream needs a majority of them up; "
-        f"{n} servers survive no more losses than {n - 1} do)"
+        f"{n} NATS servers: use 1, or an odd number of 3 or more (JetStream needs a majority of them up; {n} servers survive no more losses than {n - 1} do)"
     )
 
 
@@ -88,7 +87,7 @@ def parse_peer(spec: str) -> Peer:
             raise ConfigError(f"--server {spec!r}: {what} {p!r} is not a port number")
         vals.append(int(p))
     defaults = [4222, 6222, 8222]
-    port, cport, mport = (vals + defaults[len(vals):])[:3]
+    port, cport, mport = (vals + defaults[len(vals) :])[:3]
     return Peer(name=name, host=host, port=port, cluster_port=cport, monitor_port=mport)
 
 
@@ -166,8 +165,7 @@ def _cluster_block(pki_path: Path, opts: ServerOptions) -> dict:
     key = Path(opts.route_key) if opts.route_key else default_key
     if not cert.exists() or not key.exists():
         raise ConfigError(
-            f"no route certificate for server {opts.server_name} at {cert}; run "
-            f"'llmgw ctl cert issue-route {opts.server_name} {chost} --dir {pki_path}' first"
+            f"no route certificate for server {opts.server_name} at {cert}; run 'llmgw ctl cert issue-route {opts.server_name} {chost} --dir {pki_path}' first"
         )
     routes = pki.active_routes(pki_path)
     if not any(e.name == opts.server_name for e in routes):
@@ -199,9 +197,7 @@ def render(pki_dir: str | os.PathLike, opts: ServerOptions) -> str:
     cert = Path(opts.server_cert) if opts.server_cert else pki_path / pki.SERVER_CERT
     key = Path(opts.server_key) if opts.server_key else pki_path / pki.SERVER_KEY
     if not cert.exists() or not key.exists():
-        raise ConfigError(
-            f"no server certificate at {cert}; run 'llmgw ctl cert issue-server HOST… --dir {pki_path}' first"
-        )
+        raise ConfigError(f"no server certificate at {cert}; run 'llmgw ctl cert issue-server HOST… --dir {pki_path}' first")
     host, port = _host_port(opts.listen, "--listen")
     users = []
     pins = []

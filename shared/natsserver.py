@@ -222,10 +222,7 @@ class NatsCluster:
         if not pki.has_ca(self.pki_dir):
             pki.init_ca(self.pki_dir)
         if not self.members:
-            self.members = [
-                NatsServer(root=self.root / f"nats{i + 1}", host=h, name=f"nats{i + 1}", shared_pki=self.pki_dir)
-                for i, h in enumerate(hosts)
-            ]
+            self.members = [NatsServer(root=self.root / f"nats{i + 1}", host=h, name=f"nats{i + 1}", shared_pki=self.pki_dir) for i, h in enumerate(hosts)]
         for m in self.members:
             m.root.mkdir(parents=True, exist_ok=True)
             m.port = m.port or free_port(m.host)

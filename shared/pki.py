@@ -51,7 +51,7 @@ ROUTE_ROLE = "route"
 DEFAULT_CA_DAYS = 3650
 DEFAULT_CERT_DAYS = 365
 
-_UTC = dt.timezone.utc
+_UTC = dt.UTC
 
 
 def subject_dn(role: str, name: str) -> str:
@@ -294,9 +294,7 @@ def _sign(
             critical=True,
         )
         .add_extension(x509.ExtendedKeyUsage(usage if isinstance(usage, list) else [usage]), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
     )
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
@@ -374,7 +372,6 @@ def _sign_and_record(
     return Issued(entry=entry, cert_path=cert_path, key_path=key_path, ca_path=pki / CA_CERT)
 
 
-
 def _host_sans(hosts: list[str], kind: str) -> list[x509.GeneralName]:
     """Subject alternative names for ``hosts``: an IP address as one, anything else
     as a DNS name (refused when empty, with spaces or a slash)."""
@@ -387,6 +384,7 @@ def _host_sans(hosts: list[str], kind: str) -> list[x509.GeneralName]:
                 raise PkiError(f"invalid host name {h!r} for the {kind} certificate") from None
             sans.append(x509.DNSName(h))
     return sans
+
 
 def issue_server(
     pki_dir: str | os.PathLike,

@@ -288,7 +288,15 @@ def replica_rows(replicas: Mapping[str, Replica]) -> list[dict]:
                 "fabric": r.fabric,
                 "state": r.state,
                 "members": [
-                    {"node": m.node_id, "rank": m.rank, "role": m.role, "gpus": list(m.gpus), "engine_state": m.engine_state, "engine_detail": m.engine_detail, "pid": m.pid}
+                    {
+                        "node": m.node_id,
+                        "rank": m.rank,
+                        "role": m.role,
+                        "gpus": list(m.gpus),
+                        "engine_state": m.engine_state,
+                        "engine_detail": m.engine_detail,
+                        "pid": m.pid,
+                    }
                     for m in r.members
                 ],
                 "endpoint": r.endpoint,

@@ -82,6 +82,4 @@ ENDED_ENGINE = frozenset({EngineState.EXITED, EngineState.ABSENT})
 # Running, but its group is broken for good: the replica fails at once.
 BROKEN_ENGINE = frozenset({EngineState.PEER_LOST})
 # States an agent may report (the wire schema's Literal mirrors this).
-REPORTED_ENGINE = frozenset(
-    {EngineState.STARTING, EngineState.JOINED, EngineState.READY, EngineState.STALLED, EngineState.PEER_LOST, EngineState.EXITED}
-)
+REPORTED_ENGINE = frozenset({EngineState.STARTING, EngineState.JOINED, EngineState.READY, EngineState.STALLED, EngineState.PEER_LOST, EngineState.EXITED})

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmgw.services.agent.enginedir import EngineDir
-from llmgw.shared import procfs, subjects as S
+from llmgw.shared import procfs
+from llmgw.shared import subjects as S
 from llmgw.shared.bus import TlsFiles
 from llmgw.shared.errors import WireError
 from llmgw.shared.natsserver import free_port
@@ -79,7 +80,7 @@ def fake_nvidia_smi(path: Path, node: str, count: int = 8) -> Path:
     path.write_text(
         "#!/bin/sh\n"
         'case "$*" in\n'
-        '  *--query-gpu=index,uuid,name,memory.total,pci.bus_id*--format=csv,noheader,nounits*) ;;\n'
+        "  *--query-gpu=index,uuid,name,memory.total,pci.bus_id*--format=csv,noheader,nounits*) ;;\n"
         '  *) echo "fake nvidia-smi: unexpected arguments: $*" >&2; exit 2;;\n'
         "esac\n"
         f"cat <<'CSV'\n{lines}\nCSV\n"
@@ -133,7 +134,7 @@ reconnect_max: 1s
 {f"inventory_interval: {inventory_interval}" if inventory_interval else ""}
 fabrics:
   - name: {fabric}
-    hcas: [{', '.join(hcas)}]
+    hcas: [{", ".join(hcas)}]
 discovery:
   nvidia_smi: "{nvidia_smi}"
   ib_root: {ib_root}

@@ -42,12 +42,7 @@ def make_node(
         mgmt_interface="lo",
         boot_id=f"boot-{node_id}",
         gpus=[Gpu(index=i, uuid=f"GPU-{node_id}-{i}", name="NVIDIA H200") for i in range(gpus)],
-        fabrics=[
-            FabricMembership(
-                name=n, hcas=[f"mlx5_{i}"], usable=usable, problem="" if usable else problem or "port 1 DOWN"
-            )
-            for i, n in enumerate(names)
-        ],
+        fabrics=[FabricMembership(name=n, hcas=[f"mlx5_{i}"], usable=usable, problem="" if usable else problem or "port 1 DOWN") for i, n in enumerate(names)],
         admin=admin,
     )
 
@@ -109,21 +104,13 @@ def seed_deployment(**overrides) -> DeploymentSpec:
 def with_engines(replica: Replica, **states: str) -> Replica:
     """The replica as the shell would record agents' reports: ``node01="ready"``; ``all=`` for every member."""
     every = states.pop("all", None)
-    members = [
-        msgspec.structs.replace(m, engine_state=states.get(m.node_id, every or m.engine_state))
-        for m in replica.members
-    ]
+    members = [msgspec.structs.replace(m, engine_state=states.get(m.node_id, every or m.engine_state)) for m in replica.members]
     return msgspec.structs.replace(replica, members=members)
 
 
-def apply_plan(
-    plan: Plan, replicas: Mapping[str, Replica], deployments: Mapping[str, DeploymentSpec]
-) -> tuple[dict[str, Replica], dict[str, DeploymentSpec]]:
+def apply_plan(plan: Plan, replicas: Mapping[str, Replica], deployments: Mapping[str, DeploymentSpec]) -> tuple[dict[str, Replica], dict[str, DeploymentSpec]]:
     """What the shell does with a plan's records: generations, writes, deletes."""
-    deps = {
-        name: msgspec.structs.replace(d, last_generation=plan.generations.get(name, d.last_generation))
-        for name, d in deployments.items()
-    }
+    deps = {name: msgspec.structs.replace(d, last_generation=plan.generations.get(name, d.last_generation)) for name, d in deployments.items()}
     reps = dict(replicas)
     reps.update(plan.writes)
     for rid in plan.deletes:

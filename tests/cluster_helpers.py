@@ -176,7 +176,7 @@ class Cluster:
         for svc in reversed(self.services):
             try:
                 await asyncio.wait_for(svc.stop(), 20)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 stuck.append(f"{svc.role}/{svc.identity}")
             except Exception:
                 pass

@@ -15,14 +15,15 @@ import time
 from pathlib import Path
 
 import aiohttp
+
 from llmgw.shared import bus
 from llmgw.shared import subjects as S
 from llmgw.shared.config import GatewaySection, ServiceConfig, TlsSection
 from llmgw.shared.natsserver import NatsServer, free_port
 from llmgw.shared.schemas import DeploymentSpec, Replica, ReplicaMember, encode
+from llmgw.shared.states import EngineState
 
 from .waiting import _UNSET, eventually
-from llmgw.shared.states import EngineState
 
 HOST = "127.0.0.1"
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from llmgw.shared import procfs, subjects as S
+from llmgw.shared import procfs
+from llmgw.shared import subjects as S
 from llmgw.shared.bus import TlsFiles
 from llmgw.shared.schemas import CommandAck, FabricMembership, Gpu, StatusReport, StopCommand, decode, encode
 
@@ -143,9 +144,7 @@ async def test_agent_publishes_its_node_and_runs_a_two_member_replica(node, cont
     assert [h.name for h in inv.hcas] == list(HCAS)
     for h in inv.hcas:
         assert h.usable and h.problem == "", h
-        assert [(p.port, p.state, p.phys_state, p.rate, p.link_layer) for p in h.ports] == [
-            (1, "ACTIVE", "LinkUp", "200 Gb/sec (4X HDR)", "InfiniBand")
-        ]
+        assert [(p.port, p.state, p.phys_state, p.rate, p.link_layer) for p in h.ports] == [(1, "ACTIVE", "LinkUp", "200 Gb/sec (4X HDR)", "InfiniBand")]
     assert full_reports(tap, boot)[0].engines == []
     # Its first connect waited a draw in [0, reconnect_base) (nodes starting together spread out).
     first = re.search(r"first connect to NATS in ([\d.]+)s \(spread over reconnect_base ([\d.]+)s", node.agent_logs())
@@ -269,7 +268,7 @@ async def test_a_reconnect_brings_a_full_report_and_no_stale_heartbeats(node, co
         boot = await first_boot(tap)
         ack = await command(sched, S.cmd_launch(NODE), encode(make_launch("r1", gpus=(0,))))
         assert ack.ok, ack
-        (pid, started), = recorded_engines(node.work_dir).values()
+        ((pid, started),) = recorded_engines(node.work_dir).values()
         await eventually(lambda: len(tap.heartbeats) >= 2, "heartbeats before the cut")
 
         link.cut()

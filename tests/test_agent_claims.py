@@ -24,10 +24,10 @@ import textwrap
 
 import pytest
 
-from llmgw.services.devcluster import simcluster
 from llmgw.services.agent.config import SupervisorConfig
 from llmgw.services.agent.supervisor import PORT_BUSY, Supervisor
-from llmgw.shared import procnet, subjects as S
+from llmgw.services.devcluster import simcluster
+from llmgw.shared import procnet
 from llmgw.shared.natsserver import free_port
 from llmgw.shared.schemas import DeploymentSpec
 
@@ -223,8 +223,9 @@ async def test_a_thawed_agent_gets_its_stale_engines_fenced_without_a_restart(cl
     await cluster.operator(connector)
     await cluster.wait(lambda: len([l for l in cluster.leases.items.values() if l.state == "ready"]) == 2, what="both nodes ready")
     await cluster.apply(
-        DeploymentSpec(name="demo", model="sim-7b", engine="sim", replicas=1, nodes_per_replica=1, gpus_per_node=2,
-                       engine_args=["--load-time", "0.2s"], startup_timeout=30)  # fmt: skip
+        DeploymentSpec(
+            name="demo", model="sim-7b", engine="sim", replicas=1, nodes_per_replica=1, gpus_per_node=2, engine_args=["--load-time", "0.2s"], startup_timeout=30
+        )  # fmt: skip
     )
     (first,) = await cluster.wait(lambda: cluster.ready("demo"), what="replica ready")
     node, stale_pid = first.members[0].node_id, first.members[0].pid

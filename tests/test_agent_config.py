@@ -152,7 +152,11 @@ def test_relative_paths_resolve_against_the_config_directory(tmp_path, certs, mo
     assert cfg.supervisor.work_dir == str(conf_dir / "state")
 
 
-@pytest.mark.parametrize("value, expected", [("nvidia-smi", "nvidia-smi"), ("", ""), ("/opt/nvidia/bin/nvidia-smi", "/opt/nvidia/bin/nvidia-smi")], ids=["bare-name-stays-a-PATH-lookup", "empty", "absolute"])
+@pytest.mark.parametrize(
+    "value, expected",
+    [("nvidia-smi", "nvidia-smi"), ("", ""), ("/opt/nvidia/bin/nvidia-smi", "/opt/nvidia/bin/nvidia-smi")],
+    ids=["bare-name-stays-a-PATH-lookup", "empty", "absolute"],
+)
 def test_nvidia_smi_path(tmp_path, certs, value, expected):
     data = base(certs)
     data["discovery"] = {"nvidia_smi": value}
@@ -222,12 +226,20 @@ REFUSALS = [
     ("mgmt-addr-empty", _set("mgmt_addr", ""), ["mgmt_addr: must not be empty"]),
     ("mgmt-interface-too-long", _set("mgmt_interface", "averyveryverylongif"), ["mgmt_interface: 'averyveryverylongif' is not a network interface name"]),
     ("fabrics-not-a-list", _set("fabrics", {"name": "ib-a"}), ["fabrics: expected a list"]),
-    ("fabric-duplicate-name", _set("fabrics", [{"name": "ib-a", "hcas": ["mlx5_0"]}, {"name": "ib-a", "hcas": ["mlx5_1"]}]), ["fabrics[1].name: fabric 'ib-a' is listed twice"]),
+    (
+        "fabric-duplicate-name",
+        _set("fabrics", [{"name": "ib-a", "hcas": ["mlx5_0"]}, {"name": "ib-a", "hcas": ["mlx5_1"]}]),
+        ["fabrics[1].name: fabric 'ib-a' is listed twice"],
+    ),
     ("fabric-missing-hcas", _set("fabrics", [{"name": "ib-a"}]), ["fabrics[0].hcas: required key is missing"]),
     ("fabric-unknown-key-suggests", _set("fabrics", [{"name": "ib-a", "hca": ["mlx5_0"]}]), ["fabrics[0].hca: unknown key; did you mean 'hcas'?"]),
     ("fabric-hcas-as-string", _set("fabrics", [{"name": "ib-a", "hcas": "mlx5_0,mlx5_1"}]), ["fabrics[0].hcas: expected a list of HCA names"]),
     ("fabric-no-hcas", _set("fabrics", [{"name": "ib-a", "hcas": []}]), ["fabrics[0].hcas: fabric 'ib-a' lists no HCA"]),
-    ("fabric-hca-in-two-fabrics", _set("fabrics", [{"name": "ib-a", "hcas": ["mlx5_0"]}, {"name": "ib-b", "hcas": ["mlx5_0"]}]), ["fabrics[1].hcas[0]: HCA 'mlx5_0' is already in fabric 'ib-a'"]),
+    (
+        "fabric-hca-in-two-fabrics",
+        _set("fabrics", [{"name": "ib-a", "hcas": ["mlx5_0"]}, {"name": "ib-b", "hcas": ["mlx5_0"]}]),
+        ["fabrics[1].hcas[0]: HCA 'mlx5_0' is already in fabric 'ib-a'"],
+    ),
     ("fabric-hca-twice", _set("fabrics", [{"name": "ib-a", "hcas": ["mlx5_0", "mlx5_0"]}]), ["fabrics[0].hcas[1]: HCA 'mlx5_0' is listed twice"]),
     ("fabric-hca-path", _set("fabrics", [{"name": "ib-a", "hcas": ["../mlx5_0"]}]), ["fabrics[0].hcas[0]: '../mlx5_0' is not an HCA name"]),
     ("fabric-bad-name", _set("fabrics", [{"name": "IB A", "hcas": ["mlx5_0"]}]), ["fabrics[0].name: invalid fabric name 'IB A'"]),
@@ -303,7 +315,11 @@ def test_unknown_key_without_a_close_match_suggests_nothing(tmp_path, certs):
 RAW_REFUSALS = [
     ("yaml-syntax-error-names-line", "node_id: node01\nserver: tls://a:4222\ntls: {ca: x\nmgmt_addr: 10.0.0.1\n", [":4: YAML syntax error"]),
     ("yaml-tab-indent", "node_id: node01\ntls:\n\tca: x\n", [":3: YAML syntax error"]),
-    ("duplicate-key-names-both-lines", "node_id: node01\nserver: tls://a:4222\nserver: tls://b:4222\n", [":3: YAML syntax error", "'server' appears twice (first on line 2)"]),
+    (
+        "duplicate-key-names-both-lines",
+        "node_id: node01\nserver: tls://a:4222\nserver: tls://b:4222\n",
+        [":3: YAML syntax error", "'server' appears twice (first on line 2)"],
+    ),
     ("empty-file", "", ["the configuration is empty"]),
     ("only-comments", "# node01\n", ["the configuration is empty"]),
     ("top-level-list", "- node_id: node01\n", ["top level: expected a mapping of keys, got a list"]),

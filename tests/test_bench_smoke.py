@@ -96,9 +96,7 @@ def test_gateway_bench_measures_both_targets_without_errors(tmp_path, client):
     assert f"load generator: {client} client" in r.stdout
     rows = json.loads(figures.read_text())["rows"]
     cells = {(row["stream"], row["clients"], row["target"], row.get("paced")) for row in rows}
-    assert cells == {(s, c, t, None) for s in (False, True) for c in (1, 4) for t in ("direct", "llmgw")} | {
-        (False, 16, t, 50.0) for t in ("direct", "llmgw")
-    }
+    assert cells == {(s, c, t, None) for s in (False, True) for c in (1, 4) for t in ("direct", "llmgw")} | {(False, 16, t, 50.0) for t in ("direct", "llmgw")}
     for row in rows:
         assert row["rps"] > 0, row
         if "errors" in row:

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from llmgw.shared import bus, subjects as S
+from llmgw.shared import bus
+from llmgw.shared import subjects as S
 from llmgw.shared.errors import BusError, ConfigError
 
 from .waiting import eventually

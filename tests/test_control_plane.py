@@ -18,7 +18,16 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 
 def spec(name="demo", replicas=1, nodes=2, gpus=2, load="0.2s"):
-    return DeploymentSpec(name=name, model="sim-7b", engine="sim", replicas=replicas, nodes_per_replica=nodes, gpus_per_node=gpus, engine_args=["--load-time", load], startup_timeout=30)
+    return DeploymentSpec(
+        name=name,
+        model="sim-7b",
+        engine="sim",
+        replicas=replicas,
+        nodes_per_replica=nodes,
+        gpus_per_node=gpus,
+        engine_args=["--load-time", load],
+        startup_timeout=30,
+    )
 
 
 @pytest.fixture
@@ -120,7 +129,9 @@ async def test_standby_scheduler_finishes_a_rebuild_without_duplicates(cluster, 
     victim = next(r for r in cluster.ready("demo") if r.fabric == "ib-a").members[1].node_id
     cluster.kill_node(victim)
     # mid-rebuild: the replacement has been placed and is launching / loading
-    await cluster.wait(lambda: [r for r in cluster.live("demo") if r.generation > 2 and r.state in ("launching", "waiting-for-workers")], what="replacement launching")
+    await cluster.wait(
+        lambda: [r for r in cluster.live("demo") if r.generation > 2 and r.state in ("launching", "waiting-for-workers")], what="replacement launching"
+    )
     await crash(leader)
     cluster.services.remove(leader)
     await cluster.wait(lambda: standby.leadership.is_leader, what="standby takes over")
@@ -152,7 +163,9 @@ async def test_ctl_reads_and_changes_the_cluster(cluster, connector, tmp_path):
     cfg = tmp_path / "operator.yaml"
     write_config(cfg, {"server": cluster.server.url, "tls": {"ca": tls.ca, "cert": tls.cert, "key": tls.key}})
     deploy = tmp_path / "demo.yaml"
-    deploy.write_text("name: demo\nmodel: sim-7b\nengine: sim\nreplicas: 1\nnodes_per_replica: 2\ngpus_per_node: 2\nengine_args: [--load-time, 0.2s]\nstartup_timeout: 30s\n")
+    deploy.write_text(
+        "name: demo\nmodel: sim-7b\nengine: sim\nreplicas: 1\nnodes_per_replica: 2\ngpus_per_node: 2\nengine_args: [--load-time, 0.2s]\nstartup_timeout: 30s\n"
+    )
     r = await asyncio.to_thread(ctl, cfg, "deploy", "apply", "-f", str(deploy))
     assert "deployment demo applied" in r.stdout
     (rep,) = await cluster.wait(lambda: cluster.ready("demo"), what="replica ready")
@@ -163,7 +176,9 @@ async def test_ctl_reads_and_changes_the_cluster(cluster, connector, tmp_path):
         ("node02", ["ib-a"], 4, 2, "ready", cluster.addr("node02")),
     ]
     reps = json.loads((await asyncio.to_thread(ctl, cfg, "replicas", "-o", "json")).stdout)
-    assert [(r["id"], r["deployment"], r["generation"], r["fabric"], r["state"], r["endpoint"]) for r in reps] == [(rep.id, "demo", rep.generation, "ib-a", "ready", rep.endpoint)]
+    assert [(r["id"], r["deployment"], r["generation"], r["fabric"], r["state"], r["endpoint"]) for r in reps] == [
+        (rep.id, "demo", rep.generation, "ib-a", "ready", rep.endpoint)
+    ]
     assert (reps[0]["model"], reps[0]["spec_digest"]) == ("sim-7b", template_digest(spec()))
     assert [(m["node"], m["rank"], m["role"], len(m["gpus"])) for m in reps[0]["members"]] == [("node01", 0, "leader", 2), ("node02", 1, "worker", 2)]
     table = (await asyncio.to_thread(ctl, cfg, "replicas")).stdout

@@ -165,9 +165,21 @@ def test_agent_unit_keeps_engines_alive_and_devices_reachable():
     # Engines inherit all of this: nothing that hides devices, kills its tmp
     # when the unit stops, or pins them in one invocation's mount namespace.
     forbidden = {
-        "PrivateDevices", "DevicePolicy", "DeviceAllow", "ProtectClock", "ProtectKernelModules",
-        "PrivateTmp", "ProtectSystem", "ProtectHome", "User", "DynamicUser", "CapabilityBoundingSet",
-        "NoNewPrivileges", "SystemCallFilter", "MemoryDenyWriteExecute", "PrivateNetwork",
+        "PrivateDevices",
+        "DevicePolicy",
+        "DeviceAllow",
+        "ProtectClock",
+        "ProtectKernelModules",
+        "PrivateTmp",
+        "ProtectSystem",
+        "ProtectHome",
+        "User",
+        "DynamicUser",
+        "CapabilityBoundingSet",
+        "NoNewPrivileges",
+        "SystemCallFilter",
+        "MemoryDenyWriteExecute",
+        "PrivateNetwork",
     }
     present = {k for k, _ in unit["Service"]} & forbidden
     assert not present, f"agent unit restricts what engines need: {sorted(present)}"
@@ -201,8 +213,14 @@ def test_credentials_layout_loads(tmp_path, llmgw_cmd):
     from llmgw.shared.config import load_service_config
 
     creds = tmp_path / "run-credentials-llmgw-registry.service"
-    env = {**os.environ, "LLMGW": llmgw_cmd, "LLMGW_PKI": str(tmp_path / "pki"), "LLMGW_NATS_DIR": str(tmp_path / "nats"),
-           "LLMGW_CONF": str(tmp_path / "conf"), "SIM_NODES": ""}
+    env = {
+        **os.environ,
+        "LLMGW": llmgw_cmd,
+        "LLMGW_PKI": str(tmp_path / "pki"),
+        "LLMGW_NATS_DIR": str(tmp_path / "nats"),
+        "LLMGW_CONF": str(tmp_path / "conf"),
+        "SIM_NODES": "",
+    }
     r = run(["bash", str(DEPLOY / "compose-init.sh")], env=env)
     assert r.returncode == 0, r.stderr
     # systemd copies the four files named by LoadCredential= into one directory.
@@ -372,7 +390,7 @@ def test_dockerfile_base_wheelhouse_and_healthcheck():
     assert any(d == "/wheelhouse/" and "deploy/wheelhous[e]" in srcs for srcs, d in dockerfile_copies())
     ignore = [line.strip() for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")]
     assert not any(p.startswith("deploy") for p in ignore), "the wheelhouse lives in deploy/"
-    assert 'HEALTHCHECK' in text and 'CMD ["llmgw-healthcheck"]' in text
+    assert "HEALTHCHECK" in text and 'CMD ["llmgw-healthcheck"]' in text
     assert "COPY deploy/container-healthcheck.py /usr/local/bin/llmgw-healthcheck" in text
     assert re.search(r"^USER 10001:10001$", text, re.M)
 
@@ -492,9 +510,16 @@ def test_compose_init_creates_what_compose_mounts(tmp_path, llmgw_cmd):
     from llmgw.shared.config import load_service_config
 
     pki_dir, nats_dir, conf = tmp_path / "pki", tmp_path / "nats", tmp_path / "conf"
-    env = {**os.environ, "LLMGW": llmgw_cmd, "LLMGW_PKI": str(pki_dir), "LLMGW_NATS_DIR": str(nats_dir),
-           "LLMGW_CONF": str(conf), "NATS_STORE_DIR": str(tmp_path / "js"),
-           "HEARTBEAT_INTERVAL": "2s", "NODE_LOST_AFTER": "9s"}
+    env = {
+        **os.environ,
+        "LLMGW": llmgw_cmd,
+        "LLMGW_PKI": str(pki_dir),
+        "LLMGW_NATS_DIR": str(nats_dir),
+        "LLMGW_CONF": str(conf),
+        "NATS_STORE_DIR": str(tmp_path / "js"),
+        "HEARTBEAT_INTERVAL": "2s",
+        "NODE_LOST_AFTER": "9s",
+    }
     env.pop("SIM_NODES", None)
     r = run(["bash", str(DEPLOY / "compose-init.sh")], env=env)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -533,7 +558,7 @@ def test_compose_init_creates_what_compose_mounts(tmp_path, llmgw_cmd):
     # The NATS volume: what the server needs, never the authority's key or ledger.
     assert sorted(p.name for p in nats_dir.iterdir()) == ["ca.pem", "nats.conf", "server-key.pem", "server.pem"]
     text = (nats_dir / "nats.conf").read_text()
-    conf_json = json.loads(text[text.index("{"):])
+    conf_json = json.loads(text[text.index("{") :])
     users = {u["user"] for u in conf_json["authorization"]["users"]}
     assert users == {f"CN={n},OU={r}" for n, r in [*[(s, s) for s in SERVICES], ("operator", "operator"), *[(n, "node") for n in SEED_NODES]]}
     for k in ("cert_file", "key_file", "ca_file"):
@@ -649,12 +674,18 @@ class Onboarding:
             "FAKE_LOG_DIR": str(self.logs),
         }
         base = [
-            "--pki", str(self.pki),
-            "--binary", self.llmgw,
-            "--ssh-user", "ops",
-            "--nats-config", str(self.nats_conf),
-            "--nats-store-dir", str(self.tmp / "jetstream"),
-            "--reload-cmd", f"grep -q 'CN=node07,OU=node' {shlex.quote(str(self.nats_conf))} && echo reloaded >>{shlex.quote(str(self.logs / 'reload.log'))}",
+            "--pki",
+            str(self.pki),
+            "--binary",
+            self.llmgw,
+            "--ssh-user",
+            "ops",
+            "--nats-config",
+            str(self.nats_conf),
+            "--nats-store-dir",
+            str(self.tmp / "jetstream"),
+            "--reload-cmd",
+            f"grep -q 'CN=node07,OU=node' {shlex.quote(str(self.nats_conf))} && echo reloaded >>{shlex.quote(str(self.logs / 'reload.log'))}",
         ]
         return run(["bash", str(DEPLOY / "onboard-node.sh"), *args, *base], env=env)
 
@@ -679,9 +710,22 @@ def test_onboard_node_installs_identity_config_and_unit(onboarding):
     ob = onboarding
     ob.install_remote_llmgw()
     r = ob.run(
-        "--node", "node07", "--addr", "gpu07.example", "--server", "tls://10.0.0.140:4222",
-        "--fabric", "ib-a:mlx5_0,mlx5_1", "--fabric", "ib-b:mlx5_2",
-        "--mgmt-addr", "10.0.0.147", "--mgmt-if", "ens1f0", "--nvidia-smi", "/opt/nvidia/bin/nvidia-smi",
+        "--node",
+        "node07",
+        "--addr",
+        "gpu07.example",
+        "--server",
+        "tls://10.0.0.140:4222",
+        "--fabric",
+        "ib-a:mlx5_0,mlx5_1",
+        "--fabric",
+        "ib-b:mlx5_2",
+        "--mgmt-addr",
+        "10.0.0.147",
+        "--mgmt-if",
+        "ens1f0",
+        "--nvidia-smi",
+        "/opt/nvidia/bin/nvidia-smi",
     )
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -71,7 +71,14 @@ def devcluster_imports(modules: list[tuple[str, Path]]) -> list[str]:
 def test_the_production_modules_are_found():
     names = {n for n, _ in production_modules()}
     # The walk itself could go wrong quietly and check nothing.
-    assert {"llmgw.services.registry", "llmgw.services.health", "llmgw.services.scheduler.service", "llmgw.services.gateway.service", "llmgw.services.agent.agent", "llmgw.services.agent.wrapper"} <= names
+    assert {
+        "llmgw.services.registry",
+        "llmgw.services.health",
+        "llmgw.services.scheduler.service",
+        "llmgw.services.gateway.service",
+        "llmgw.services.agent.agent",
+        "llmgw.services.agent.wrapper",
+    } <= names
     assert not any(n.startswith(DEVCLUSTER) for n in names)
 
 

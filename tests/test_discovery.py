@@ -66,8 +66,16 @@ def test_parse_nvidia_smi(text, expected):
 
 
 MALFORMED = [
-    ("real-9-field-query-is-not-ours", lambda: (DATA / "h200-nvidia-smi-query-9fields.csv").read_text(), ["line 1", "expected 5 comma-separated fields", "got 9"]),
-    ("garbage-after-a-good-line", lambda: h200_query_line() + "\nNVIDIA-SMI has failed because it couldn't communicate\n", ["line 2", "got 1", "NVIDIA-SMI has failed"]),
+    (
+        "real-9-field-query-is-not-ours",
+        lambda: (DATA / "h200-nvidia-smi-query-9fields.csv").read_text(),
+        ["line 1", "expected 5 comma-separated fields", "got 9"],
+    ),
+    (
+        "garbage-after-a-good-line",
+        lambda: h200_query_line() + "\nNVIDIA-SMI has failed because it couldn't communicate\n",
+        ["line 2", "got 1", "NVIDIA-SMI has failed"],
+    ),
     ("too-few-fields", lambda: "0, GPU-x, NVIDIA H200\n", ["line 1", "got 3"]),
     ("index-not-a-number", lambda: "zero, GPU-x, NVIDIA H200, 143771, 00000000:00:06.0\n", ["line 1", "index 'zero' is not a number"]),
     ("negative-index", lambda: "-1, GPU-x, NVIDIA H200, 143771, 00000000:00:06.0\n", ["negative index"]),
@@ -105,10 +113,13 @@ def fake_smi(directory: Path, body: str, name: str = "nvidia-smi") -> Path:
 
 def test_query_runs_the_configured_binary_with_the_documented_query(tmp_path):
     args_file = tmp_path / "args"
-    smi = fake_smi(tmp_path / "bin", f"""\
+    smi = fake_smi(
+        tmp_path / "bin",
+        f"""\
         printf '%s\\n' "$@" > {args_file}
         printf '%s\\n' '{h200_query_line()}'
-        """)
+        """,
+    )
     assert query_nvidia_smi(str(smi)) == [H200]
     assert args_file.read_text().splitlines() == [
         "--query-gpu=index,uuid,name,memory.total,pci.bus_id",
@@ -123,8 +134,16 @@ def test_query_finds_nvidia_smi_on_path_when_not_configured(tmp_path, monkeypatc
 
 
 FAILURES = [
-    ("non-zero-exit-with-stderr", "echo 'Unable to determine the device handle for GPU0000:00:06.0: Unknown Error' >&2\nexit 3\n", ["exited with code 3", "Unable to determine the device handle"]),
-    ("driver-failure-on-stdout", "echo \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\"\nexit 9\n", ["exited with code 9", "NVIDIA-SMI has failed"]),
+    (
+        "non-zero-exit-with-stderr",
+        "echo 'Unable to determine the device handle for GPU0000:00:06.0: Unknown Error' >&2\nexit 3\n",
+        ["exited with code 3", "Unable to determine the device handle"],
+    ),
+    (
+        "driver-failure-on-stdout",
+        'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver."\nexit 9\n',
+        ["exited with code 9", "NVIDIA-SMI has failed"],
+    ),
     ("killed-by-signal", "kill -9 $$\n", ["was killed by signal 9"]),
     ("silent-failure", "exit 2\n", ["exited with code 2: (no output)"]),
     ("garbage-on-success", "echo 'GPU 0: NVIDIA H200 (UUID: GPU-73b8)'\n", ["line 1", "got 1"]),

@@ -63,7 +63,11 @@ def test_real_output_has_no_device_errors_and_passes_through_unchanged():
     "line, bus, said",
     [
         ("Unable to determine the device handle for GPU0000:3B:00.0: Unknown Error", "00000000:3B:00.0", "Unknown Error"),
-        ("Unable to determine the device handle for GPU 0000:3b:00.0: GPU is lost.  Reboot the system to recover this GPU", "00000000:3B:00.0", "GPU is lost.  Reboot the system to recover this GPU"),
+        (
+            "Unable to determine the device handle for GPU 0000:3b:00.0: GPU is lost.  Reboot the system to recover this GPU",
+            "00000000:3B:00.0",
+            "GPU is lost.  Reboot the system to recover this GPU",
+        ),
         ("Unable to determine the device handle for GPU00000000:48:00.0: Unknown Error", "00000000:48:00.0", "Unknown Error"),
     ],
 )
@@ -95,7 +99,7 @@ def two_gpu_smi(tmp_path, *, lost_second=False, ecc="0", pending="No", apps="") 
     """A fake answering the agent's three queries like an 8-GPU box cut to two:
     GPU 0 the real H200 row, GPU 1 the same card at bus 00000000:48:00.0."""
     row0 = f"0, {UUID}, NVIDIA H200, 143771, {BUS}"
-    row1 = f"1, GPU-11111111-2222-3333-4444-555555555555, NVIDIA H200, 143771, 00000000:48:00.0"
+    row1 = "1, GPU-11111111-2222-3333-4444-555555555555, NVIDIA H200, 143771, 00000000:48:00.0"
     lost = "echo 'Unable to determine the device handle for GPU0000:48:00.0: Unknown Error'; exit 15"
     return fake_smi(
         tmp_path / "smi",
@@ -144,7 +148,10 @@ def test_only_lost_gpus_at_start_is_still_an_error_naming_them(tmp_path):
         (f"0, {BUS}, [N/A], [N/A]", {0: ""}),  # no ECC / row remapping instead of page retirement
         (f"0, {BUS}, 1, No", {0: "1 uncorrectable ECC error (volatile)"}),
         (f"0, {BUS}, 12, Yes", {0: "12 uncorrectable ECC errors (volatile); retired pages pending (a GPU reset retires them)"}),
-        (f"index, pci.bus_id, ecc.errors.uncorrected.volatile.total, retired_pages.pending\n0, {BUS}, 0, No\n\n1, 00000000:48:00.0, 3, No\r\n", {0: "", 1: "3 uncorrectable ECC errors (volatile)"}),
+        (
+            f"index, pci.bus_id, ecc.errors.uncorrected.volatile.total, retired_pages.pending\n0, {BUS}, 0, No\n\n1, 00000000:48:00.0, 3, No\r\n",
+            {0: "", 1: "3 uncorrectable ECC errors (volatile)"},
+        ),
     ],
 )
 def test_parse_gpu_health(text, expected):
@@ -174,12 +181,15 @@ def test_ecc_errors_make_the_gpu_unhealthy_in_the_inventory(tmp_path):
 
 
 def test_health_that_cannot_be_read_leaves_the_gpus_listed_and_healthy(tmp_path, caplog):
-    smi = fake_smi(tmp_path / "s", f"""\
+    smi = fake_smi(
+        tmp_path / "s",
+        f"""\
         case "$1" in
         --query-gpu=index,uuid,*) echo '0, {UUID}, NVIDIA H200, 143771, {BUS}' ;;
         *) echo 'Field "retired_pages.pending" is not a valid field to query.'; exit 2 ;;
         esac
-        """)
+        """,
+    )
     found = discover(cfg(tmp_path, smi), known_pids=set())
     assert [(g.index, g.healthy) for g in found.gpus] == [(0, True)]
     assert "GPU health not read" in caplog.text and "is not a valid field to query" in caplog.text
@@ -350,10 +360,7 @@ def agent_yaml(tmp_path, discovery: str) -> Path:
     for name in ("ca.pem", "agent.pem", "agent-key.pem"):
         (tmp_path / name).write_text("x")
     p = tmp_path / "agent.yaml"
-    p.write_text(
-        "node_id: node01\nserver: tls://10.0.0.140:4222\n"
-        "tls: {ca: ca.pem, cert: agent.pem, key: agent-key.pem}\nmgmt_addr: 10.0.0.141\n" + discovery
-    )
+    p.write_text("node_id: node01\nserver: tls://10.0.0.140:4222\ntls: {ca: ca.pem, cert: agent.pem, key: agent-key.pem}\nmgmt_addr: 10.0.0.141\n" + discovery)
     return p
 
 

@@ -19,6 +19,7 @@ import aiohttp
 import openai
 import pytest
 import yaml
+
 from llmgw.shared.natsserver import free_port
 
 from .gateway_helpers import HOST, Board, gateway_config, metric_sum, replica, start_gateway, start_sims, wait_for
@@ -126,7 +127,12 @@ async def test_openai_client_chat_and_completions_streaming_and_not(stack):
 
     done = await client.completions.create(model="org/beta", prompt="GPUs on one fabric", max_tokens=5)
     assert done.object == "text_completion" and done.model == "org/beta" and 0 < done.usage.completion_tokens <= 5
-    pieces = [p async for p in await client.completions.create(model="org/beta", prompt="GPUs on one fabric", max_tokens=5, stream=True, stream_options={"include_usage": True})]
+    pieces = [
+        p
+        async for p in await client.completions.create(
+            model="org/beta", prompt="GPUs on one fabric", max_tokens=5, stream=True, stream_options={"include_usage": True}
+        )
+    ]
     assert "".join(p.choices[0].text for p in pieces if p.choices) == done.choices[0].text
     assert pieces[-1].usage.completion_tokens == done.usage.completion_tokens
     await metric_is(gw, 1, "llmgw_gateway_time_to_first_token_seconds_count", model="org/beta")
@@ -168,6 +174,7 @@ async def test_load_spreads_over_two_ready_replicas(stack):
 
     answers = await asyncio.gather(*(client.chat.completions.create(model="org/alpha", messages=HELLO, max_tokens=6) for _ in range(64)))
     assert all(r.choices[0].message.content for r in answers)
+
     async def served():  # counted by the engines themselves, as each request ends
         return [await a.metric("vllm:request_success_total"), await b.metric("vllm:request_success_total")]
 
@@ -289,7 +296,9 @@ async def test_keys_limits_and_bad_bodies_reach_no_replica(stack, nats_server, t
     }
     (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(conf))
     log = open(tmp_path / "gateway.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "llmgw.services", "gateway", "-c", str(tmp_path / "gateway.yaml"), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmgw.services", "gateway", "-c", str(tmp_path / "gateway.yaml"), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT
+    )
     base = f"http://{HOST}:{port}"
     try:
         async with aiohttp.ClientSession() as http:

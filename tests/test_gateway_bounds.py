@@ -27,11 +27,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from llmgw.shared.natsserver import free_port
 
 from llmgw.services.gateway import server
 from llmgw.services.gateway.httpserver import _HIGH_WATER as CLIENT_HIGH_WATER
 from llmgw.services.gateway.upstream import _HIGH_WATER as UPSTREAM_HIGH_WATER
+from llmgw.shared.natsserver import free_port
 
 from .gateway_helpers import HOST, Board, gateway_config, metric_sum, replica, start_gateway, wait_for
 from .test_gateway_httpserver import expect_closed, read_answer
@@ -391,7 +391,7 @@ async def test_huge_plain_answer_is_502_and_never_held_whole(nats_server, tmp_pa
 
         ok = await ask(port, completion())  # not held against the replica: it still serves
         assert ok.status == 200
-        text = (await ask_metrics(port))
+        text = await ask_metrics(port)
         assert metric_sum(text, "llmgw_gateway_cooldowns_total") == 0
         assert metric_sum(text, "llmgw_gateway_bounded_total", reason="response_too_large") == 2
 

@@ -19,12 +19,13 @@ import signal
 import aiohttp
 import openai
 import pytest
+
 from llmgw.shared import bus
 from llmgw.shared import subjects as S
 from llmgw.shared.schemas import TrafficReport, decode
 
-from .gateway_helpers import wait_for
 from .gateway_helpers import replica as record
+from .gateway_helpers import wait_for
 from .test_gateway import HELLO, base_url, gw_metric, stack  # noqa: F401 - stack is a fixture
 
 pytestmark = pytest.mark.timeout(60)
@@ -199,6 +200,7 @@ async def test_traffic_reports_reach_the_leaders_node(stack, nats_server):
         reports.append(report)
         if msg.subject != S.traffic(report.node_id):
             misaddressed.append(msg.subject)
+
     tls = nats_server.issue("ops", "operator")
     nats_server.reload()
     ops = await bus.connect(nats_server.url, tls, name="ops", initial_attempts=3)

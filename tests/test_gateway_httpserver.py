@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qs
 
 import pytest
+
 from llmgw.services.gateway import errors
 from llmgw.services.gateway.httpserver import DISCARD_TIME, MAX_HEAD, MAX_QUEUED, MAX_URL, HttpServer, Request, Response
 
@@ -110,7 +111,7 @@ async def still_open(reader: asyncio.StreamReader, wait: float = 0.1) -> bool:
     """True when, for ``wait`` seconds, the server neither closes nor sends anything."""
     try:
         data = await asyncio.wait_for(reader.read(1), wait)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return True
     assert data == b"", f"unexpected bytes from the server: {data!r}"
     return False
@@ -348,9 +349,7 @@ async def test_many_pipelined_requests_pause_reading_and_are_all_answered():
             w.write(b"GET /echo?i=%d HTTP/1.1\r\nHost: t\r\n\r\n" % i)
             await asyncio.sleep(0.002)  # pacing: separate writes, so the server reads them one by one
         # MAX_QUEUED requests wait behind the running one: the server stops reading more.
-        await eventually(
-            lambda: len(conn.queue) >= MAX_QUEUED and not conn.transport.is_reading(), what=f"{MAX_QUEUED} queued and reading paused", timeout=5
-        )
+        await eventually(lambda: len(conn.queue) >= MAX_QUEUED and not conn.transport.is_reading(), what=f"{MAX_QUEUED} queued and reading paused", timeout=5)
         s.app.release.set()
         assert (await read_answer(r)).json() == {"released": True}
         answers = [await read_answer(r) for _ in range(n)]
@@ -475,10 +474,7 @@ async def test_unknown_expectation_gets_417():
 async def test_pipelined_expect_gets_its_100_only_after_the_answer_before_it():
     async with serve() as s:
         r, w = await s.connect()
-        w.write(
-            b"GET /sleep?id=a&s=0.1 HTTP/1.1\r\nHost: t\r\n\r\n"
-            b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
-        )
+        w.write(b"GET /sleep?id=a&s=0.1 HTTP/1.1\r\nHost: t\r\n\r\nPOST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
         first = await read_answer(r)  # a 100 here would be read as the answer to the first request
         assert first.status == 200 and first.json()["query"]["id"] == "a"
         interim = await read_answer(r)

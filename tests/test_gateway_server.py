@@ -5,6 +5,7 @@ body limit on a chunked upload — through a real HTTP client."""
 from __future__ import annotations
 
 import aiohttp
+
 from llmgw.services.gateway.metrics import GatewayMetrics
 from llmgw.services.gateway.proxy import Forwarder, Upstream
 from llmgw.services.gateway.router import Router

@@ -29,7 +29,14 @@ async def engine():
 
     async def plain(request: web.Request) -> web.Response:
         body = await request.read()
-        seen.append({"path": request.path, "headers": {k.lower(): v for k, v in request.headers.items()}, "body": body, "peer": request.transport.get_extra_info("peername")})
+        seen.append(
+            {
+                "path": request.path,
+                "headers": {k.lower(): v for k, v in request.headers.items()},
+                "body": body,
+                "peer": request.transport.get_extra_info("peername"),
+            }
+        )
         return web.json_response({"echo": body.decode()}, status=int(request.query.get("status", 200)))
 
     async def stream(request: web.Request) -> web.StreamResponse:
@@ -213,7 +220,7 @@ async def test_chunked_split_anywhere_with_extensions_trailers_and_interim_answe
 
 async def test_body_to_eof_connection_close_and_http10_are_not_pooled(raw, client):
     async def to_eof(reader, writer):
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{\"a\":")
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"a":')
         await writer.drain()
         writer.write(b" 1}")
 

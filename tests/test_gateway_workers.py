@@ -15,6 +15,7 @@ import sys
 import aiohttp
 import pytest
 import yaml
+
 from llmgw.shared import procfs, procnet
 from llmgw.shared.natsserver import free_port
 

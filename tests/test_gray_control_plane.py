@@ -52,8 +52,14 @@ async def cluster(nats_server, tmp_path):
 def crashing(name="crash") -> DeploymentSpec:
     # The sim engine refuses an unknown argument and exits 2 at once, on every node.
     return DeploymentSpec(
-        name=name, model="sim-7b", engine="sim", replicas=1, nodes_per_replica=1, gpus_per_node=4,
-        engine_args=["--no-such-flag"], startup_timeout=30,
+        name=name,
+        model="sim-7b",
+        engine="sim",
+        replicas=1,
+        nodes_per_replica=1,
+        gpus_per_node=4,
+        engine_args=["--no-such-flag"],
+        startup_timeout=30,
     )
 
 

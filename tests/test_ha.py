@@ -17,7 +17,6 @@ import signal
 
 import pytest
 
-from llmgw.services.devcluster import simcluster
 from llmgw.shared import subjects as S
 
 from .cluster_helpers import Cluster
@@ -102,7 +101,22 @@ async def test_scheduler_killed_between_record_and_event_loses_no_event(cluster,
 # llmgw up --ha: real processes
 # --------------------------------------------------------------------------
 
-UP_ARGS = ["--nodes", "2", "--fabrics", "1", "--gpus-per-node", "8", "--heartbeat-interval", "0.5s", "--node-lost-after", "3s", "--engine-load-time", "0.5s", "--gateway-port", "0"]
+UP_ARGS = [
+    "--nodes",
+    "2",
+    "--fabrics",
+    "1",
+    "--gpus-per-node",
+    "8",
+    "--heartbeat-interval",
+    "0.5s",
+    "--node-lost-after",
+    "3s",
+    "--engine-load-time",
+    "0.5s",
+    "--gateway-port",
+    "0",
+]
 
 
 def _llmgw(*args, timeout=150):
@@ -182,7 +196,11 @@ async def test_up_ha_survives_killing_the_acting_scheduler_health_monitor_and_a_
             )
             # … and the supervisor restarts the killed one, and says so (recorded, then said).
             said = lambda: f"{name} (pid {victim}) exited; restarted as pid {_pids(ha_dir)[name]['pid']}" in (ha_dir / "logs" / "supervisor.log").read_text()  # noqa: E731
-            await eventually(lambda: _pids(ha_dir)[name]["pid"] != victim and _proc_alive(_pids(ha_dir)[name]["pid"]) and said(), timeout=20, what=f"{name} restarted, and said so")
+            await eventually(
+                lambda: _pids(ha_dir)[name]["pid"] != victim and _proc_alive(_pids(ha_dir)[name]["pid"]) and said(),
+                timeout=20,
+                what=f"{name} restarted, and said so",
+            )
             assert heir != victim
 
         gw = _pids(ha_dir)["gateway"]["pid"]
@@ -192,6 +210,7 @@ async def test_up_ha_survives_killing_the_acting_scheduler_health_monitor_and_a_
         # Nothing was rebuilt or doubled: the same two replicas, ready, and no others.
         assert ready() == before
         assert sorted(replicas.items) == before
+
         # The restarted gateway serves again (it reads the replicas anew).
         async def restarted_gateway_answers():
             try:

@@ -31,7 +31,16 @@ DISCOVERY = 0.3
 
 
 def spec(name="demo", replicas=1, nodes=2, gpus=2, load="0.2s"):
-    return DeploymentSpec(name=name, model="sim-7b", engine="sim", replicas=replicas, nodes_per_replica=nodes, gpus_per_node=gpus, engine_args=["--load-time", load], startup_timeout=30)
+    return DeploymentSpec(
+        name=name,
+        model="sim-7b",
+        engine="sim",
+        replicas=replicas,
+        nodes_per_replica=nodes,
+        gpus_per_node=gpus,
+        engine_args=["--load-time", load],
+        startup_timeout=30,
+    )
 
 
 @pytest.fixture
@@ -133,7 +142,9 @@ async def test_a_gpu_fault_fails_exactly_the_replica_holding_it_and_the_gpu_take
 
     await cluster.wait(replacement_pending, timeout=20, what="hit replica reaped, its replacement pending on the unhealthy GPU")
     detail = await failed_event(cluster, hit.id)
-    assert detail.startswith("GPU 3 on node01 unhealthy: GPU is lost (XID 79, fallen off the bus?): nvidia-smi: Unable to determine the device handle for GPU 00000000:48:00.0: Unknown Error"), detail
+    assert detail.startswith(
+        "GPU 3 on node01 unhealthy: GPU is lost (XID 79, fallen off the bus?): nvidia-smi: Unable to determine the device handle for GPU 00000000:48:00.0: Unknown Error"
+    ), detail
     # Exactly that one: the other replica never left ready.
     assert cluster.replicas.items[spared.id].state == "ready" and cluster.replicas.items[spared.id].since == spared.since
     gpu3 = next(g for g in record(cluster, "node01").gpus if g.index == 3)
@@ -170,6 +181,7 @@ async def test_a_process_llmgw_did_not_start_keeps_its_gpu_from_placement_and_it
     )
     cluster.spawned.append(stranger)
     try:
+
         def seen():
             gpus = {g.index: g for g in record(cluster, "node01").gpus}
             return (gpus[0].foreign_pids, gpus[1].foreign_pids, gpus[1].foreign_mib)

@@ -173,4 +173,3 @@ async def test_the_acting_monitor_answers_a_nodes_exact_lease(nats_server, conne
         await beat.stop()
         await leases.stop()
         await svc.stop()
-

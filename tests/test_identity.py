@@ -16,7 +16,8 @@ import pytest
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import KeyNotFoundError
 
-from llmgw.shared import bus, pki, subjects as S
+from llmgw.shared import bus, pki
+from llmgw.shared import subjects as S
 from llmgw.shared.errors import BusError, InvalidName
 
 from .waiting import eventually
@@ -135,7 +136,7 @@ async def test_certificate_from_another_ca_is_refused(connector, tmp_path):
 
 async def test_expired_certificate_is_refused(connector, tmp_path):
     tap = await Tap().start(connector)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     issued = pki.issue(
         connector.server.pki_dir,
         "node07",

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections import Counter
 
 import msgspec
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from llmgw.services.scheduler.incremental import Reconciler
 from llmgw.services.scheduler.placement import _indexes, cache_of
@@ -37,8 +38,17 @@ def view_facts(view: ClusterView) -> dict:
     cache = cache_of(view)
     nodes = {
         nid: (
-            n.record, n.lease, n.gpus, tuple(n.fabrics), n.usable_fabrics, frozenset(n.used_gpus),
-            frozenset(n.used_ports), tuple(sorted(n.blocked.items())), n.unhealthy, n.quarantine, n.suspect,
+            n.record,
+            n.lease,
+            n.gpus,
+            tuple(n.fabrics),
+            n.usable_fabrics,
+            frozenset(n.used_gpus),
+            frozenset(n.used_ports),
+            tuple(sorted(n.blocked.items())),
+            n.unhealthy,
+            n.quarantine,
+            n.suspect,
         )
         for nid, n in view.nodes.items()
     }
@@ -64,8 +74,7 @@ def assert_view_is_full(rec: Reconciler, nodes, leases, replicas, suspects):
 def test_incremental_steps_equal_full_reconciles(cluster, specs, rounds, data):
     nodes, leases = cluster
     deployments = {
-        f"d{i}": make_deployment(f"d{i}", replicas=r, gpus_per_node=g, nodes_per_replica=n, startup_timeout=t)
-        for i, (r, g, n, t) in enumerate(specs)
+        f"d{i}": make_deployment(f"d{i}", replicas=r, gpus_per_node=g, nodes_per_replica=n, startup_timeout=t) for i, (r, g, n, t) in enumerate(specs)
     }
     rec = Reconciler(CONFIG)
     replicas: dict = {}

@@ -26,7 +26,8 @@ import pytest
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import ConsumerConfig, StreamConfig
 
-from llmgw.shared import bus, subjects as S
+from llmgw.shared import bus
+from llmgw.shared import subjects as S
 from llmgw.shared.schemas import encode
 
 from .agent_helpers import AgentProcess, Tap, fake_ib_root, fake_nvidia_smi, kill_engines, make_launch, recorded_engines, write_agent_yaml
@@ -153,7 +154,9 @@ async def test_a_push_consumer_onto_a_command_subject_is_not_obeyed(agent, ident
     await kv.put("r-evil", encode(make_launch("r-evil")))
     # nats-server lets the consumer deliver to a subject its creator may not publish to.
     js = idents[attacker].jetstream(timeout=5)
-    info = await js._jsm.add_consumer(S.kv_stream(S.BUCKET_REPLICAS), ConsumerConfig(deliver_subject=S.cmd_launch(NODE), filter_subject="$KV.llmgw_replicas.r-evil"))
+    info = await js._jsm.add_consumer(
+        S.kv_stream(S.BUCKET_REPLICAS), ConsumerConfig(deliver_subject=S.cmd_launch(NODE), filter_subject="$KV.llmgw_replicas.r-evil")
+    )
     assert info.config.deliver_subject == S.cmd_launch(NODE)
     # The agent saw the delivery and ignored it (the predicate names this very message) …
     await eventually(lambda: "$KV.llmgw_replicas.r-evil: not a command request" in proc.log(), what="the agent ignoring the replayed record")
@@ -171,7 +174,9 @@ async def test_a_reply_redirected_onto_a_command_subject_is_not_obeyed(agent, id
     # the JetStream API answers (the record, wrapped in its JSON envelope) onto the agent's
     # launch subject. Before, the agent handled it (here: a decode error, for `list` a full
     # answer); now it is not a command at all.
-    await ops.publish(f"$JS.API.STREAM.MSG.GET.{S.kv_stream(S.BUCKET_REPLICAS)}", json.dumps({"last_by_subj": "$KV.llmgw_replicas.r-evil"}).encode(), reply=S.cmd_launch(NODE))
+    await ops.publish(
+        f"$JS.API.STREAM.MSG.GET.{S.kv_stream(S.BUCKET_REPLICAS)}", json.dumps({"last_by_subj": "$KV.llmgw_replicas.r-evil"}).encode(), reply=S.cmd_launch(NODE)
+    )
     await ops.flush()
     await eventually(lambda: f"{S.cmd_launch(NODE)}: not a command request (reply '')" in proc.log(), what="the agent ignoring the redirected reply")
     assert recorded_engines(work) == {}

@@ -49,7 +49,18 @@ def book_with(*events):
         # a duplicate (old seq) heartbeat does not renew a suspect lease
         ([("hb", 0, 5, "b1"), ("tick", 3), ("hb", 3.5, 5, "b1")], [("", "ready"), ("ready", "suspect")], "suspect"),
     ],
-    ids=["first", "quiet-but-fine", "suspect", "suspect-recovers", "suspect-not-yet-lost", "lost", "coarse-tick", "rejoin-same-boot", "rejoin-new-boot", "stale-seq"],
+    ids=[
+        "first",
+        "quiet-but-fine",
+        "suspect",
+        "suspect-recovers",
+        "suspect-not-yet-lost",
+        "lost",
+        "coarse-tick",
+        "rejoin-same-boot",
+        "rejoin-new-boot",
+        "stale-seq",
+    ],
 )
 def test_lease_transitions(events, transitions, final):
     book, seen = book_with(*events)
@@ -79,8 +90,6 @@ def test_restart_continues_countdowns_after_a_grace():
     trs = book.expire(114.0)
     assert [(t.node_id, t.new) for t in trs] == [("dead", "lost")]
     assert book.leases["alive"].state == "ready"
-
-
 
 
 # --------------------------------------------------------------------------
@@ -154,14 +163,23 @@ def test_a_nodes_checkpoint_phase_is_a_hash_of_its_id():
         (beats(0, 5) + beats(6, 12, boot="b2") + ticks(0, 13), [(0, "transition"), (3.5, "boot"), (6.5, "boot"), (9.5, "boot")]),
         # lost, then back with a new boot: the transition, then the settled boot (in the slot
         # that began at 18.37, so no checkpoint follows in it)
-        (beats(0, 2) + beats(15, 20, boot="b2") + ticks(0, 21), [(0, "transition"), (5.5, "transition"), (12.5, "transition"), (15, "transition"), (18.5, "boot")]),
+        (
+            beats(0, 2) + beats(15, 20, boot="b2") + ticks(0, 21),
+            [(0, "transition"), (5.5, "transition"), (12.5, "transition"), (15, "transition"), (18.5, "boot")],
+        ),
         # a replayed heartbeat renews nothing and writes nothing; the silence is judged as ever
         ([(float(t), "hb", "node02", 1, "b1") for t in range(11)] + ticks(0, 11), [(0, "transition"), (3.5, "transition"), (10.5, "transition")]),
         # two agents, one identity: the first boot change is written; the alternation quarantines
         # (a transition); the operator's release is one, and the boot holding the lease settles again
         (
             beats(0, 3, boot="A")
-            + [(4.0, "hb", "node02", 1, "B"), (5.0, "hb", "node02", 5, "A"), (6.0, "hb", "node02", 2, "B"), (7.0, "hb", "node02", 6, "A"), (8.0, "release", "node02")]
+            + [
+                (4.0, "hb", "node02", 1, "B"),
+                (5.0, "hb", "node02", 5, "A"),
+                (6.0, "hb", "node02", 2, "B"),
+                (7.0, "hb", "node02", 6, "A"),
+                (8.0, "release", "node02"),
+            ]
             + beats(9, 12, boot="B", seq=3)
             + ticks(0, 13),
             [(0, "transition"), (3.5, "boot"), (4.5, "boot"), (7, "transition"), (8, "transition"), (12.5, "boot")],

@@ -66,7 +66,16 @@ FIRST = ("node01", "", "ready")
             "lost",
         ),
     ],
-    ids=["paused-while-down", "grace-after-reconnect", "slow-agent-heard-in-grace", "dead-node-lost-after-grace", "second-outage", "no-outage", "countdown-resumes-before", "countdown-resumes-after"],
+    ids=[
+        "paused-while-down",
+        "grace-after-reconnect",
+        "slow-agent-heard-in-grace",
+        "dead-node-lost-after-grace",
+        "second-outage",
+        "no-outage",
+        "countdown-resumes-before",
+        "countdown-resumes-after",
+    ],
 )
 def test_outage_pauses_countdowns_and_grants_a_grace(events, transitions, final):
     book, seen = run(events)

@@ -17,7 +17,8 @@ import urllib.request
 import pytest
 from nats.js.errors import NoStreamResponseError
 
-from llmgw.shared import bus, natsbin, pki, subjects as S
+from llmgw.shared import bus, natsbin, pki
+from llmgw.shared import subjects as S
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.natsconf import Peer, cluster_options, parse_peer, render_cluster
 from llmgw.shared.natsserver import NatsCluster, NatsServer, free_port
@@ -71,7 +72,7 @@ def test_rendered_cluster_configs_pass_nats_server_t(tmp_path):
         path.write_text(text)
         r = nats_t(path)
         assert r.returncode == 0, r.stdout + r.stderr
-        confs[name] = json.loads(text[text.index("{"):])
+        confs[name] = json.loads(text[text.index("{") :])
     stores = {c["jetstream"]["store_dir"] for c in confs.values()}
     assert len(stores) == 3  # each server its own store
     assert {c["server_name"] for c in confs.values()} == {"nats1", "nats2", "nats3"}
@@ -182,7 +183,9 @@ async def test_a_node_certificate_cannot_join_as_a_route(cluster, tmp_path):
     with open(tmp_path / "rogue.log", "wb") as log:
         rogue = subprocess.Popen([natsbin.find(), "-c", str(tmp_path / "rogue.conf")], stdout=log, stderr=subprocess.STDOUT)
     try:
-        await eventually(lambda: "TLS route handshake error: certificate not pinned" in first.log_path.read_text(), what="nats1 refusing the node's route", timeout=15)
+        await eventually(
+            lambda: "TLS route handshake error: certificate not pinned" in first.log_path.read_text(), what="nats1 refusing the node's route", timeout=15
+        )
         assert "rogue" not in {r.get("remote_name") for r in monitor(first, "/routez")["routes"]}
     finally:
         rogue.kill()
@@ -200,6 +203,7 @@ async def test_a_client_keeps_working_when_its_server_is_killed(cluster):
         others = [m.url for i, m in enumerate(cluster.members) if i != victim]
         node = await connect(cluster, node_tls, "node", urls=others)
         try:
+
             async def answer(msg):
                 await msg.respond(b"listed")
 
@@ -214,7 +218,7 @@ async def test_a_client_keeps_working_when_its_server_is_killed(cluster):
             async def request_answered():
                 try:
                     return (await sched.request(S.cmd_list("node01"), b"", timeout=1)).data
-                except Exception:  # noqa: BLE001 - not reconnected yet
+                except Exception:
                     return None
 
             assert await eventually(request_answered, what="a request answered after the kill", timeout=30) == b"listed"
@@ -223,7 +227,7 @@ async def test_a_client_keeps_working_when_its_server_is_killed(cluster):
             async def put():
                 try:
                     return await kv.put("r1", b"after-the-kill")
-                except Exception:  # noqa: BLE001 - a new stream leader may still be chosen
+                except Exception:
                     return None
 
             rev = await eventually(put, what="a KV write acknowledged by the two survivors", timeout=30)
@@ -249,7 +253,7 @@ async def test_an_acknowledged_write_survives_a_kill_and_the_restarted_server_ca
         async def put():
             try:
                 return await kv.put("r1", b"v2")
-            except Exception:  # noqa: BLE001 - the stream may be electing a leader
+            except Exception:
                 return None
 
         rev = await eventually(put, what="v2 acknowledged while a server is down", timeout=30)
@@ -274,7 +278,7 @@ async def test_an_acknowledged_write_survives_a_kill_and_the_restarted_server_ca
         async def read():
             try:
                 return (await kv.get("r1")).value
-            except Exception:  # noqa: BLE001 - reconnecting, or a new leader being chosen
+            except Exception:
                 return None
 
         assert await eventually(read, what="v2 read with the restarted server in the majority", timeout=30) == b"v2"
@@ -323,7 +327,7 @@ async def test_raising_replicas_from_one_to_three_keeps_the_data_and_survives_it
         async def read():
             try:
                 return (await kv.get("r1")).value
-            except Exception:  # noqa: BLE001 - reconnecting, or a new leader being chosen
+            except Exception:
                 return None
 
         assert await eventually(read, what="the value read with its first host dead", timeout=30) == b"kept"

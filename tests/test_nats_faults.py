@@ -29,7 +29,8 @@ from llmgw.services.devcluster import simcluster
 from llmgw.services.health import HealthMonitor
 from llmgw.services.registry import Registry
 from llmgw.services.scheduler.service import Scheduler
-from llmgw.shared import bus, subjects as S
+from llmgw.shared import bus
+from llmgw.shared import subjects as S
 from llmgw.shared.config import GatewaySection, HealthSection, SchedulerSection, ServiceConfig, TlsSection
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.natsserver import NatsCluster

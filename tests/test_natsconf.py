@@ -34,7 +34,19 @@ def populated(tmp_path):
 
 def test_nats_server_accepts_rendered_config(populated, tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "llmgw.services", "ctl", "nats-config", "--pki", str(populated), "--store-dir", str(tmp_path / "js"), "--out", str(tmp_path / "nats.conf")],
+        [
+            sys.executable,
+            "-m",
+            "llmgw.services",
+            "ctl",
+            "nats-config",
+            "--pki",
+            str(populated),
+            "--store-dir",
+            str(tmp_path / "js"),
+            "--out",
+            str(tmp_path / "nats.conf"),
+        ],
         capture_output=True,
         text=True,
     )

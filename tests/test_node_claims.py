@@ -16,7 +16,6 @@ stolen certificate would be used:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import random
@@ -31,7 +30,8 @@ from prometheus_client import REGISTRY
 from llmgw.services.devcluster import simcluster
 from llmgw.services.leases import LeaseBook, Timings
 from llmgw.services.scheduler.service import MAX_UNKNOWN_PER_NODE, SETTLE_HEARTBEATS
-from llmgw.shared import bus, subjects as S
+from llmgw.shared import bus
+from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.schemas import (
     MAX_ENGINES,
@@ -91,8 +91,14 @@ async def events_of(nc, kind: str, what: str) -> list[Event]:
 
 def spec(name: str, replicas: int, nodes: int, gpus: int) -> DeploymentSpec:
     return DeploymentSpec(
-        name=name, model="sim-7b", engine="sim", replicas=replicas, nodes_per_replica=nodes, gpus_per_node=gpus,
-        engine_args=["--load-time", "0.2s"], startup_timeout=30,
+        name=name,
+        model="sim-7b",
+        engine="sim",
+        replicas=replicas,
+        nodes_per_replica=nodes,
+        gpus_per_node=gpus,
+        engine_args=["--load-time", "0.2s"],
+        startup_timeout=30,
     )
 
 
@@ -111,7 +117,9 @@ async def bring_up(cluster: Cluster, connector, nodes: int, record: bool = True)
     await cluster.wait(lambda: len([l for l in cluster.leases.items.values() if l.state == "ready"]) == nodes, timeout=45, what="all nodes ready")
     nodes_kv = await open_bucket(ops.jetstream(), S.BUCKET_NODES, wait=10)
     cluster.node_records = await KvMirror(nodes_kv, NodeRecord).start()
-    await cluster.wait(lambda: all(r.boot_id for r in cluster.node_records.items.values()) and len(cluster.node_records.items) == nodes, what="all nodes registered")
+    await cluster.wait(
+        lambda: all(r.boot_id for r in cluster.node_records.items.values()) and len(cluster.node_records.items) == nodes, what="all nodes registered"
+    )
     return scheds[0], ops
 
 
@@ -132,7 +140,12 @@ async def test_an_inventory_claiming_another_address_is_refused_and_never_routed
         thief = await connector.connect(node_tls(cluster, "node01"), label="thief")
         real = cluster.node_records.items["node01"]
         claim = Inventory(
-            node_id="node01", boot_id=real.boot_id, mgmt_addr="127.0.0.2", gpus=real.gpus, fabrics=real.fabrics, hcas=real.hcas,
+            node_id="node01",
+            boot_id=real.boot_id,
+            mgmt_addr="127.0.0.2",
+            gpus=real.gpus,
+            fabrics=real.fabrics,
+            hcas=real.hcas,
         )
         await thief.publish(S.inventory("node01"), encode(claim))
         await cluster.wait(lambda: counter("llmgw_registry_addr_refused_total") > before and refused, what="the claim refused, with an event")
@@ -184,7 +197,9 @@ def start_clone(cluster: Cluster, node: str, tmp_path) -> subprocess.Popen:
     marker = cluster.marker.split(b"=", 1)[1].decode()
     p = subprocess.Popen(
         [sys.executable, "-m", "llmgw.services", "agent", "--config", str(path)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
         env={**os.environ, simcluster.SIM_ENV: node, CLUSTER_ENV: marker},
     )
     log.close()
@@ -205,7 +220,12 @@ async def test_a_clone_is_quarantined_and_tears_nothing_down(cluster, connector,
         assert "heartbeat in alternation; quarantined until an operator resolves it" in lease.quarantine
         await cluster.wait(lambda: quarantined, what="the quarantine event")
         # The clone's reports reached the scheduler and were not believed.
-        await cluster.wait(lambda: counter("llmgw_scheduler_status_reports_total", result="other_boot") + counter("llmgw_scheduler_status_reports_total", result="quarantined") > 0, what="clone reports refused")
+        await cluster.wait(
+            lambda: (
+                counter("llmgw_scheduler_status_reports_total", result="other_boot") + counter("llmgw_scheduler_status_reports_total", result="quarantined") > 0
+            ),
+            what="clone reports refused",
+        )
 
         # Nothing new goes to node02: of two single-node replicas, one fits on node01, the other waits.
         await cluster.apply(spec("more", 2, 1, 2))
@@ -299,8 +319,14 @@ async def test_half_a_million_fake_engines_leave_reported_bounded(cluster, conne
     too_many = [EngineFact(replica_id=f"x-{i}-g1", generation=1) for i in range(MAX_ENGINES + 1)]
     await node.publish(S.status("node09"), encode(StatusReport(node_id="node09", boot_id="b", full=True, engines=too_many)))
     await eventually(
-        lambda: (counter("llmgw_scheduler_status_facts_dropped_total") - before, counter("llmgw_scheduler_status_reports_total", result="malformed") > malformed),
-        (total - MAX_UNKNOWN_PER_NODE, True), timeout=90, interval=0.05, what="every fake fact kept or dropped, and the oversized report refused",
+        lambda: (
+            counter("llmgw_scheduler_status_facts_dropped_total") - before,
+            counter("llmgw_scheduler_status_reports_total", result="malformed") > malformed,
+        ),
+        (total - MAX_UNKNOWN_PER_NODE, True),
+        timeout=90,
+        interval=0.05,
+        what="every fake fact kept or dropped, and the oversized report refused",
     )
     assert len(sched.reported["node09"]) == MAX_UNKNOWN_PER_NODE
     assert sum(len(v) for v in sched.reported.values()) == MAX_UNKNOWN_PER_NODE
@@ -335,8 +361,12 @@ async def test_absurd_inventories_and_heartbeats_are_refused_and_the_real_ones_k
         await thief.publish(S.heartbeat("node01"), b'{"node_id": "node01", "boot_id": "%s", "seq": %d}' % (lease.boot_id.encode(), 2**70))
         await thief.publish(S.heartbeat("node01"), encode(Heartbeat(node_id="node01", boot_id=lease.boot_id, seq=2**53 - 1)))
         await cluster.wait(
-            lambda: (counter("llmgw_health_heartbeats_total", result="malformed") - hb_malformed, counter("llmgw_health_heartbeats_total", result="seq_jump") - jumps),
-            (1, 1), what="2**70 malformed, 2**53-1 a jump",
+            lambda: (
+                counter("llmgw_health_heartbeats_total", result="malformed") - hb_malformed,
+                counter("llmgw_health_heartbeats_total", result="seq_jump") - jumps,
+            ),
+            (1, 1),
+            what="2**70 malformed, 2**53-1 a jump",
         )
         # The agent's own heartbeats keep renewing the lease (its seq moves on, well below the jump):
         # asked of the acting monitor, since the bucket holds renewals only as checkpoints.
@@ -348,7 +378,13 @@ async def test_absurd_inventories_and_heartbeats_are_refused_and_the_real_ones_k
 
         await cluster.wait(renewed, what="real heartbeats still accepted")
         # and the registry still takes the agent's own inventory after all that
-        good = Inventory(node_id="node01", boot_id=rec.boot_id, mgmt_addr=rec.mgmt_addr, gpus=[Gpu(index=0, uuid="GPU-0", name="H200")], fabrics=[FabricMembership(name="ib-a")])
+        good = Inventory(
+            node_id="node01",
+            boot_id=rec.boot_id,
+            mgmt_addr=rec.mgmt_addr,
+            gpus=[Gpu(index=0, uuid="GPU-0", name="H200")],
+            fabrics=[FabricMembership(name="ib-a")],
+        )
         await thief.publish(S.inventory("node01"), encode(good))
         await cluster.wait(lambda: len(cluster.node_records.items["node01"].gpus), 1, what="a sane inventory still accepted")
     finally:

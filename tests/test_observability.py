@@ -104,7 +104,12 @@ def llmgw_sample_names() -> set[str]:
     for mod in ("llmgw.services.registry", "llmgw.services.health", "llmgw.services.scheduler.service", "llmgw.shared.leader"):
         __import__(mod)
     families = list(REGISTRY.collect()) + list(GatewayMetrics(Router(cooldown=1, failures_before_cooldown=1, retry_after=1)).registry.collect())
-    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"), "summary": ("_count", "_sum", "_created"), "gauge": ("",)}
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "histogram": ("_bucket", "_count", "_sum", "_created"),
+        "summary": ("_count", "_sum", "_created"),
+        "gauge": ("",),
+    }
     names = set()
     for f in families:
         if f.name.startswith("llmgw_"):
@@ -247,22 +252,22 @@ async def test_rebuild_leader_and_lease_metrics_on_a_real_cluster(nats_server, c
         assert metric_sum(text, "llmgw_leader", service="health", instance=health.instance) == 1
         ages = {n: metric_sum(text, "llmgw_health_lease_age_seconds", node=n) for n in ("node01", "node02")}
         assert all(0 <= a < 5 for a in ages.values()), ages
-        assert "llmgw_health_lease_age_seconds{node=\"node01\"}" in text
+        assert 'llmgw_health_lease_age_seconds{node="node01"}' in text
         assert metric_sum(text, "llmgw_scheduler_gpus", fabric="ib-a", state="used") == 4  # 2 nodes × 2 GPUs
         assert metric_sum(text, "llmgw_scheduler_gpus", fabric="ib-a", state="free") == 4
         assert metric_sum(text, "llmgw_scheduler_nodes", fabric="ib-a", state="ready", admin="active") == 2
 
         os.kill(first.members[1].pid, signal.SIGKILL)  # the worker engine dies; its agent lives
-        await cluster.wait(
-            lambda: [r for r in cluster.ready(dep) if r.id != first.id], what="replacement ready"
-        )
+        await cluster.wait(lambda: [r for r in cluster.ready(dep) if r.id != first.id], what="replacement ready")
         await cluster.wait(lambda: _count("llmgw_scheduler_rebuild_seconds_count", deployment=dep), 1, what="rebuild observed")
         # Whichever the scheduler hears first: the worker's agent says it exited, or the
         # leader's says its peer is gone. One failure, under one of those two words.
         assert _count("llmgw_scheduler_replica_failures_total", deployment=dep) == 1
-        assert _count("llmgw_scheduler_replica_failures_total", deployment=dep, reason="engine_exited") + _count(
-            "llmgw_scheduler_replica_failures_total", deployment=dep, reason="peer_lost"
-        ) == 1
+        assert (
+            _count("llmgw_scheduler_replica_failures_total", deployment=dep, reason="engine_exited")
+            + _count("llmgw_scheduler_replica_failures_total", deployment=dep, reason="peer_lost")
+            == 1
+        )
         assert 0 < _count("llmgw_scheduler_rebuild_seconds_sum", deployment=dep) < 60
 
         if PROMTOOL:

@@ -7,6 +7,7 @@ variations of it.
 from __future__ import annotations
 
 import pytest
+
 from llmgw.services.scheduler import reasons as R
 from llmgw.services.scheduler.placement import (
     FILTERS,
@@ -35,13 +36,24 @@ def holding(rid, *members, state="ready", fabric=None, deployment="other"):
         rdzv, http = ports if ports else (0, 0)
         ms.append(
             ReplicaMember(
-                node_id=node_id, rank=rank, role="leader" if rank == 0 else "worker",
-                gpus=list(gpus), rendezvous_port=rdzv, http_port=http, serves_http=rank == 0,
+                node_id=node_id,
+                rank=rank,
+                role="leader" if rank == 0 else "worker",
+                gpus=list(gpus),
+                rendezvous_port=rdzv,
+                http_port=http,
+                serves_http=rank == 0,
             )
         )
     return Replica(
-        id=rid, deployment=deployment, model="m", engine="sim", generation=1,
-        state=state, fabric=fabric, members=ms,
+        id=rid,
+        deployment=deployment,
+        model="m",
+        engine="sim",
+        generation=1,
+        state=state,
+        fabric=fabric,
+        members=ms,
     )
 
 
@@ -53,8 +65,14 @@ def place_and_commit(request, view, rid):
     result = place(request, view)
     assert result.placed, result.summary
     replica = Replica(
-        id=rid, deployment=request.deployment, model="m", engine="sim", generation=1,
-        state="launching", fabric=result.fabric, members=result.members,
+        id=rid,
+        deployment=request.deployment,
+        model="m",
+        engine="sim",
+        generation=1,
+        state="launching",
+        fabric=result.fabric,
+        members=result.members,
     )
     view.commit(replica)
     return result
@@ -77,7 +95,8 @@ def test_seed_two_replicas_land_one_per_fabric():
 def test_second_replica_on_a_node_gets_gpus_4_to_7_and_node01_stays_idle():
     nodes, leases = seed_cluster(node02="lost")
     view = view_of(
-        nodes, leases,
+        nodes,
+        leases,
         holding("sim-g1", ("node01", range(4)), ("node02", range(4)), state="reaping", fabric="ib-a", deployment="sim"),
         holding("sim-g2", ("node03", range(4), 20000, 20001), ("node04", range(4)), fabric="ib-b", deployment="sim"),
     )
@@ -129,16 +148,14 @@ FILTER_CASES = [
     ("no-mgmt-addr", make_node("node03", "ib-b", mgmt_addr=""), "ready", SINGLE_4, None, None, R.NO_MGMT_ADDR),
     ("cordoned", make_node("node03", "ib-b", admin="cordoned"), "ready", SINGLE_4, None, None, R.CORDONED),
     ("draining", make_node("node03", "ib-b", admin="draining"), "ready", SINGLE_4, None, None, R.DRAINING),
-    ("lost-beats-cordoned", make_node("node03", "ib-b", admin="cordoned"), "lost", SINGLE_4, None, None,
-     R.LEASE_NOT_READY),
+    ("lost-beats-cordoned", make_node("node03", "ib-b", admin="cordoned"), "lost", SINGLE_4, None, None, R.LEASE_NOT_READY),
     ("no-fabric-multi", make_node("node03", None), "ready", MULTI_4, None, None, R.NO_FABRIC),
     ("no-fabric-single-ok", make_node("node03", None), "ready", SINGLE_4, None, None, ""),
     ("hca-down-multi", make_node("node03", "ib-b", usable=False), "ready", MULTI_4, None, None, R.FABRIC_UNUSABLE),
     ("hca-down-single-ok", make_node("node03", "ib-b", usable=False), "ready", SINGLE_4, None, None, ""),
     ("too-few-gpus", make_node("node03", "ib-b", gpus=4), "ready", SINGLE_8, None, None, R.NOT_ENOUGH_GPUS),
     ("full", make_node("node03", "ib-b"), "ready", SINGLE_4, _full_node03, None, R.NOT_ENOUGH_FREE_GPUS),
-    ("ports-used-up", make_node("node03", "ib-b"), "ready", SINGLE_4, _ports_used, PortRange(20000, 3),
-     R.NO_FREE_PORTS),
+    ("ports-used-up", make_node("node03", "ib-b"), "ready", SINGLE_4, _ports_used, PortRange(20000, 3), R.NO_FREE_PORTS),
     ("ports-left", make_node("node03", "ib-b"), "ready", SINGLE_4, _ports_used, PortRange(20000, 4), ""),
 ]
 
@@ -196,15 +213,18 @@ def test_never_splits_a_replica_across_fabrics():
     # One free node on each fabric: four GPUs idle on each side, and still no place.
     nodes, leases = seed_cluster()
     view = view_of(
-        nodes, leases,
+        nodes,
+        leases,
         holding("a", ("node02", range(8))),
         holding("b", ("node04", range(8))),
     )
     result = place(MULTI_4, view)
     assert not result.placed and result.members is None
     assert result.reasons == {
-        "node01": R.FABRIC_TOO_SMALL, "node02": R.NOT_ENOUGH_FREE_GPUS,
-        "node03": R.FABRIC_TOO_SMALL, "node04": R.NOT_ENOUGH_FREE_GPUS,
+        "node01": R.FABRIC_TOO_SMALL,
+        "node02": R.NOT_ENOUGH_FREE_GPUS,
+        "node03": R.FABRIC_TOO_SMALL,
+        "node04": R.NOT_ENOUGH_FREE_GPUS,
     }
 
 
@@ -220,8 +240,10 @@ def test_no_fabric_nodes_take_single_node_replicas_only():
 
 def test_unusable_fabric_is_skipped_for_a_usable_one():
     nodes, leases = cluster(
-        make_node("node01", "ib-a", usable=False), make_node("node02", "ib-a", usable=False),
-        make_node("node03", "ib-b"), make_node("node04", "ib-b"),
+        make_node("node01", "ib-a", usable=False),
+        make_node("node02", "ib-a", usable=False),
+        make_node("node03", "ib-b"),
+        make_node("node04", "ib-b"),
     )
     result = place(MULTI_4, view_of(nodes, leases))
     assert result.fabric == "ib-b"
@@ -229,7 +251,8 @@ def test_unusable_fabric_is_skipped_for_a_usable_one():
 
 def test_node_on_two_fabrics_joins_either_but_one_replica_uses_one():
     nodes, leases = cluster(
-        make_node("node01", ["ib-a", "ib-b"]), make_node("node02", "ib-a"),
+        make_node("node01", ["ib-a", "ib-b"]),
+        make_node("node02", "ib-a"),
         make_node("node03", "ib-b"),
     )
     view = view_of(nodes, leases)
@@ -268,7 +291,8 @@ def test_spread_beats_bin_packing_for_the_same_deployment():
     nodes, leases = seed_cluster()
     # ib-a already hosts a replica of sim and is the fuller fabric.
     view = view_of(
-        nodes, leases,
+        nodes,
+        leases,
         holding("sim-g1", ("node01", range(6)), ("node02", range(6)), fabric="ib-a", deployment="sim"),
     )
     assert place(Request("sim", 2, 2), view).fabric == "ib-b"

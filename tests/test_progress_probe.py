@@ -177,7 +177,9 @@ async def test_canaries_only_for_idle_leaders_and_gateway_traffic_is_evidence(no
     async def report(in_flight: int = 0, silent_for: float = 0.0, grow: int = 1) -> None:
         nonlocal completed
         completed += grow
-        r = TrafficReport(gateway=GATEWAY, node_id=NODE, replicas=[ReplicaTraffic(replica_id="r1", completed=completed, in_flight=in_flight, silent_for=silent_for)])
+        r = TrafficReport(
+            gateway=GATEWAY, node_id=NODE, replicas=[ReplicaTraffic(replica_id="r1", completed=completed, in_flight=in_flight, silent_for=silent_for)]
+        )
         await gw.publish(S.traffic(NODE), encode(r))
         await gw.flush()
 

@@ -20,7 +20,9 @@ from .gateway_helpers import HOST, Board, gateway_config, replica, start_gateway
 pytestmark = pytest.mark.timeout(60)
 
 
-def rec(rid="r1", state="ready", endpoint="http://10.0.0.1:8000", *, deployment="llama", model="meta/llama", fabric="ib-a", engine="vllm", members=None) -> Replica:
+def rec(
+    rid="r1", state="ready", endpoint="http://10.0.0.1:8000", *, deployment="llama", model="meta/llama", fabric="ib-a", engine="vllm", members=None
+) -> Replica:
     if members is None:
         members = [
             ReplicaMember(node_id="node02", rank=1, role="worker", gpus=[0]),
@@ -53,7 +55,11 @@ LABELS = {"deployment": "llama", "replica": "r1", "model": "meta/llama", "node":
         ([rec(members=[], fabric=None)], [{"targets": ["10.0.0.1:8000"], "labels": {**LABELS, "node": "", "fabric": ""}}]),
         # sorted by deployment, then replica, whatever order the records come in
         (
-            [rec("r2", deployment="b", endpoint="http://h:2"), rec("r9", deployment="a", endpoint="http://h:9"), rec("r1", deployment="b", endpoint="http://h:1")],
+            [
+                rec("r2", deployment="b", endpoint="http://h:2"),
+                rec("r9", deployment="a", endpoint="http://h:9"),
+                rec("r1", deployment="b", endpoint="http://h:1"),
+            ],
             [("a", "r9", "h:9"), ("b", "r1", "h:1"), ("b", "r2", "h:2")],
         ),
     ],

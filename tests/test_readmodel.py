@@ -284,7 +284,10 @@ def test_validate_spec_passes_what_can_run():
     "text, message",
     [
         ("name: demo\nmodel: m\nengine: sim\nreplicas: 1\ngpus_per_nod: 2\n", "deployments[0].gpus_per_nod: unknown key; did you mean 'gpus_per_node'?"),
-        ("name: demo\nmodel: m\nengine: sim\nreplicas: 1\ngpus_per_node: 2\nfailures: 3\n", "deployments[0].failures: unknown key (known keys here: name, model,"),
+        (
+            "name: demo\nmodel: m\nengine: sim\nreplicas: 1\ngpus_per_node: 2\nfailures: 3\n",
+            "deployments[0].failures: unknown key (known keys here: name, model,",
+        ),
         ("name: demo\nmodel: m\nengine: sim\nreplicas: two\ngpus_per_node: 2\n", "deployments[0].replicas: expected a whole number, got a string 'two'"),
         ("- name: demo\n  model: m\n  engine: simm\n  replicas: 1\n  gpus_per_node: 2\n", "deployments[0].engine: 'simm' is not one of vllm, sglang, sim"),
         ("- 3\n", "deployments[0]: expected a mapping"),

@@ -41,9 +41,7 @@ class World:
 
     def step(self, dt: float = 1.0):
         self.now += dt
-        self.plan = reconcile(
-            self.deployments, self.replicas, self.nodes, self.leases, self.now, config=self.config
-        )
+        self.plan = reconcile(self.deployments, self.replicas, self.nodes, self.leases, self.now, config=self.config)
         self.replicas, self.deployments = apply_plan(self.plan, self.replicas, self.deployments)
         return self.plan
 
@@ -91,7 +89,10 @@ def test_seed_places_one_replica_per_fabric_with_launches_for_every_member():
     assert plan.generations == {"sim": 2}
     assert w.deployments["sim"].last_generation == 2
     assert [(l.node_id, l.replica_id, l.command.rank) for l in plan.launches] == [
-        ("node01", "sim-g1", 0), ("node02", "sim-g1", 1), ("node03", "sim-g2", 0), ("node04", "sim-g2", 1),
+        ("node01", "sim-g1", 0),
+        ("node02", "sim-g1", 1),
+        ("node03", "sim-g2", 0),
+        ("node04", "sim-g2", 1),
     ]
     assert w.events() == [("sim-g1", "launching"), ("sim-g2", "launching")]
     g1 = w.replicas["sim-g1"]
@@ -164,8 +165,7 @@ def test_seed_with_ib_b_full_the_replacement_stays_pending_and_never_spans():
 
 
 def test_pending_replica_launches_when_capacity_returns_keeping_id_and_generation():
-    w = World(*seed_cluster(node02="lost"), seed_deployment(replicas=1),
-              make_deployment("filler", replicas=1, gpus_per_node=8))
+    w = World(*seed_cluster(node02="lost"), seed_deployment(replicas=1), make_deployment("filler", replicas=1, gpus_per_node=8))
     w.step()
     assert w.where("filler-g1")[0] == "ib-b"
     assert w.state("sim-g1") == "pending"
@@ -371,8 +371,9 @@ def test_failed_replica_gpus_stay_held_until_it_is_gone():
     # One fabric of two nodes; a worker exits: the replacement cannot use the
     # failed replica's GPUs while its leader may still run.
     # (No crash-loop backoff: this is about GPUs, the replacement is made at once.)
-    w = World(*cluster(make_node("node01", "ib-a"), make_node("node02", "ib-a")),
-              make_deployment(replicas=1, gpus_per_node=8), config=ReconcileConfig(backoff_base=0))
+    w = World(
+        *cluster(make_node("node01", "ib-a"), make_node("node02", "ib-a")), make_deployment(replicas=1, gpus_per_node=8), config=ReconcileConfig(backoff_base=0)
+    )
     w.step()
     w.engines("sim-g1", node02="exited", node01="joined")
     w.step()
@@ -476,8 +477,7 @@ def test_draining_node_replica_is_replaced_first_then_reaped_once_the_new_is_rea
 
 
 def test_draining_node_with_nowhere_to_go_keeps_its_replica():
-    w = World(*cluster(make_node("node01", "ib-a"), make_node("node02", "ib-a")),
-              make_deployment(replicas=1, gpus_per_node=8))
+    w = World(*cluster(make_node("node01", "ib-a"), make_node("node02", "ib-a")), make_deployment(replicas=1, gpus_per_node=8))
     w.step()
     w.engines("sim-g1", all="ready")
     w.step()
@@ -489,8 +489,7 @@ def test_draining_node_with_nowhere_to_go_keeps_its_replica():
 
 
 def test_cordoned_node_keeps_its_replica_and_takes_nothing_new():
-    w = World(*cluster(make_node("node01", None), make_node("node02", None)),
-              make_deployment(replicas=1, gpus_per_node=4, nodes_per_replica=1))
+    w = World(*cluster(make_node("node01", None), make_node("node02", None)), make_deployment(replicas=1, gpus_per_node=4, nodes_per_replica=1))
     w.step()
     w.engines("sim-g1", all="ready")
     w.step()
@@ -530,8 +529,7 @@ def test_template_digest_covers_what_a_replica_runs_and_nothing_else(changes, re
 
 
 def four_single_node_replicas_world(replicas: int, nodes: int) -> World:
-    w = World(*cluster(*(make_node(f"node0{i}", None) for i in range(1, nodes + 1))),
-              make_deployment(replicas=replicas, gpus_per_node=8, nodes_per_replica=1))
+    w = World(*cluster(*(make_node(f"node0{i}", None) for i in range(1, nodes + 1))), make_deployment(replicas=replicas, gpus_per_node=8, nodes_per_replica=1))
     w.step()
     for i in range(1, replicas + 1):
         w.engines(f"sim-g{i}", all="ready")
@@ -612,8 +610,7 @@ def test_template_change_of_a_single_replica_without_room_waits_serving():
 
 
 def test_outdated_replicas_that_serve_nobody_are_retired_at_once():
-    w = World(*cluster(*(make_node(f"node0{i}", None) for i in range(1, 4))),
-              make_deployment(replicas=3, gpus_per_node=8, nodes_per_replica=1))
+    w = World(*cluster(*(make_node(f"node0{i}", None) for i in range(1, 4))), make_deployment(replicas=3, gpus_per_node=8, nodes_per_replica=1))
     w.deployments["sim"] = msgspec.structs.replace(w.deployments["sim"], replicas=4)
     w.step()
     assert [w.state(f"sim-g{i}") for i in range(1, 5)] == ["launching"] * 3 + ["pending"]

@@ -15,7 +15,9 @@ import pytest
 
 from llmgw.services.scheduler.reconcile import ReconcileConfig, reconcile, remember_failures
 from llmgw.shared.schemas import Replica
-from llmgw.shared.states import ACTIVE_REPLICA, WANTED_REPLICA, EngineState as E, ReplicaState as RS
+from llmgw.shared.states import ACTIVE_REPLICA, WANTED_REPLICA
+from llmgw.shared.states import EngineState as E
+from llmgw.shared.states import ReplicaState as RS
 
 from .builders import apply_plan, cluster, make_deployment, make_lease, make_node, seed_cluster, seed_deployment
 
@@ -35,30 +37,21 @@ class World:
 
     def step(self, dt_: float = 1.0):
         self.now += dt_
-        plan = reconcile(
-            self.deployments, self.replicas, self.nodes, self.leases, self.now, config=self.config, failures=self.history
-        )
+        plan = reconcile(self.deployments, self.replicas, self.nodes, self.leases, self.now, config=self.config, failures=self.history)
         self.plan = plan
         self.replicas, self.deployments = apply_plan(plan, self.replicas, self.deployments)
         for name, b in plan.backoffs.items():
-            self.deployments[name] = msgspec.structs.replace(
-                self.deployments[name], failures=b.failures, retry_at=b.retry_at, last_failure=b.last_failure
-            )
+            self.deployments[name] = msgspec.structs.replace(self.deployments[name], failures=b.failures, retry_at=b.retry_at, last_failure=b.last_failure)
         self.history = remember_failures(self.history, plan, self.now, self.config.auto_cordon_window)
         for c in plan.cordons:  # what the registry does when asked
-            self.nodes[c.node_id] = msgspec.structs.replace(
-                self.nodes[c.node_id], admin="cordoned", admin_by="auto", admin_reason=c.reason
-            )
+            self.nodes[c.node_id] = msgspec.structs.replace(self.nodes[c.node_id], admin="cordoned", admin_by="auto", admin_reason=c.reason)
         if plan.launches:
             self.launched_at.append(self.now)
         return plan
 
     def member(self, rid: str, node: str, state: str, detail: str = ""):
         r = self.replicas[rid]
-        members = [
-            msgspec.structs.replace(m, engine_state=state, engine_detail=detail) if m.node_id == node else m
-            for m in r.members
-        ]
+        members = [msgspec.structs.replace(m, engine_state=state, engine_detail=detail) if m.node_id == node else m for m in r.members]
         self.replicas[rid] = msgspec.structs.replace(r, members=members)
 
     def all_members(self, rid: str, state: str):

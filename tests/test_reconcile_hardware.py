@@ -14,7 +14,8 @@ from llmgw.services.scheduler import reasons as R
 from llmgw.services.scheduler.placement import explain, place, request_for
 from llmgw.services.scheduler.view import ClusterView
 from llmgw.shared.schemas import FabricMembership, NodeRecord
-from llmgw.shared.states import EngineState as E, ReplicaState as RS
+from llmgw.shared.states import EngineState as E
+from llmgw.shared.states import ReplicaState as RS
 
 from .builders import cluster, make_deployment, make_node, seed_cluster, seed_deployment
 from .test_reconcile_gray import World
@@ -24,9 +25,7 @@ XID79 = "XID 79: GPU has fallen off the bus (nvidia-smi: Unable to determine the
 
 
 def fabric_down(rec: NodeRecord, fabric: str, problem: str = HCA_DOWN) -> NodeRecord:
-    fabrics = [
-        msgspec.structs.replace(f, usable=False, problem=problem) if f.name == fabric else f for f in rec.fabrics
-    ]
+    fabrics = [msgspec.structs.replace(f, usable=False, problem=problem) if f.name == fabric else f for f in rec.fabrics]
     return msgspec.structs.replace(rec, fabrics=fabrics)
 
 
@@ -214,9 +213,7 @@ def test_a_foreign_process_keeps_its_gpu_out_of_placement_but_fails_nothing():
     view = ClusterView.build(recs, leases, [])
     result = place(request_for(make_deployment("one", nodes_per_replica=1, gpus_per_node=8)), view)
     assert not result.placed and result.reasons == {"node01": R.GPU_FOREIGN}
-    assert result.details["node01"] == (
-        "7 of 8 GPUs free, needs 8; out of service: GPU 1 busy: 20480 MiB held by process(es) llmgw did not start (pid 4242)"
-    )
+    assert result.details["node01"] == ("7 of 8 GPUs free, needs 8; out of service: GPU 1 busy: 20480 MiB held by process(es) llmgw did not start (pid 4242)")
     four = place(request_for(make_deployment("one", nodes_per_replica=1, gpus_per_node=4)), view)
     assert four.placed and four.members[0].gpus == [0, 2, 3, 4]
 

@@ -12,8 +12,10 @@ import random
 import pytest
 from prometheus_client import REGISTRY
 
-from llmgw.services import health as health_mod, registry as registry_mod
-from llmgw.shared import bus, subjects as S
+from llmgw.services import health as health_mod
+from llmgw.services import registry as registry_mod
+from llmgw.shared import bus
+from llmgw.shared import subjects as S
 from llmgw.shared.schemas import FabricMembership, Gpu, Heartbeat, Inventory, NodeAddrRequest, NodeRecord, decode, encode
 
 from .conftest import service_config
@@ -170,7 +172,11 @@ async def test_a_lease_of_a_boot_whose_inventory_came_asks_for_nothing(nats_serv
         await wait_for(lambda: counted("addr_refused") - refused, 1.0, what="the inventory refused for its address")
         await node.publish(S.heartbeat("node07"), encode(Heartbeat(node_id="node07", boot_id="boot-7", seq=1)))
         # The registry's own copy of the leases has it ready: its listener has judged it.
-        await wait_for(lambda: (l := registry.leases and registry.leases.items.get("node07")) and (l.state, l.boot_id), ("ready", "boot-7"), what="the lease, as the registry sees it")
+        await wait_for(
+            lambda: (l := registry.leases and registry.leases.items.get("node07")) and (l.state, l.boot_id),
+            ("ready", "boot-7"),
+            what="the lease, as the registry sees it",
+        )
         assert "node07" not in registry.pulling and asked == [] and counted("pulled") == pulled
     finally:
         await health.stop()

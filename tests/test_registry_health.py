@@ -8,7 +8,8 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from llmgw.services import health as health_mod, registry as registry_mod
+from llmgw.services import health as health_mod
+from llmgw.services import registry as registry_mod
 from llmgw.services.leases import CHECKPOINT_HEARTBEATS
 from llmgw.shared import subjects as S
 from llmgw.shared.schemas import ApiError, FabricMembership, Gpu, Heartbeat, Inventory, Lease, NodeRecord, decode, encode
@@ -234,6 +235,7 @@ async def test_restart_keeps_countdowns_and_spares_healthy_nodes(nats_server, co
         assert checkpoint.last_seq <= b2.seq and lease.last_renew == checkpoint.last_renew
         assert lease.since - restarted_at < FAST["node_lost_after"], (lease.since - restarted_at, lease)
         assert lease.since - b2.last <= FAST["node_lost_after"] + 2 * FAST["heartbeat_interval"] + 1.0 + 0.5
+
         # node01 kept beating: the new monitor renews it without a transition (its since is unchanged),
         # and its renewals reach the bucket as the new monitor's checkpoints
         async def renewed_by_the_new_monitor():

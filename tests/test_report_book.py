@@ -34,13 +34,13 @@ def report(*engines: EngineFact, node: str = "node01", boot: str = "boot-a", ful
 
 
 def lease(node: str = "node01", *, boot: str = "boot-a", state: str = "ready", quarantine: str = "", heartbeats: int = 10, since: float = 1.0) -> Lease:
-    return Lease(
-        node_id=node, state=state, boot_id=boot, last_renew=T0, since=T0, boot_since=since, boot_heartbeats=heartbeats, quarantine=quarantine
-    )
+    return Lease(node_id=node, state=state, boot_id=boot, last_renew=T0, since=T0, boot_since=since, boot_heartbeats=heartbeats, quarantine=quarantine)
 
 
 def book(replicas=None, leases=None, *, max_unknown: int = 4, settle: int = 3) -> ReportBook:
-    return ReportBook(replicas if replicas is not None else {}, leases if leases is not None else {}, max_unknown=max_unknown, settle_heartbeats=settle, launch_grace=GRACE)
+    return ReportBook(
+        replicas if replicas is not None else {}, leases if leases is not None else {}, max_unknown=max_unknown, settle_heartbeats=settle, launch_grace=GRACE
+    )
 
 
 # -- whose report is believed ----------------------------------------------------------

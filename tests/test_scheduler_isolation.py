@@ -47,7 +47,11 @@ async def test_a_node_that_never_answers_a_stop_does_not_delay_another_nodes_fai
         cluster.start_agent(n)
     await cluster.operator(connector)
     await cluster.wait(lambda: sum(1 for l in cluster.leases.items.values() if l.state == "ready") == 2, what="node01 and node02 ready")
-    await cluster.apply(DeploymentSpec(name="demo", model="sim-7b", engine="sim", replicas=1, nodes_per_replica=2, gpus_per_node=2, engine_args=["--load-time", "0.2s"], startup_timeout=30))
+    await cluster.apply(
+        DeploymentSpec(
+            name="demo", model="sim-7b", engine="sim", replicas=1, nodes_per_replica=2, gpus_per_node=2, engine_args=["--load-time", "0.2s"], startup_timeout=30
+        )
+    )
     (rep,) = await cluster.wait(lambda: cluster.ready("demo"), what="replica ready")
 
     # node03: a real node identity that heartbeats, reports a stale engine, and holds every stop.
@@ -94,7 +98,8 @@ async def test_a_node_that_never_answers_a_stop_does_not_delay_another_nodes_fai
         try:
             await cluster.wait(
                 lambda: cluster.replicas.items.get(rep.id) is None or cluster.replicas.items[rep.id].state != "ready",
-                what=f"{rep.id} failed after its worker's engine died", timeout=15,
+                what=f"{rep.id} failed after its worker's engine died",
+                timeout=15,
             )
         finally:
             reporting.cancel()

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 import msgspec
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from llmgw.services.scheduler.placement import Request, check_node, place
 from llmgw.services.scheduler.reconcile import reconcile
 from llmgw.services.scheduler.scorers import NodeBinPack
 from llmgw.services.scheduler.view import HOLDS_RESOURCES, ClusterView, PortRange
-
 from llmgw.shared.schemas import Replica, ReplicaMember
 
 from .builders import apply_plan, make_deployment, make_lease, make_node
@@ -85,10 +85,7 @@ def report_engines(draw, replicas):
     out = {}
     for rid, replica in replicas.items():
         if replica.members and draw(st.booleans()):
-            members = [
-                msgspec.structs.replace(m, engine_state=draw(st.sampled_from(ENGINE_REPORTS)))
-                for m in replica.members
-            ]
+            members = [msgspec.structs.replace(m, engine_state=draw(st.sampled_from(ENGINE_REPORTS))) for m in replica.members]
             replica = msgspec.structs.replace(replica, members=members)
         out[rid] = replica
     return out
@@ -151,8 +148,7 @@ def test_random_histories_keep_the_invariants(cluster, specs, rounds, data):
     nodes, leases = cluster
     ports = PortRange()
     deployments = {
-        f"d{i}": make_deployment(f"d{i}", replicas=r, gpus_per_node=g, nodes_per_replica=n, startup_timeout=t)
-        for i, (r, g, n, t) in enumerate(specs)
+        f"d{i}": make_deployment(f"d{i}", replicas=r, gpus_per_node=g, nodes_per_replica=n, startup_timeout=t) for i, (r, g, n, t) in enumerate(specs)
     }
     replicas: dict = {}
     ids_ever: set[str] = set()
@@ -202,8 +198,10 @@ def test_random_histories_keep_the_invariants(cluster, specs, rounds, data):
         for name, spec in deployments.items():
             draining = {nid for nid, rec in nodes.items() if rec.admin == "draining"}
             counted = [
-                r for r in replicas.values()
-                if r.deployment == name and r.state in ("pending", "launching", "waiting-for-workers", "ready")
+                r
+                for r in replicas.values()
+                if r.deployment == name
+                and r.state in ("pending", "launching", "waiting-for-workers", "ready")
                 and not any(m.node_id in draining for m in r.members)
             ]
             assert len(counted) <= spec.replicas
@@ -225,10 +223,16 @@ def views(draw):
         if taken:
             held.append(
                 Replica(
-                    id=f"x-{node_id}", deployment=draw(st.sampled_from(["d", "other"])), model="m", engine="sim",
-                    generation=1, state=draw(st.sampled_from(sorted(HOLDS_RESOURCES))), fabric=None,
-                    members=[ReplicaMember(node_id=node_id, rank=0, role="leader", gpus=list(range(taken)),
-                                           rendezvous_port=20000, http_port=20001, serves_http=True)],
+                    id=f"x-{node_id}",
+                    deployment=draw(st.sampled_from(["d", "other"])),
+                    model="m",
+                    engine="sim",
+                    generation=1,
+                    state=draw(st.sampled_from(sorted(HOLDS_RESOURCES))),
+                    fabric=None,
+                    members=[
+                        ReplicaMember(node_id=node_id, rank=0, role="leader", gpus=list(range(taken)), rendezvous_port=20000, http_port=20001, serves_http=True)
+                    ],
                 )
             )
     ports = PortRange(20000, draw(st.sampled_from([2, 3, 100])))

@@ -41,7 +41,21 @@ def llmgw(*args, timeout=180, cwd=None):
 def cluster(tmp_path):
     d = tmp_path / "llmgw"
     # A relative --dir, as a person types it: everything it starts runs elsewhere.
-    r = llmgw("up", "--dir", "llmgw", "--detach", "--heartbeat-interval", f"{HB}s", "--node-lost-after", f"{LOST_AFTER}s", "--engine-load-time", f"{LOAD}s", "--gateway-port", "0", cwd=tmp_path)
+    r = llmgw(
+        "up",
+        "--dir",
+        "llmgw",
+        "--detach",
+        "--heartbeat-interval",
+        f"{HB}s",
+        "--node-lost-after",
+        f"{LOST_AFTER}s",
+        "--engine-load-time",
+        f"{LOAD}s",
+        "--gateway-port",
+        "0",
+        cwd=tmp_path,
+    )
     info = json.loads((d / "cluster.json").read_text()) if (d / "cluster.json").exists() else None
     try:
         assert r.returncode == 0, f"llmgw up failed:\n{r.stdout}\n{r.stderr}"
@@ -59,7 +73,9 @@ async def _observe(d, info):
     nc = await bus.connect(cfg.server, cfg.tls_files(), name="test", initial_attempts=5)
     try:
         addresses = {n["node_id"]: n["mgmt_addr"] for n in info["nodes"]}
-        return await observe_seed_story(nc.jetstream(), gateway_url=info["gateway_url"], model="sim-70b", addresses=addresses, cluster_dir=d, timeout=60, say=lambda *_: None)
+        return await observe_seed_story(
+            nc.jetstream(), gateway_url=info["gateway_url"], model="sim-70b", addresses=addresses, cluster_dir=d, timeout=60, say=lambda *_: None
+        )
     finally:
         await nc.close()
 

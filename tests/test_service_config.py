@@ -103,6 +103,7 @@ def test_event_loop_choice_per_service_and_overridden_by_environment(monkeypatch
     import asyncio
 
     import uvloop
+
     from llmgw.services.gateway.service import Gateway
     from llmgw.services.registry import Registry
     from llmgw.services.runtime import LOOP_ENV, event_loop_runner

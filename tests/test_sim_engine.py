@@ -167,9 +167,7 @@ def test_group_forms_serves_openai_and_stalls_when_a_worker_dies(engines):
         assert chat.usage.completion_tokens == len(text.split()) <= 12
         assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
 
-        stream = client.chat.completions.create(
-            model=SERVED, messages=messages, max_tokens=12, stream=True, stream_options={"include_usage": True}
-        )
+        stream = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=12, stream=True, stream_options={"include_usage": True})
         chunks = list(stream)
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert streamed == text  # tokens depend only on the prompt
@@ -209,7 +207,12 @@ def test_group_forms_serves_openai_and_stalls_when_a_worker_dies(engines):
 
         # A stream in flight when the worker dies stops mid-answer.
         conn = http.client.HTTPConnection(LEADER, port, timeout=1.0)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "long", "max_tokens": 2000, "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "long", "max_tokens": 2000, "ignore_eos": True, "stream": True}),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         assert resp.status == 200
         assert resp.readline().startswith(b"data: {")
@@ -301,13 +304,17 @@ def test_address_in_use_and_bad_arguments_fail_with_one_line(engines):
         engine_rdv = engines("busy-rdv", *sim_args(0, 2, port, LEADER, http_port=rdv))
         assert engine_rdv.exit_code() == 2
     assert engine.log().strip().splitlines() == [f"llmgw: error: cannot bind HTTP {LEADER}:{port}: address already in use (another engine on this port?)"]
-    assert engine_rdv.log().strip().splitlines() == [f"llmgw: error: cannot bind rendezvous {LEADER}:{port}: address already in use (another engine on this port?)"]
+    assert engine_rdv.log().strip().splitlines() == [
+        f"llmgw: error: cannot bind rendezvous {LEADER}:{port}: address already in use (another engine on this port?)"
+    ]
 
-    for i, (bad, words) in enumerate((
-        (sim_args(2, 2, rdv, LEADER, http_port=port), "--rank must be between 0 and 1"),
-        (sim_args(0, 2, rdv, LEADER), "needs --port"),
-        (sim_args(0, 2, rdv, LEADER, "--load-time", "soon", http_port=port), "--load-time: 'soon' is not a duration"),
-    )):
+    for i, (bad, words) in enumerate(
+        (
+            (sim_args(2, 2, rdv, LEADER, http_port=port), "--rank must be between 0 and 1"),
+            (sim_args(0, 2, rdv, LEADER), "needs --port"),
+            (sim_args(0, 2, rdv, LEADER, "--load-time", "soon", http_port=port), "--load-time: 'soon' is not a duration"),
+        )
+    ):
         engine = engines(f"bad{i}", *bad)
         assert engine.exit_code() == 2
         lines = engine.log().strip().splitlines()

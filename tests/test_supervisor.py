@@ -167,7 +167,7 @@ async def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(supervisors, wo
     assert ack.ok, ack
     # Ready means the engine is past installing its SIGTERM disposition.
     await eventually(lambda: sup.on_change.state("r1") == "ready", "the leader to be ready")
-    (pid, started), = recorded_engines(work_dir).values()
+    ((pid, started),) = recorded_engines(work_dir).values()
     (engine_dir,) = (work_dir / "engines").iterdir()
     wrapper = EngineDir(engine_dir).read_pid().wrapper_pid
     assert wrapper > 0
@@ -191,7 +191,7 @@ async def test_a_leader_that_stops_answering_is_stalled_until_it_makes_progress(
     sup = await supervisors()
     assert (await sup.launch(make_launch("r1"), NODE_GPUS)).ok
     await eventually(lambda: sup.on_change.state("r1") == "ready", "the leader to be ready")
-    (pid, _), = recorded_engines(work_dir).values()
+    ((pid, _),) = recorded_engines(work_dir).values()
     os.kill(pid, signal.SIGSTOP)  # frozen: alive, but answering nothing
     try:
         await eventually(lambda: sup.on_change.state("r1") == "stalled", "the frozen leader to be stalled")

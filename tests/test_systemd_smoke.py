@@ -122,7 +122,11 @@ def test_walkthrough_adds_back_what_the_recipe_lost(tmp_path, old, new, added):
     "old, new, message",
     [
         ("--ssh-user ops", "--ssh-user admin", "has --ssh-user admin, the smoke's machines are prepared for --ssh-user ops"),
-        ("--install-wheel ./llmgw-*.whl", "--install-wheel /srv/llmgw.whl", "has --install-wheel /srv/llmgw.whl, the smoke's machines are prepared for --install-wheel ./llmgw-*.whl"),
+        (
+            "--install-wheel ./llmgw-*.whl",
+            "--install-wheel /srv/llmgw.whl",
+            "has --install-wheel /srv/llmgw.whl, the smoke's machines are prepared for --install-wheel ./llmgw-*.whl",
+        ),
     ],
     ids=["other-user", "other-wheel"],
 )

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from llmgw.services import registry as registry_mod
-from llmgw.shared import bus, subjects as S
+from llmgw.shared import bus
+from llmgw.shared import subjects as S
 from llmgw.shared.schemas import (
     Event,
     FabricMembership,
@@ -74,7 +75,10 @@ def make_node(node: str, fabric: str | None = "ib-a", gpus: int = 8, admin: str 
         mgmt_interface="lo",
         gpus=[Gpu(index=i, uuid=f"GPU-{node}-{i}", name="NVIDIA H200", memory_mib=143771) for i in range(gpus)],
         fabrics=[FabricMembership(name=fabric, hcas=["mlx5_0", "mlx5_1"])] if fabric else [],
-        hcas=[Hca(name=h, ports=[HcaPort(port=1, state="ACTIVE", phys_state="LinkUp", rate="200 Gb/sec (4X HDR)")], usable=True) for h in (["mlx5_0", "mlx5_1"] if fabric else [])],
+        hcas=[
+            Hca(name=h, ports=[HcaPort(port=1, state="ACTIVE", phys_state="LinkUp", rate="200 Gb/sec (4X HDR)")], usable=True)
+            for h in (["mlx5_0", "mlx5_1"] if fabric else [])
+        ],
         admin=admin,
     )
 
@@ -224,7 +228,9 @@ def test_marks_are_kept_for_the_session_and_never_handed_on():
 
 
 def test_a_gpu_claimed_by_a_replica_being_reaped_and_its_replacement_shows_the_replacement():
-    state = seed_state(replicas_x={"demo-g1": make_replica(*G1[:2], "reaping", G1[2]), "demo-g9": make_replica("demo-g9", "ib-a", "launching", [("node01", [0])])})
+    state = seed_state(
+        replicas_x={"demo-g1": make_replica(*G1[:2], "reaping", G1[2]), "demo-g9": make_replica("demo-g9", "ib-a", "launching", [("node01", [0])])}
+    )
     assert gpu_holders(state.replicas)["node01"][0].id == "demo-g9"
     assert gpu_holders(state.replicas)["node01"][1].id == "demo-g1"
 
@@ -287,17 +293,35 @@ def test_a_story_in_progress_and_a_reaping_that_outlasts_the_replacement():
     "events, story",
     [
         pytest.param(
-            [replica_ev(0, "demo-g1", "failed", "engine on node01 exited with code 1", "ready"), replica_ev(0, "demo-g2", "pending", "no fabric has 2 nodes with 4 free GPUs", ""), replica_ev(30, "demo-g2", "launching", "placed on ib-a: node03 (leader), node04", "pending"), replica_ev(45, "demo-g2", "ready", "leader on node03 serving", "waiting-for-workers")],
+            [
+                replica_ev(0, "demo-g1", "failed", "engine on node01 exited with code 1", "ready"),
+                replica_ev(0, "demo-g2", "pending", "no fabric has 2 nodes with 4 free GPUs", ""),
+                replica_ev(30, "demo-g2", "launching", "placed on ib-a: node03 (leader), node04", "pending"),
+                replica_ev(45, "demo-g2", "ready", "leader on node03 serving", "waiting-for-workers"),
+            ],
             "demo-g1 failed (engine on node01 exited with code 1) → demo-g2 pending → demo-g2 placed on ib-a → ready (45.0 s)",
             id="no lost node: the failure's own reason; a replacement that waited",
         ),
         pytest.param(
-            [ev(0, "node", "node09", "lost"), replica_ev(1, "demo-g1", "failed", "node node02 lost", "ready"), replica_ev(1, "solo-g4", "launching", "placed node05", ""), replica_ev(2, "demo-g2", "launching", "placed node05", ""), replica_ev(3, "demo-g2", "ready", "leader on node05 serving", "waiting-for-workers")],
+            [
+                ev(0, "node", "node09", "lost"),
+                replica_ev(1, "demo-g1", "failed", "node node02 lost", "ready"),
+                replica_ev(1, "solo-g4", "launching", "placed node05", ""),
+                replica_ev(2, "demo-g2", "launching", "placed node05", ""),
+                replica_ev(3, "demo-g2", "ready", "leader on node05 serving", "waiting-for-workers"),
+            ],
             "demo-g1 failed (node node02 lost) → demo-g2 placed on node05 → ready (2.0 s)",
             id="an unrelated lost node is no cause; other deployments are not replacements",
         ),
         pytest.param(
-            [ev(0, "node", "node02", "lost"), replica_ev(0, "demo-g1", "failed", "node node02 lost", "ready"), replica_ev(1, "demo-g2", "launching", "placed on ib-b: node03 (leader), node04", ""), replica_ev(5, "demo-g2", "failed", "startup timeout", "launching"), replica_ev(6, "demo-g3", "launching", "placed on ib-b: node03 (leader), node04", ""), replica_ev(9, "demo-g3", "ready", "", "waiting-for-workers")],
+            [
+                ev(0, "node", "node02", "lost"),
+                replica_ev(0, "demo-g1", "failed", "node node02 lost", "ready"),
+                replica_ev(1, "demo-g2", "launching", "placed on ib-b: node03 (leader), node04", ""),
+                replica_ev(5, "demo-g2", "failed", "startup timeout", "launching"),
+                replica_ev(6, "demo-g3", "launching", "placed on ib-b: node03 (leader), node04", ""),
+                replica_ev(9, "demo-g3", "ready", "", "waiting-for-workers"),
+            ],
             "node02 lost → demo-g1 failed → demo-g2 placed on ib-b → demo-g2 failed → demo-g3 placed on ib-b → ready (9.0 s)",
             id="a replacement that fails continues the same story",
         ),
@@ -340,7 +364,7 @@ def test_banner_says_lost_then_back_then_nothing(status, now, cls, words):
 class Writers:
     """Scripted single writers: nodes as the registry, leases as the health monitor, replicas as the scheduler."""
 
-    async def start(self, server) -> "Writers":
+    async def start(self, server) -> Writers:
         tls = {role: server.issue(f"scripted-{role}", role) for role in ("registry", "health", "scheduler")}
         server.reload()
         self.conns = {r: await bus.connect(server.url, t, name="test", initial_attempts=1, reconnect_base=0.1, reconnect_max=0.5) for r, t in tls.items()}
@@ -434,7 +458,9 @@ async def test_the_seed_nodes_appear_under_their_fabrics(nats_server, writers):
         await until(pilot, lambda: not isinstance(app.screen, NodeDetail), what="the detail closed")
         # the filter narrows the panels while typing; Esc brings everything back
         await pilot.press("slash", *"node04")
-        await until(pilot, lambda: ([r.node_id for r in app.query(NodeRow)], set(table_rows(app))), (["node04"], {"demo-g2"}), what="only node04 and its replica")
+        await until(
+            pilot, lambda: ([r.node_id for r in app.query(NodeRow)], set(table_rows(app))), (["node04"], {"demo-g2"}), what="only node04 and its replica"
+        )
         await pilot.press("escape")
         await until(pilot, lambda: (len(app.query(NodeRow)), set(table_rows(app))), (5, {"demo-g1", "demo-g2"}), what="every node and replica again")
         await pilot.press("question_mark")
@@ -450,7 +476,9 @@ async def test_a_lease_going_lost_turns_node02_lost_within_a_second(nats_server,
         await until(pilot, lambda: row(app, "node02") is not None and row(app, "node02").view.state == "ready", what="node02 ready")
         t = time.monotonic()
         await writers.leases.put("node02", encode(make_lease("node02", "lost", renewed=time.time() - 60, since=time.time())))
-        await until(pilot, lambda: (row(app, "node02").view.state, " lost " in row(app, "node02").render().plain), ("lost", True), timeout=1.0, what="node02 lost")
+        await until(
+            pilot, lambda: (row(app, "node02").view.state, " lost " in row(app, "node02").render().plain), ("lost", True), timeout=1.0, what="node02 lost"
+        )
         assert time.monotonic() - t < 1.0
 
 
@@ -459,7 +487,11 @@ async def test_a_rebuild_shows_in_the_replicas_table_and_tells_its_story(nats_se
     app = console(nats_server)
     async with app.run_test(size=(160, 48)) as pilot:
         # history from before the console started is replayed
-        await until(pilot, lambda: app.history_loaded and {"demo-g1", "demo-g2"} <= set(table_rows(app)) and "node04           joined" in log_text(app), what="history and replicas")
+        await until(
+            pilot,
+            lambda: app.history_loaded and {"demo-g1", "demo-g2"} <= set(table_rows(app)) and "node04           joined" in log_text(app),
+            what="history and replicas",
+        )
         # node02 dies: its replica fails and is reaped while a replacement is placed on ib-b
         await writers.leases.put("node02", encode(make_lease("node02", "lost")))
         await writers.replicas.put("demo-g1", encode(make_replica(*G1[:2], "reaping", G1[2], reason="node node02 lost")))
@@ -540,7 +572,10 @@ async def test_a_lost_connection_is_shown_and_so_is_its_return(nats_server, writ
         await until(pilot, lambda: app.selected_node, "node02", what="node02 selected while disconnected")
         nats_server.start()
         await until(
-            pilot, lambda: banner.has_class("-back") and "connection back" in str(banner.render()) and app.sub_title == "live", timeout=10, what="the back banner"
+            pilot,
+            lambda: banner.has_class("-back") and "connection back" in str(banner.render()) and app.sub_title == "live",
+            timeout=10,
+            what="the back banner",
         )
 
         # and it is live again: a change after the restart reaches the screen. The scripted

@@ -7,7 +7,8 @@ import ipaddress
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmgw.shared import schemas as W
 from llmgw.shared.errors import InvalidName, WireError

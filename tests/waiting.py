@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 _UNSET: Any = object()
 
@@ -61,7 +62,7 @@ async def eventually(
             value = observe()
             if inspect.isawaitable(value):
                 value = await value
-        except ignore as e:  # noqa: PERF203 - a poll loop
+        except ignore as e:
             error = e
         else:
             last, error = value, None
@@ -88,7 +89,7 @@ def eventually_sync(
     while True:
         try:
             value = observe()
-        except ignore as e:  # noqa: PERF203 - a poll loop
+        except ignore as e:
             error = e
         else:
             last, error = value, None

@@ -153,9 +153,7 @@ class LlmgwApp(App[None]):
     def refresh_views(self) -> None:
         now = self.clock()
         self.fabrics.panels = fabric_views(self.state, now, self.marks, self.pattern)
-        self.replicas.replicas = replica_views(
-            self.state, now, self.marks, rebuilding=self.stories.rebuilding, pattern=self.pattern
-        )
+        self.replicas.replicas = replica_views(self.state, now, self.marks, rebuilding=self.stories.rebuilding, pattern=self.pattern)
         for screen in self.screen_stack:
             if isinstance(screen, NodeDetail):
                 screen.view = node_detail(screen.node_id, self.state, self.events, self.members_seen, now)

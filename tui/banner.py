@@ -26,8 +26,7 @@ def banner_text(status: ConnectionStatus | None, waiting: str, now: float) -> tu
         return "-down", f"cannot reach NATS: {status.detail}"
     if status.state == "down":
         return "-down", (
-            f"✖ NATS connection lost at {_clock(status.since)} ({format_age(now - status.since)} ago) — "
-            "showing the last state seen; reconnecting …"
+            f"✖ NATS connection lost at {_clock(status.since)} ({format_age(now - status.since)} ago) — showing the last state seen; reconnecting …"
         )
     if status.down_since is not None and now - status.since < BACK_FOR:
         return "-back", f"✔ NATS connection back at {_clock(status.since)} after {format_age(status.since - status.down_since)}"

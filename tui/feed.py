@@ -25,7 +25,8 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from textual.message import Message
 
 from llmgw.services.ctl.session import Session
-from llmgw.shared import bus, subjects as S
+from llmgw.shared import bus
+from llmgw.shared import subjects as S
 from llmgw.shared.config import ServiceConfig
 from llmgw.shared.errors import BusError, WireError
 from llmgw.shared.kvmirror import KvMirror
@@ -169,12 +170,12 @@ class Feed(Session):
         for m in list(self.mirrors.values()):
             try:
                 await asyncio.wait_for(m.stop(), 1)
-            except (asyncio.TimeoutError, Exception):
+            except (TimeoutError, Exception):
                 pass
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.close(), 2)
-            except (asyncio.TimeoutError, Exception):
+            except (TimeoutError, Exception):
                 pass
 
     # -- connection callbacks (called by nats-py on the same loop) -------------

@@ -238,9 +238,7 @@ def members_text(replica: Replica) -> str:
     return " ".join(f"{m.node_id}:{m.rank}" for m in sorted(replica.members, key=lambda m: m.rank)) or "-"
 
 
-def replica_views(
-    state: ClusterState, now: float, marks: MarkBook, *, rebuilding: frozenset[str] = frozenset(), pattern: str = ""
-) -> tuple[ReplicaView, ...]:
+def replica_views(state: ClusterState, now: float, marks: MarkBook, *, rebuilding: frozenset[str] = frozenset(), pattern: str = "") -> tuple[ReplicaView, ...]:
     out = []
     for r in sorted(state.replicas.values(), key=lambda r: (r.deployment, r.generation, r.id)):
         members = members_text(r)

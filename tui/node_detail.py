@@ -13,9 +13,8 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
 from .lines import event_line
-from .model import NodeDetailView
+from .model import NodeDetailView, replica_tone
 from .palette import NODE_STATE_STYLE, REPLICA_TONE_STYLE
-from .model import replica_tone
 
 
 def _table(title: str, *columns: str) -> Table:

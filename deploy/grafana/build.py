@@ -80,8 +80,12 @@ def build() -> dashboard.Dashboard:
     d = d.with_panel(st("Replicas ready", "none", q('max(llmgw_scheduler_replicas{state="ready"})')))
     d = d.with_panel(st("Scheduler leader", "none", q('max(llmgw_leader{service="scheduler"})'), "1: an instance leads; 0: none does"))
     d = d.with_panel(st("Health leader", "none", q('max(llmgw_leader{service="health"})'), "1: an instance leads; 0: none does"))
-    d = d.with_panel(ts("Nodes by state, per fabric", "none", q("sum by (fabric, state) (max without (instance, job) (llmgw_scheduler_nodes))", "{{fabric}} {{state}}")))
-    d = d.with_panel(ts("GPUs by state, per fabric", "none", q("sum by (fabric, state) (max without (instance, job) (llmgw_scheduler_gpus))", "{{fabric}} {{state}}")))
+    d = d.with_panel(
+        ts("Nodes by state, per fabric", "none", q("sum by (fabric, state) (max without (instance, job) (llmgw_scheduler_nodes))", "{{fabric}} {{state}}"))
+    )
+    d = d.with_panel(
+        ts("GPUs by state, per fabric", "none", q("sum by (fabric, state) (max without (instance, job) (llmgw_scheduler_gpus))", "{{fabric}} {{state}}"))
+    )
     d = d.with_panel(ts("Replicas by state", "none", q("max by (state) (llmgw_scheduler_replicas)", "{{state}}")))
     d = d.with_panel(
         ts(
@@ -103,11 +107,23 @@ def build() -> dashboard.Dashboard:
     d = d.with_panel(ts("Oldest lease (top 10 nodes)", "s", q("topk(10, max by (node) (llmgw_health_lease_age_seconds))", "{{node}}")))
     d = d.with_panel(ts("Deployments backing off", "none", q("max(llmgw_scheduler_deployments_backing_off)", "backing off")))
     d = d.with_panel(
-        ts("Lease writes", "ops", q("sum(rate(llmgw_health_lease_write_errors_total[$__rate_interval]))", "errors"), q("sum(rate(llmgw_health_lease_write_seconds_count[$__rate_interval]))", "batches"))
+        ts(
+            "Lease writes",
+            "ops",
+            q("sum(rate(llmgw_health_lease_write_errors_total[$__rate_interval]))", "errors"),
+            q("sum(rate(llmgw_health_lease_write_seconds_count[$__rate_interval]))", "batches"),
+        )
     )
 
     d = d.with_row(dashboard.Row("Gateway"))
-    d = d.with_panel(ts("Requests by model and status", "reqps", q(f"sum by (model, status) (rate(llmgw_gateway_requests_total{m}[$__rate_interval]))", "{{model}} {{status}}"), width=12))
+    d = d.with_panel(
+        ts(
+            "Requests by model and status",
+            "reqps",
+            q(f"sum by (model, status) (rate(llmgw_gateway_requests_total{m}[$__rate_interval]))", "{{model}} {{status}}"),
+            width=12,
+        )
+    )
     d = d.with_panel(
         ts(
             "Error ratio (5xx) by model",
@@ -119,27 +135,90 @@ def build() -> dashboard.Dashboard:
             width=12,
         )
     )
-    d = d.with_panel(ts("Time to first token (p50, p95)", "s", quantile("llmgw_gateway_time_to_first_token_seconds", "model", "p50 {{model}}", "0.5", m), quantile("llmgw_gateway_time_to_first_token_seconds", "model", "p95 {{model}}", "0.95", m)))
-    d = d.with_panel(ts("Request latency (p50, p95)", "s", quantile("llmgw_gateway_request_duration_seconds", "model", "p50 {{model}}", "0.5", m), quantile("llmgw_gateway_request_duration_seconds", "model", "p95 {{model}}", "0.95", m)))
-    d = d.with_panel(ts("Retries by reason", "ops", q(f"sum by (model, reason) (rate(llmgw_gateway_retries_total{m}[$__rate_interval]))", "{{model}} {{reason}}")))
+    d = d.with_panel(
+        ts(
+            "Time to first token (p50, p95)",
+            "s",
+            quantile("llmgw_gateway_time_to_first_token_seconds", "model", "p50 {{model}}", "0.5", m),
+            quantile("llmgw_gateway_time_to_first_token_seconds", "model", "p95 {{model}}", "0.95", m),
+        )
+    )
+    d = d.with_panel(
+        ts(
+            "Request latency (p50, p95)",
+            "s",
+            quantile("llmgw_gateway_request_duration_seconds", "model", "p50 {{model}}", "0.5", m),
+            quantile("llmgw_gateway_request_duration_seconds", "model", "p95 {{model}}", "0.95", m),
+        )
+    )
+    d = d.with_panel(
+        ts("Retries by reason", "ops", q(f"sum by (model, reason) (rate(llmgw_gateway_retries_total{m}[$__rate_interval]))", "{{model}} {{reason}}"))
+    )
     d = d.with_panel(ts("Requests by replica", "reqps", q(f"sum by (replica) (rate(llmgw_gateway_requests_total{m}[$__rate_interval]))", "{{replica}}")))
     d = d.with_panel(ts("In flight by replica", "none", q(f"sum by (replica) (llmgw_gateway_inflight_requests{m})", "{{replica}}")))
-    d = d.with_panel(ts("Stream errors and cool-downs", "ops", q(f"sum by (reason) (rate(llmgw_gateway_stream_errors_total{m}[$__rate_interval]))", "stream {{reason}}"), q("sum by (reason) (rate(llmgw_gateway_cooldowns_total[$__rate_interval]))", "cool-down {{reason}}")))
+    d = d.with_panel(
+        ts(
+            "Stream errors and cool-downs",
+            "ops",
+            q(f"sum by (reason) (rate(llmgw_gateway_stream_errors_total{m}[$__rate_interval]))", "stream {{reason}}"),
+            q("sum by (reason) (rate(llmgw_gateway_cooldowns_total[$__rate_interval]))", "cool-down {{reason}}"),
+        )
+    )
 
     d = d.with_row(dashboard.Row("Engines (found through /sd/engines)"))
-    d = d.with_panel(ts("Requests running / waiting", "none", q("sum by (replica) (vllm:num_requests_running)", "running {{replica}}"), q("sum by (replica) (vllm:num_requests_waiting)", "waiting {{replica}}"), q("sum by (replica) (sglang:num_running_reqs)", "running {{replica}} (sglang)"), q("sum by (replica) (sglang:num_queue_reqs)", "waiting {{replica}} (sglang)")))
-    d = d.with_panel(ts("Engine time to first token (p95)", "s", quantile("vllm:time_to_first_token_seconds", "model", "vllm {{model}}"), quantile("sglang:time_to_first_token_seconds", "model", "sglang {{model}}")))
-    d = d.with_panel(ts("KV cache usage", "percentunit", q("max by (replica) (vllm:kv_cache_usage_perc)", "{{replica}}"), q("max by (replica) (sglang:token_usage)", "{{replica}} (sglang)")))
+    d = d.with_panel(
+        ts(
+            "Requests running / waiting",
+            "none",
+            q("sum by (replica) (vllm:num_requests_running)", "running {{replica}}"),
+            q("sum by (replica) (vllm:num_requests_waiting)", "waiting {{replica}}"),
+            q("sum by (replica) (sglang:num_running_reqs)", "running {{replica}} (sglang)"),
+            q("sum by (replica) (sglang:num_queue_reqs)", "waiting {{replica}} (sglang)"),
+        )
+    )
+    d = d.with_panel(
+        ts(
+            "Engine time to first token (p95)",
+            "s",
+            quantile("vllm:time_to_first_token_seconds", "model", "vllm {{model}}"),
+            quantile("sglang:time_to_first_token_seconds", "model", "sglang {{model}}"),
+        )
+    )
+    d = d.with_panel(
+        ts(
+            "KV cache usage",
+            "percentunit",
+            q("max by (replica) (vllm:kv_cache_usage_perc)", "{{replica}}"),
+            q("max by (replica) (sglang:token_usage)", "{{replica}} (sglang)"),
+        )
+    )
     d = d.with_panel(
         ts(
             "Prefix cache hit rate",
             "percentunit",
-            q("sum by (replica) (rate(vllm:prefix_cache_hits_total[$__rate_interval])) / sum by (replica) (rate(vllm:prefix_cache_queries_total[$__rate_interval]))", "{{replica}}"),
+            q(
+                "sum by (replica) (rate(vllm:prefix_cache_hits_total[$__rate_interval])) / sum by (replica) (rate(vllm:prefix_cache_queries_total[$__rate_interval]))",
+                "{{replica}}",
+            ),
             q("max by (replica) (sglang:cache_hit_rate)", "{{replica}} (sglang)"),
         )
     )
-    d = d.with_panel(ts("Generation throughput", "none", q("sum by (model) (rate(vllm:generation_tokens_total[$__rate_interval]))", "vllm {{model}} tokens/s"), q("sum by (model) (sglang:gen_throughput)", "sglang {{model}} tokens/s")))
-    d = d.with_panel(ts("Engine end-to-end latency (p95)", "s", quantile("vllm:e2e_request_latency_seconds", "model", "vllm {{model}}"), quantile("sglang:e2e_request_latency_seconds", "model", "sglang {{model}}")))
+    d = d.with_panel(
+        ts(
+            "Generation throughput",
+            "none",
+            q("sum by (model) (rate(vllm:generation_tokens_total[$__rate_interval]))", "vllm {{model}} tokens/s"),
+            q("sum by (model) (sglang:gen_throughput)", "sglang {{model}} tokens/s"),
+        )
+    )
+    d = d.with_panel(
+        ts(
+            "Engine end-to-end latency (p95)",
+            "s",
+            quantile("vllm:e2e_request_latency_seconds", "model", "vllm {{model}}"),
+            quantile("sglang:e2e_request_latency_seconds", "model", "sglang {{model}}"),
+        )
+    )
     return d
 
 

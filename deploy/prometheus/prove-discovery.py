@@ -98,7 +98,11 @@ def main() -> int:
         print(f"{stamp()} prometheus on 127.0.0.1:{port}")
 
         def ready_replicas() -> dict[str, str]:
-            reps = json.loads(subprocess.run([*LLMGW, "ctl", "replicas", "-o", "json", "--config", cluster["operator_config"]], capture_output=True, text=True, check=True).stdout)
+            reps = json.loads(
+                subprocess.run(
+                    [*LLMGW, "ctl", "replicas", "-o", "json", "--config", cluster["operator_config"]], capture_output=True, text=True, check=True
+                ).stdout
+            )
             return {r["id"]: r["endpoint"].split("://", 1)[1] for r in reps if r["state"] == "ready"}
 
         def targets() -> dict[str, tuple[str, str]]:
@@ -113,16 +117,26 @@ def main() -> int:
         def series():
             q = urllib.parse.quote("vllm:num_requests_running")
             res = get(f"{api}/query?query={q}")["data"]["result"]
-            return sorted((r["metric"]["replica"], r["metric"]["node"], r["metric"]["fabric"], r["metric"]["engine"]) for r in res) if len(res) == len(want) else None
+            return (
+                sorted((r["metric"]["replica"], r["metric"]["node"], r["metric"]["fabric"], r["metric"]["engine"]) for r in res)
+                if len(res) == len(want)
+                else None
+            )
 
         print(f"{stamp()} vllm:num_requests_running scraped for (replica, node, fabric, engine): {wait('engine series in Prometheus', series)}")
 
-        deps = json.loads(subprocess.run([*LLMGW, "ctl", "deployments", "-o", "json", "--config", cluster["operator_config"]], capture_output=True, text=True, check=True).stdout)
+        deps = json.loads(
+            subprocess.run(
+                [*LLMGW, "ctl", "deployments", "-o", "json", "--config", cluster["operator_config"]], capture_output=True, text=True, check=True
+            ).stdout
+        )
         demo = deps[0]
         demo["replicas"] = 1
         spec = {k: v for k, v in demo.items() if k not in ("applied_at", "last_generation", "failures", "last_failure", "retry_at")}
         (work / "demo.yaml").write_text(json.dumps(spec))
-        subprocess.run([*LLMGW, "ctl", "deploy", "apply", "-f", str(work / "demo.yaml"), "--config", cluster["operator_config"]], check=True, capture_output=True)
+        subprocess.run(
+            [*LLMGW, "ctl", "deploy", "apply", "-f", str(work / "demo.yaml"), "--config", cluster["operator_config"]], check=True, capture_output=True
+        )
         print(f"{stamp()} scaled {demo['name']} to 1 replica")
         left = wait("one ready replica left", lambda: len(r := ready_replicas()) == 1 and r)
         gone = set(want) - set(left)

@@ -97,8 +97,7 @@ def _base_env(cmd: LaunchCommand, mgmt_addr: str, mgmt_interface: str) -> dict[s
     clash = sorted(set(cmd.env) & set(_RESERVED_ENV))
     if clash:
         raise AdapterError(
-            f"the deployment's env may not set {', '.join(clash)}: llmgw sets the GPUs this member "
-            f"was allocated ({','.join(map(str, cmd.gpus)) or 'none'})"
+            f"the deployment's env may not set {', '.join(clash)}: llmgw sets the GPUs this member was allocated ({','.join(map(str, cmd.gpus)) or 'none'})"
         )
     env = {
         "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in cmd.gpus),
@@ -188,10 +187,7 @@ _VLLM_REFUSED: tuple[tuple[str, tuple[str, ...], str], ...] = (
     (
         "--config",
         (),
-        (
-            "a vLLM config file can set any flag, including those llmgw sets, out of this check's sight, "
-            "so put its options in engine_args instead"
-        ),
+        ("a vLLM config file can set any flag, including those llmgw sets, out of this check's sight, so put its options in engine_args instead"),
     ),
 )
 
@@ -237,9 +233,7 @@ def _check_vllm_args(args: list[str]) -> set[str]:
         raise AdapterError(
             "vllm: "
             + "; ".join(
-                f"engine_args may not set {', '.join(flags)}: "
-                + why.format(them="it" if len(flags) == 1 else "them")
-                for why, flags in refused.items()
+                f"engine_args may not set {', '.join(flags)}: " + why.format(them="it" if len(flags) == 1 else "them") for why, flags in refused.items()
             )
         )
     return _flags(args)

@@ -59,7 +59,8 @@ from collections.abc import Awaitable, Callable
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from llmgw.shared import bus, procfs, subjects as S
+from llmgw.shared import bus, procfs
+from llmgw.shared import subjects as S
 from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import ConfigError, LlmgwError, WireError
 from llmgw.shared.schemas import (
@@ -108,7 +109,7 @@ def _agent_version() -> str:
         from importlib.metadata import version
 
         return version("llmgw")
-    except Exception:  # noqa: BLE001 - a version string is nice to have, not needed
+    except Exception:
         return ""
 
 
@@ -231,7 +232,7 @@ class Agent:
         connecting.cancel()
         try:
             await connecting
-        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - we are leaving anyway
+        except (asyncio.CancelledError, Exception):
             pass
         return None
 
@@ -243,17 +244,17 @@ class Agent:
         for t in self._tasks:
             try:
                 await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+            except (asyncio.CancelledError, Exception):
                 pass
         # Draining lets a command already received finish and be answered;
         # only then does the supervisor stop watching. Engines keep running.
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), DRAIN_TIMEOUT)
-            except Exception:  # noqa: BLE001 - a drain that cannot finish becomes a close
+            except Exception:
                 try:
                     await self.nc.close()
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
         await self.supervisor.close()
         log.info("agent %s stopped (boot %s)", self.node, self.boot_id)
@@ -302,7 +303,7 @@ class Agent:
                 self._outbox.put_nowait(_FULL)
             try:
                 await self._heartbeat()
-            except Exception as e:  # noqa: BLE001 - the next beat tries again
+            except Exception as e:
                 log.warning("heartbeat not sent: %s", e)
 
     def _inventory(self, found: Discovery) -> Inventory:
@@ -344,9 +345,7 @@ class Agent:
         while True:
             await asyncio.sleep(every)
             try:
-                found = await asyncio.to_thread(
-                    discover, self.cfg, previous=self.found.gpus, known_pids=self._engine_pids, nvml=nvml
-                )
+                found = await asyncio.to_thread(discover, self.cfg, previous=self.found.gpus, known_pids=self._engine_pids, nvml=nvml)
             except LlmgwError as e:
                 # Keep publishing what we last knew; say so once per distinct failure.
                 if str(e) != last_error:
@@ -368,7 +367,7 @@ class Agent:
             try:
                 await self._publish_inventory()
                 last_sent = time.monotonic()
-            except Exception as e:  # noqa: BLE001 - the next round tries again
+            except Exception as e:
                 log.warning("inventory not sent: %s", e)
 
     def _engine_changed(self, fact: EngineFact) -> None:
@@ -400,7 +399,7 @@ class Agent:
                 report = StatusReport(node_id=self.node, boot_id=self.boot_id, full=False, engines=list(latest.values()), sent_at=time.time())
             try:
                 await self.nc.publish(S.status(self.node), encode(report))
-            except Exception as e:  # noqa: BLE001 - a reconnect brings a full report
+            except Exception as e:
                 log.warning("status report not sent: %s", e)
 
     # -- commands ------------------------------------------------------------------
@@ -436,7 +435,7 @@ class Agent:
                 return
             try:
                 await msg.respond(encode(reply))
-            except Exception as e:  # noqa: BLE001 - the requester times out and retries
+            except Exception as e:
                 log.warning("%s: reply not sent: %s", msg.subject, e)
 
         return on_msg

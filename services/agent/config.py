@@ -183,8 +183,7 @@ def _check_mgmt_addr(addr: str) -> None:
         if not _HOSTNAME.fullmatch(addr):
             raise Invalid(
                 "mgmt_addr",
-                f"{addr!r} is neither an IP address nor a hostname; give the address engines on this node "
-                "are reachable on (no scheme, no port)",
+                f"{addr!r} is neither an IP address nor a hostname; give the address engines on this node are reachable on (no scheme, no port)",
             ) from None
         return
     if ip.is_unspecified:

@@ -45,10 +45,10 @@ __all__ = [
     "parse_compute_apps_csv",
     "parse_gpu_health_csv",
     "parse_nvidia_smi_csv",
-    "split_device_errors",
     "query_nvidia_smi",
     "query_nvml",
     "read_hca",
+    "split_device_errors",
 ]
 
 QUERY_FIELDS = ("index", "uuid", "name", "memory.total", "pci.bus_id")
@@ -138,8 +138,7 @@ def parse_nvidia_smi_csv(text: str) -> list[Gpu]:
             continue  # a header: "index, uuid, name, memory.total [MiB], pci.bus_id"
         if len(fields) != len(QUERY_FIELDS):
             raise DiscoveryError(
-                f"nvidia-smi output line {lineno}: expected {len(QUERY_FIELDS)} comma-separated fields "
-                f"({', '.join(QUERY_FIELDS)}), got {len(fields)}: {line!r}"
+                f"nvidia-smi output line {lineno}: expected {len(QUERY_FIELDS)} comma-separated fields ({', '.join(QUERY_FIELDS)}), got {len(fields)}: {line!r}"
             )
         index_s, uuid, name, memory, bus_id = fields
         try:
@@ -315,9 +314,7 @@ def _failed(binary: str, rc: int, out: str, err: str) -> DiscoveryError:
     return DiscoveryError(f"{binary} {how}: {said or '(no output)'}")
 
 
-def query_nvidia_smi_lost(
-    path_or_empty: str = "", *, timeout: float = NVIDIA_SMI_TIMEOUT, strict: bool = True
-) -> tuple[list[Gpu], dict[str, str]]:
+def query_nvidia_smi_lost(path_or_empty: str = "", *, timeout: float = NVIDIA_SMI_TIMEOUT, strict: bool = True) -> tuple[list[Gpu], dict[str, str]]:
     """The GPUs nvidia-smi lists, and the ones it cannot open by PCI bus id.
 
     A GPU that fell off the bus makes nvidia-smi print "Unable to determine
@@ -421,7 +418,7 @@ def query_nvml() -> list[Gpu]:
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001 - shutdown failing changes nothing we report
+        except Exception:
             pass
 
 
@@ -515,9 +512,7 @@ class NvmlHealth:
                     if lost_error is not None and isinstance(e, lost_error):
                         raise
                 try:
-                    apps[g.index] = [
-                        (int(p.pid), int(p.usedGpuMemory or 0) // _MIB) for p in n.nvmlDeviceGetComputeRunningProcesses(h)
-                    ]
+                    apps[g.index] = [(int(p.pid), int(p.usedGpuMemory or 0) // _MIB) for p in n.nvmlDeviceGetComputeRunningProcesses(h)]
                 except n.NVMLError as e:
                     if lost_error is not None and isinstance(e, lost_error):
                         raise

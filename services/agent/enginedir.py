@@ -82,10 +82,7 @@ class StopRequest(Base):
 def check_replica_id(replica_id: str) -> str | None:
     """None when ``replica_id`` can name a directory, else why not."""
     if not _REPLICA_ID.fullmatch(replica_id):
-        return (
-            f"replica id {replica_id!r} cannot name an engine directory: use up to 128 letters, digits, "
-            "'_', '.' and '-', starting with a letter or digit"
-        )
+        return f"replica id {replica_id!r} cannot name an engine directory: use up to 128 letters, digits, '_', '.' and '-', starting with a letter or digit"
     return None
 
 
@@ -196,4 +193,3 @@ class EngineDir:
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
-

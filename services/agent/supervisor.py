@@ -373,7 +373,7 @@ class Supervisor:
         for t in tasks:
             try:
                 await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing; nothing left to tell
+            except (asyncio.CancelledError, Exception):
                 pass
         self._watch = self._scan = None
         self._stops.clear()
@@ -587,9 +587,7 @@ class Supervisor:
     async def stop(self, replica_id: str, generation: int = 0, reason: str = "") -> CommandAck:
         """Stop this replica's engines with generation <= ``generation`` (0: all). Acks at once."""
         async with self._lock:
-            targets = [
-                e for e in self._engines.values() if e.cmd.replica_id == replica_id and (generation == 0 or e.cmd.generation <= generation)
-            ]
+            targets = [e for e in self._engines.values() if e.cmd.replica_id == replica_id and (generation == 0 or e.cmd.generation <= generation)]
             fence = generation or max((e.cmd.generation for e in targets), default=0)
             if fence > self._fences.get(replica_id, 0):
                 self._fences.pop(replica_id, None)
@@ -830,7 +828,7 @@ class Supervisor:
         try:
             async with self._session().get(url, timeout=aiohttp.ClientTimeout(total=timeout_s), allow_redirects=False) as r:
                 return None if r.status == 200 else f"HTTP {r.status}"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return f"no answer in {format_duration(timeout_s)}"
         except (aiohttp.ClientError, OSError) as err:
             return str(err) or type(err).__name__
@@ -879,7 +877,7 @@ class Supervisor:
                 raw = await r.read()
                 if r.status != 200:
                     return f"failed: HTTP {r.status}: {raw[:200].decode(errors='replace')}"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return f"got no token in {format_duration(timeout_s)}"
         except (aiohttp.ClientError, OSError) as err:
             return f"failed: {str(err) or type(err).__name__}"

@@ -7,7 +7,6 @@ import json
 from llmgw.shared import pki
 
 
-
 def init_ca(args) -> int:
     path = pki.init_ca(args.dir, common_name=args.cn, days=args.days)
     print(f"authority created: {path}")

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 
-from llmgw.shared import bus, subjects as S
+from llmgw.shared import bus
+from llmgw.shared import subjects as S
 from llmgw.shared.config import default_operator_config, load_service_config
 from llmgw.shared.errors import BusError, ConfigError, LlmgwError, WireError
 from llmgw.shared.schemas import ApiError, decode
@@ -48,7 +49,9 @@ class Session:
         # A short-lived tool: connection chatter would bury the answer.
         quiet = logging.getLogger("llmgw.ctl.bus")
         quiet.setLevel(max(logging.WARNING, logging.getLogger().level))
-        self.nc = await bus.connect(self.cfg.server, self.cfg.tls_files(), name="ctl", logger=quiet, initial_attempts=3, reconnect_base=0.2, reconnect_max=1.0, connect_timeout=3)
+        self.nc = await bus.connect(
+            self.cfg.server, self.cfg.tls_files(), name="ctl", logger=quiet, initial_attempts=3, reconnect_base=0.2, reconnect_max=1.0, connect_timeout=3
+        )
         self.js = self.nc.jetstream(timeout=5)
         return self
 
@@ -65,7 +68,9 @@ class Session:
             kv = await self.js.key_value(bucket)
         except BucketNotFoundError:
             if missing:
-                raise NotProvisioned(f"no {missing} yet: the bucket {bucket} does not exist (has the {_CREATOR.get(bucket, 'control plane')} started?)") from None
+                raise NotProvisioned(
+                    f"no {missing} yet: the bucket {bucket} does not exist (has the {_CREATOR.get(bucket, 'control plane')} started?)"
+                ) from None
             return {}  # not created yet: nothing there
         keys: list[str] = []
         for attempt in range(4):

@@ -131,7 +131,15 @@ async def run_seed_scenario(cluster, args) -> Story:
     nc, js = await cluster.connect()
     try:
         addresses = {n.spec.node_id: n.spec.mgmt_addr for n in cluster.nodes}
-        story = await observe_seed_story(js, gateway_url=cluster.gateway_url, model=DEMO_MODEL, addresses=addresses, cluster_dir=cluster.dir, timeout=args.node_lost_after + args.engine_load_time * 4 + 60, say=cluster.say)
+        story = await observe_seed_story(
+            js,
+            gateway_url=cluster.gateway_url,
+            model=DEMO_MODEL,
+            addresses=addresses,
+            cluster_dir=cluster.dir,
+            timeout=args.node_lost_after + args.engine_load_time * 4 + 60,
+            say=cluster.say,
+        )
     finally:
         await nc.close()
     report(story, addresses)
@@ -246,7 +254,6 @@ async def observe_fabric_story(
     return story
 
 
-
 def _follow_rebuild(story, replicas: dict, doomed, t0: float, say, *, say_failed: bool) -> bool:
     """One look at the replicas for a failover story (seed or fabric): note when a
     doomed replica failed and was reaped and when its replacement became ready;
@@ -273,6 +280,7 @@ def _follow_rebuild(story, replicas: dict, doomed, t0: float, say, *, say_failed
             story.gone_at = time.time()
         return True
     return False
+
 
 def report_fabric(story: FabricStory, say=print) -> None:
     t0 = story.down_at

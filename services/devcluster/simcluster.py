@@ -23,8 +23,8 @@ import json
 import os
 import signal
 import stat
-import subprocess
 import string
+import subprocess
 import uuid
 from dataclasses import dataclass
 from pathlib import Path

@@ -33,7 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmgw.shared import bus, pki, procfs, subjects as S
+from llmgw.shared import bus, pki, procfs
+from llmgw.shared import subjects as S
 from llmgw.shared.config import write_config
 from llmgw.shared.durations import format_duration, parse_duration
 from llmgw.shared.errors import ConfigError, LlmgwError
@@ -208,13 +209,42 @@ class Cluster:
             "registry": self._service_config("registry", {**common, "metrics_listen": f"127.0.0.1:{free_port()}"}),
             "health": self._service_config(
                 "health",
-                {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "health": {"heartbeat_interval": format_duration(hb), "suspect_after_missed": 3, "node_lost_after": format_duration(args.node_lost_after), "leader_ttl": format_duration(max(1.0, hb * 2))}},
+                {
+                    **common,
+                    "metrics_listen": f"127.0.0.1:{free_port()}",
+                    "health": {
+                        "heartbeat_interval": format_duration(hb),
+                        "suspect_after_missed": 3,
+                        "node_lost_after": format_duration(args.node_lost_after),
+                        "leader_ttl": format_duration(max(1.0, hb * 2)),
+                    },
+                },
             ),
             "scheduler": self._service_config(
                 "scheduler",
-                {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "scheduler": {"reconcile_interval": format_duration(min(1.0, hb)), "leader_ttl": format_duration(max(1.0, hb * 2)), **({"hang_timeout": format_duration(hang_timeout)} if hang_timeout else {})}},
+                {
+                    **common,
+                    "metrics_listen": f"127.0.0.1:{free_port()}",
+                    "scheduler": {
+                        "reconcile_interval": format_duration(min(1.0, hb)),
+                        "leader_ttl": format_duration(max(1.0, hb * 2)),
+                        **({"hang_timeout": format_duration(hang_timeout)} if hang_timeout else {}),
+                    },
+                },
             ),
-            "gateway": self._service_config("gateway", {**common, "metrics_listen": f"127.0.0.1:{free_port()}", "gateway": {"listen": f"127.0.0.1:{gw_port}", "workers": 1 if getattr(args, "gateway_workers", None) is None else args.gateway_workers, **({"stall_after": format_duration(stall_after)} if stall_after else {}), **({"routing": args.routing} if getattr(args, "routing", None) else {})}}),
+            "gateway": self._service_config(
+                "gateway",
+                {
+                    **common,
+                    "metrics_listen": f"127.0.0.1:{free_port()}",
+                    "gateway": {
+                        "listen": f"127.0.0.1:{gw_port}",
+                        "workers": 1 if getattr(args, "gateway_workers", None) is None else args.gateway_workers,
+                        **({"stall_after": format_duration(stall_after)} if stall_after else {}),
+                        **({"routing": args.routing} if getattr(args, "routing", None) else {}),
+                    },
+                },
+            ),
         }
         if self.ha:
             # Standbys read the same files but for their metrics (and the gateway's port).
@@ -237,7 +267,10 @@ class Cluster:
             self.say(f"127.0.1.0/24 is in use on this machine (another cluster's engines?): this cluster's nodes use {net}.0/24")
         specs = [dataclasses.replace(s, mgmt_addr=f"{net}.{s.mgmt_addr.rsplit('.', 1)[1]}") for s in specs]
         self.nodes = [simcluster.write_node(self.dir, self.dir / "pki", self.server_setting, s, self.timings) for s in specs]
-        self.say(f"onboarded {len(self.nodes)} simulated nodes: " + ", ".join(f"{n.spec.node_id} ({n.spec.fabric or 'no fabric'}, {n.spec.mgmt_addr})" for n in self.nodes))
+        self.say(
+            f"onboarded {len(self.nodes)} simulated nodes: "
+            + ", ".join(f"{n.spec.node_id} ({n.spec.fabric or 'no fabric'}, {n.spec.mgmt_addr})" for n in self.nodes)
+        )
         self._write_cluster_json()
 
     def _write_cluster_json(self) -> None:
@@ -248,7 +281,16 @@ class Cluster:
             "nats_monitor_url": self.nats.monitor_url,
             "operator_config": str(self.operator_config.resolve()),
             "dir": str(self.dir.resolve()),
-            "nodes": [{"node_id": n.spec.node_id, "fabric": n.spec.fabric, "mgmt_addr": n.spec.mgmt_addr, "gpus": n.spec.gpus, "agent_config": str(n.config.resolve())} for n in self.nodes],
+            "nodes": [
+                {
+                    "node_id": n.spec.node_id,
+                    "fabric": n.spec.fabric,
+                    "mgmt_addr": n.spec.mgmt_addr,
+                    "gpus": n.spec.gpus,
+                    "agent_config": str(n.config.resolve()),
+                }
+                for n in self.nodes
+            ],
             "nats_servers": [
                 {
                     "name": m.name,
@@ -270,7 +312,10 @@ class Cluster:
                 m.log_file = self.dir / "logs" / f"{_nats_proc_name(m.name)}.log"
                 m.proc = self._spawn(_nats_proc_name(m.name), self.llmgw("nats", "--config", str(m.conf_path)))
             self.nats_cluster.wait_ready(30)
-            self.say(f"{len(self.nats_cluster.members)} nats-servers ready (a cluster, routes over mutual TLS): " + ", ".join(f"{m.name} {m.url}" for m in self.nats_cluster.members))
+            self.say(
+                f"{len(self.nats_cluster.members)} nats-servers ready (a cluster, routes over mutual TLS): "
+                + ", ".join(f"{m.name} {m.url}" for m in self.nats_cluster.members)
+            )
             return
         self.nats.render()
         self.nats.log_file = self.dir / "logs" / "nats-server.log"
@@ -348,7 +393,9 @@ class Cluster:
                 if len(ready) >= count:
                     return ready
                 if time.monotonic() > deadline:
-                    raise UpError(f"replicas of {deployment} not ready after {timeout:.0f}s ({summary}); try 'llmgw ctl explain {deployment} --config {self.operator_config}'")
+                    raise UpError(
+                        f"replicas of {deployment} not ready after {timeout:.0f}s ({summary}); try 'llmgw ctl explain {deployment} --config {self.operator_config}'"
+                    )
                 await asyncio.sleep(0.2)
         finally:
             await replicas.stop()
@@ -485,7 +532,9 @@ def _durations(args) -> None:
     if getattr(args, "engine_peer_timeout", None) is not None and args.engine_peer_timeout < 0.2:
         raise ConfigError(f"--engine-peer-timeout must be at least 200ms (the sim's floor), got {format_duration(args.engine_peer_timeout)}")
     if args.node_lost_after <= 3 * args.heartbeat_interval:
-        raise ConfigError(f"--node-lost-after ({format_duration(args.node_lost_after)}) must exceed 3 heartbeat intervals ({format_duration(3 * args.heartbeat_interval)})")
+        raise ConfigError(
+            f"--node-lost-after ({format_duration(args.node_lost_after)}) must exceed 3 heartbeat intervals ({format_duration(3 * args.heartbeat_interval)})"
+        )
 
 
 async def _bring_up(cluster: Cluster, args) -> None:
@@ -521,7 +570,7 @@ def _ready_banner(cluster: Cluster, args) -> None:
     print("Try:")
     if not args.no_demo:
         print(f"  curl -s {cluster.gateway_url}/v1/chat/completions -H 'content-type: application/json' \\")
-        print(f"       -d '{{\"model\": \"{DEMO_MODEL}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hello\"}}]}}'")
+        print(f'       -d \'{{"model": "{DEMO_MODEL}", "messages": [{{"role": "user", "content": "hello"}}]}}\'')
     print(f"  llmgw ctl nodes --config {cfg}")
     print(f"  llmgw ctl replicas --config {cfg}")
     print(f"  llmgw tui --config {cfg}")
@@ -740,7 +789,9 @@ def _nats_fault(d: Path, n: int, *, kill: bool) -> int:
     logs = d / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     with open(logs / f"{srv['process']}.log", "ab") as log:
-        p = subprocess.Popen([sys.executable, "-m", "llmgw.services", "nats", "--config", srv["config"]], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=d)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "llmgw.services", "nats", "--config", srv["config"]], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=d
+        )
     procs[srv["process"]] = {"pid": p.pid, "start": _start_time(p.pid), "cmd": ["nats", srv["config"]]}
     pids_file.write_text(json.dumps(procs, indent=2) + "\n")
     probe = NatsServer(root=d, proc=p, log_file=logs / f"{srv['process']}.log")
@@ -774,7 +825,14 @@ def sim(args) -> int:
     cfg = nodes[args.node]["agent_config"]
     logs = d / "logs"
     with open(logs / f"agent-{args.node}.log", "ab") as log:
-        p = subprocess.Popen([sys.executable, "-m", "llmgw.services", "agent", "--config", cfg], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **simcluster.cluster_env(d, args.node)}, cwd=d)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "llmgw.services", "agent", "--config", cfg],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **simcluster.cluster_env(d, args.node)},
+            cwd=d,
+        )
     pids_file = d / "pids.json"
     if pids_file.exists():
         procs = json.loads(pids_file.read_text())
@@ -850,7 +908,9 @@ def _stall_replica(d: Path, nodes: dict[str, dict], replica: str, *, stall: bool
             if e.replica_id == replica and e.rank == 0:
                 leaders.append(e)
     if not leaders:
-        raise UpError(f"no running leader engine of replica {replica!r} in {d}" + (f" (running replicas: {', '.join(sorted(seen))})" if seen else " (no engine runs)"))
+        raise UpError(
+            f"no running leader engine of replica {replica!r} in {d}" + (f" (running replicas: {', '.join(sorted(seen))})" if seen else " (no engine runs)")
+        )
     e = max(leaders, key=lambda x: x.generation)
     if e.engine != "sim":
         raise UpError(f"replica {replica} runs engine {e.engine!r}: only the sim engine stalls on SIGUSR1 (it would end a real one)")

@@ -116,8 +116,7 @@ def _common(body: dict, served_model: str, prompts: list[Prompt], *, max_tokens_
     prompt_tokens = max(p.tokens for p in prompts)
     if prompt_tokens + max_tokens > max_model_len:
         raise bad(
-            f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_tokens} "
-            f"and {max_tokens} more were requested",
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_tokens} and {max_tokens} more were requested",
             max_tokens_names[0],
             code="context_length_exceeded",
         )
@@ -266,7 +265,10 @@ def _response_turns(body: dict) -> list[tuple[str, str]]:
     for i, item in enumerate(raw):
         if isinstance(item, dict) and isinstance(item.get("content"), list):
             # Responses' content parts are typed input_text (chat's are text).
-            parts = [{"type": "text", "text": p.get("text")} if isinstance(p, dict) and p.get("type") in ("input_text", "output_text") else p for p in item["content"]]
+            parts = [
+                {"type": "text", "text": p.get("text")} if isinstance(p, dict) and p.get("type") in ("input_text", "output_text") else p
+                for p in item["content"]
+            ]
             item = {**item, "content": parts}
         role, text = _message_text(i, item)
         turns.append((role, text))

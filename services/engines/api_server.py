@@ -310,7 +310,9 @@ class _Response:
     def whole(self, text: str, answer: Answer, prompt_tokens: int) -> dict:
         cut = answer.finish_reason == "length"
         status = "incomplete" if cut else "completed"
-        return self._object(status, [self._item(text, "incomplete" if cut else "completed")], self._usage(prompt_tokens, answer), "max_output_tokens" if cut else None)
+        return self._object(
+            status, [self._item(text, "incomplete" if cut else "completed")], self._usage(prompt_tokens, answer), "max_output_tokens" if cut else None
+        )
 
     def opening(self) -> list[dict]:
         started = self._object("in_progress", [], None)

@@ -43,7 +43,8 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence as Seq
+from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Sequence as Seq
 
 from .metrics import EngineMetrics
 from .tokens import Answer

@@ -327,9 +327,7 @@ async def join(
             if local and e.errno == errno.EADDRNOTAVAIL:
                 raise RendezvousError(f"cannot connect from {source_addr}: not an address of this machine") from None
             if time.monotonic() >= deadline:
-                raise RendezvousError(
-                    f"leader rendezvous {leader_addr}:{port} not reachable after {give_up_after:g}s: {e.strerror or e}"
-                ) from None
+                raise RendezvousError(f"leader rendezvous {leader_addr}:{port} not reachable after {give_up_after:g}s: {e.strerror or e}") from None
             if not told:
                 log.info("waiting for the leader's rendezvous at %s:%d (%s)", leader_addr, port, e.strerror or e)
                 told = True

@@ -101,6 +101,7 @@ class SimConfig:
             raise ConfigError(f"--token-rate must be a number of tokens per second >= 0, got {a.token_rate}")
         if a.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {a.max_num_seqs}")
+
         def opt(name, default):  # absent (an older caller's Namespace) or None: the default
             value = getattr(a, name, None)
             return default if value is None else value
@@ -234,9 +235,7 @@ class LeaderRole:
         cfg = self.cfg
         self.http_sock = reserve("HTTP", cfg.host, cfg.port)  # held, not listening
         metrics = EngineMetrics(cfg.served_model)
-        self.rendezvous = Leader(
-            cfg.leader_addr, cfg.rendezvous_port, cfg.nnodes, cfg.model, self._peer_lost, self.log, peer_timeout=cfg.peer_timeout
-        )
+        self.rendezvous = Leader(cfg.leader_addr, cfg.rendezvous_port, cfg.nnodes, cfg.model, self._peer_lost, self.log, peer_timeout=cfg.peer_timeout)
         collective = self.rendezvous.collective if cfg.nnodes > 1 else None
         self.core = EngineCore(
             metrics, cfg.token_rate, cfg.max_num_seqs, collective=collective,

@@ -33,5 +33,12 @@ class AccessLog:
         rid = request.headers.get(b"x-request-id", b"-").decode("latin-1")
         self.log.info(
             '%s "%s %s" %d model=%s replica=%s %.1fms request_id=%s',
-            client_address(request), request.method, request.raw_path, status, model or "-", replica or "-", seconds * 1e3, rid,
+            client_address(request),
+            request.method,
+            request.raw_path,
+            status,
+            model or "-",
+            replica or "-",
+            seconds * 1e3,
+            rid,
         )

@@ -63,7 +63,11 @@ def out_of_descriptors() -> Response:
 
 
 def response_too_large(replica: str, limit: int) -> Response:
-    return error_response(502, f"the answer of replica {replica} is larger than this gateway passes on ({limit} bytes; gateway.max_response_bytes)", code="upstream_response_too_large")
+    return error_response(
+        502,
+        f"the answer of replica {replica} is larger than this gateway passes on ({limit} bytes; gateway.max_response_bytes)",
+        code="upstream_response_too_large",
+    )
 
 
 _REFUSAL_CODES = {

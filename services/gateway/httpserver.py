@@ -99,6 +99,7 @@ class Throttled:
             args = (*args, skipped)
         self.logger.warning(msg, *args)
 
+
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _STATUS_LINES: dict[int, bytes] = {}
 
@@ -131,7 +132,7 @@ class Response:
     """A whole answer. ``headers``: name -> value, or header lines encoded
     already; Content-Length, Date and Connection are the server's to set."""
 
-    __slots__ = ("status", "body", "head")
+    __slots__ = ("body", "head", "status")
 
     def __init__(self, status: int = 200, body: bytes = b"", headers: dict | bytes | None = None, content_type: str = "application/json"):
         self.status = status
@@ -143,11 +144,12 @@ class Response:
     def json(cls, value, status: int = 200, headers: dict | None = None) -> Response:
         return cls(status, json.dumps(value).encode(), headers)
 
+
 class Request:
     """One parsed request. ``headers``: lower-case name -> value, as bytes
     (repeated names joined with ``, ``); ``header()`` decodes one."""
 
-    __slots__ = ("method", "url", "headers", "body", "version", "keep_alive", "too_large", "conn", "stream", "_path")
+    __slots__ = ("_path", "body", "conn", "headers", "keep_alive", "method", "stream", "too_large", "url", "version")
 
     def __init__(self, conn: HttpConnection, method: str, url: bytes, headers: dict, version: bytes, keep_alive: bool):
         self.conn = conn
@@ -195,7 +197,7 @@ class Request:
 class Stream:
     """A streamed answer: chunked on HTTP/1.1, to the end of the connection on 1.0."""
 
-    __slots__ = ("request", "chunked", "ended", "head_only")
+    __slots__ = ("chunked", "ended", "head_only", "request")
 
     def __init__(self, request: Request):
         self.request = request

@@ -32,9 +32,13 @@ class _RouterCollector:
     def collect(self):
         inflight = GaugeMetricFamily("llmgw_gateway_inflight_requests", "Requests in flight through this gateway, by replica", labels=["replica", "model"])
         ready = GaugeMetricFamily("llmgw_gateway_ready_replicas", "Routable replicas, by model (cooling ones included)", labels=["model"])
-        cooling = GaugeMetricFamily("llmgw_gateway_replica_cooling", "1 while a replica is out of rotation (repeated failures, or ejected)", labels=["replica", "model"])
+        cooling = GaugeMetricFamily(
+            "llmgw_gateway_replica_cooling", "1 while a replica is out of rotation (repeated failures, or ejected)", labels=["replica", "model"]
+        )
         silent = GaugeMetricFamily(
-            "llmgw_gateway_replica_silent_seconds", "How long a replica has sent no byte to any stream in flight (0: none in flight)", labels=["replica", "model"]
+            "llmgw_gateway_replica_silent_seconds",
+            "How long a replica has sent no byte to any stream in flight (0: none in flight)",
+            labels=["replica", "model"],
         )
         counts: dict[str, int] = {}
         for b in list(self.router.backends()):
@@ -60,7 +64,9 @@ class _RouterCollector:
             decisions.add_metric([reason], n)
         yield decisions
         placed = d["prefix"] + d["load-bound-overflow"]
-        ratio = GaugeMetricFamily("llmgw_gateway_prefix_hit_ratio", "Share of prefix-routed requests sent to their prefix's owner (the gateway's estimate of cache hits)")
+        ratio = GaugeMetricFamily(
+            "llmgw_gateway_prefix_hit_ratio", "Share of prefix-routed requests sent to their prefix's owner (the gateway's estimate of cache hits)"
+        )
         ratio.add_metric([], d["prefix"] / placed if placed else 0.0)
         yield ratio
 
@@ -91,12 +97,16 @@ class GatewayMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self._requests = Counter(
             "llmgw_gateway_requests",
-            "Requests answered, by model, HTTP status (499: the client left) and the replica that answered last (\"\": refused before any replica)",
+            'Requests answered, by model, HTTP status (499: the client left) and the replica that answered last ("": refused before any replica)',
             ["model", "status", "replica"],
             registry=r,
         )
-        self._latency = Histogram("llmgw_gateway_request_duration_seconds", "Time from request to the end of its answer", ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self._ttft = Histogram("llmgw_gateway_time_to_first_token_seconds", "Time from request to the first streamed chunk", ["model"], buckets=TTFT_BUCKETS, registry=r)
+        self._latency = Histogram(
+            "llmgw_gateway_request_duration_seconds", "Time from request to the end of its answer", ["model"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self._ttft = Histogram(
+            "llmgw_gateway_time_to_first_token_seconds", "Time from request to the first streamed chunk", ["model"], buckets=TTFT_BUCKETS, registry=r
+        )
         self._upstream_errors = Counter("llmgw_gateway_upstream_errors", "Failed upstream attempts, by replica and kind", ["replica", "kind"], registry=r)
         self._retries = Counter(
             "llmgw_gateway_retries",

@@ -222,9 +222,7 @@ def capacity(total_in_flight: int, replicas: int, load_bound: float, slack: int 
     return max(1, math.ceil(load_bound * (total_in_flight + 1) / replicas)) + slack
 
 
-def choose(
-    key: int, rid_hashes: Sequence[int], loads: Sequence[int], load_bound: float, total: int | None = None, slack: int = 0
-) -> tuple[int, bool]:
+def choose(key: int, rid_hashes: Sequence[int], loads: Sequence[int], load_bound: float, total: int | None = None, slack: int = 0) -> tuple[int, bool]:
     """The index to route to and whether it is the key's owner.
 
     ``loads``: requests in flight on each candidate; ``total``: in flight on the

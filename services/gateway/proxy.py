@@ -67,8 +67,8 @@ from .upstream import (
     BadEndpoint,
     Broken,
     ConnectFailed,
-    ConnectTimeout,
     Connection,
+    ConnectTimeout,
     OutOfDescriptors,
     ReadTimeout,
     TooLarge,
@@ -207,7 +207,9 @@ class Forwarder:
                 raise self._ejected(b, "endpoint", f"replica {b.id} has an unusable endpoint: {_describe(e.os_error)}") from None
             except OutOfDescriptors as e:  # the gateway's shortage: the replica is not blamed, nor another tried
                 self.metrics.refused("out_of_fds")
-                self.out_of_fds_log.warning("gateway out of file descriptors connecting to replica %s: %s; answering 503 (raise LimitNOFILE or lower max_connections)", b.id, e)
+                self.out_of_fds_log.warning(
+                    "gateway out of file descriptors connecting to replica %s: %s; answering 503 (raise LimitNOFILE or lower max_connections)", b.id, e
+                )
                 resp = errors.out_of_descriptors()
                 return resp, resp.status
             except TooLarge as e:  # the answer is the replica's word, only too long to pass on: not a failure
@@ -266,7 +268,9 @@ class Forwarder:
                 try:
                     chunk = await upstream.read_some()
                 except ReadTimeout:
-                    await self._end_broken(resp, b, model, "timeout", f"replica {b.id} sent nothing for {self.upstream.cfg.upstream_timeout:g}s", "upstream_timeout")
+                    await self._end_broken(
+                        resp, b, model, "timeout", f"replica {b.id} sent nothing for {self.upstream.cfg.upstream_timeout:g}s", "upstream_timeout"
+                    )
                     return resp, 200, False
                 except Abandoned as e:  # counted against the replica where it was decided
                     message = f"{e}; the stream cannot be resumed elsewhere, send the request again"
@@ -318,7 +322,13 @@ class Forwarder:
         if self.router.failed(b):
             self.metrics.cooled(b.id, "failures")
             # One line per cool-down, not per failed request: a dead replica under load must not flood the log.
-            log.warning("replica %s (%s) failed %d times in a row; out of rotation for %gs", b.id, b.endpoint, self.router.failures_before_cooldown, self.router.cooldown)
+            log.warning(
+                "replica %s (%s) failed %d times in a row; out of rotation for %gs",
+                b.id,
+                b.endpoint,
+                self.router.failures_before_cooldown,
+                self.router.cooldown,
+            )
 
     def eject(self, b: Backend, reason: str, detail: str) -> None:
         """Out of rotation at once (passive detection, ahead of the control plane's verdict)."""

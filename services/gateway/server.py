@@ -24,9 +24,9 @@ from urllib.parse import unquote
 
 import msgspec
 
-from . import errors, prefix
 from llmgw.shared.config import GatewaySection
 
+from . import errors, prefix
 from .auth import ApiKeys
 from .httpserver import HttpServer, Request, Response, Stream
 from .metrics import UNKNOWN_MODEL, GatewayMetrics
@@ -259,7 +259,9 @@ class GatewayApp:
         except UnicodeDecodeError:
             return self._refused(request, started, errors.bad_request("the form field 'model' is not UTF-8", code="invalid_form", param="model"))
         if not model:
-            return self._refused(request, started, errors.bad_request("the form field 'model' is required: name one of GET /v1/models", code="missing_field", param="model"))
+            return self._refused(
+                request, started, errors.bad_request("the form field 'model' is required: name one of GET /v1/models", code="missing_field", param="model")
+            )
         try:
             return await self.forwarder.forward(request, path, request.body, model, False, content_type)
         except UnknownModel as e:

@@ -34,10 +34,10 @@ from llmgw.shared.schemas import DeploymentSpec, Replica, ReplicaTraffic, Traffi
 from ..runtime import ServiceRuntime
 from .access import AccessLog
 from .auth import ApiKeys
+from .httpserver import HttpServer
 from .metrics import GatewayMetrics
 from .proxy import Forwarder, Upstream
 from .router import Backend, Router
-from .httpserver import HttpServer
 from .server import GatewayApp
 
 # How long a stopping gateway lets requests in flight finish.

@@ -419,7 +419,7 @@ class _Pool:
 class _Target:
     """One endpoint + path: its pool, and the request head up to Content-Length, encoded once."""
 
-    __slots__ = ("pool", "head", "bare")
+    __slots__ = ("bare", "head", "pool")
 
     def __init__(self, pool: _Pool, head: bytes, bare: bytes):
         self.pool = pool
@@ -451,7 +451,9 @@ class UpstreamClient:
                 host = u.netloc.rpartition("@")[2]
                 start = f"POST {u.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {host}\r\n"
                 head = (start + "Content-Type: application/json\r\nAccept-Encoding: identity\r\nContent-Length: ").encode("latin-1")
-                bare = (start + "Accept-Encoding: identity\r\nContent-Length: ").encode("latin-1")  # a UnicodeEncodeError (a ValueError) for a host latin-1 cannot spell
+                bare = (start + "Accept-Encoding: identity\r\nContent-Length: ").encode(
+                    "latin-1"
+                )  # a UnicodeEncodeError (a ValueError) for a host latin-1 cannot spell
             except ValueError as e:
                 raise BadEndpoint(OSError(f"cannot parse the endpoint {endpoint!r}: {e}")) from None
             if u.scheme not in ("http", "https") or not u.hostname:

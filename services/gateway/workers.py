@@ -35,8 +35,9 @@ import subprocess
 import sys
 import time
 
-from llmgw.shared.errors import ConfigError
 from msgspec.structs import replace  # the configuration is msgspec Structs (shared/structconf.py)
+
+from llmgw.shared.errors import ConfigError
 
 log = logging.getLogger("llmgw.gateway.workers")
 
@@ -89,8 +90,8 @@ def worker_config(cfg, index: int, port: int):
 
 class Supervisor:
     def __init__(self, args, cfg, n: int):
-        from .service import parse_listen, tls_context
         from .auth import ApiKeys
+        from .service import parse_listen, tls_context
 
         self.args = args
         self.cfg = cfg

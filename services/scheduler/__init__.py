@@ -18,8 +18,8 @@ from .view import ClusterView, PortRange
 __all__ = [
     "ClusterView",
     "Launch",
-    "Plan",
     "PlacementResult",
+    "Plan",
     "PortRange",
     "ReconcileConfig",
     "Reconciler",

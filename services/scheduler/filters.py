@@ -28,10 +28,7 @@ class Request:
 
     def __post_init__(self) -> None:
         if self.nodes_per_replica < 1 or self.gpus_per_node < 0:
-            raise ValueError(
-                f"{self.deployment}: nodes_per_replica must be >= 1 and gpus_per_node >= 0, "
-                f"got {self.nodes_per_replica} × {self.gpus_per_node}"
-            )
+            raise ValueError(f"{self.deployment}: nodes_per_replica must be >= 1 and gpus_per_node >= 0, got {self.nodes_per_replica} × {self.gpus_per_node}")
 
     @property
     def multi(self) -> bool:
@@ -114,9 +111,7 @@ class FabricFit:
         if not node.fabrics:
             return Verdict(False, R.NO_FABRIC, "on no fabric; hosts single-node replicas only")
         if not node.usable_fabrics:
-            problems = "; ".join(
-                f"{name}: {f.problem or 'no ACTIVE HCA'}" for name, f in node.fabrics.items()
-            )
+            problems = "; ".join(f"{name}: {f.problem or 'no ACTIVE HCA'}" for name, f in node.fabrics.items())
             return Verdict(False, R.FABRIC_UNUSABLE, problems)
         return OK
 

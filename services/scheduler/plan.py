@@ -104,6 +104,14 @@ class Plan:
 
     def __bool__(self) -> bool:
         return bool(
-            self.writes or self.launches or self.stops or self.deletes or self.generations or self.events
-            or self.backoffs or self.implicated or self.cordons or self.settled
+            self.writes
+            or self.launches
+            or self.stops
+            or self.deletes
+            or self.generations
+            or self.events
+            or self.backoffs
+            or self.implicated
+            or self.cordons
+            or self.settled
         )

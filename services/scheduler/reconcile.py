@@ -116,7 +116,6 @@ from dataclasses import dataclass, field
 import msgspec
 
 from llmgw.shared.durations import format_duration
-from llmgw.shared.specs import is_outdated
 from llmgw.shared.schemas import (
     DeploymentSpec,
     Event,
@@ -126,6 +125,7 @@ from llmgw.shared.schemas import (
     Replica,
     template_digest,
 )
+from llmgw.shared.specs import is_outdated
 from llmgw.shared.states import (
     ACTIVE_REPLICA,
     BROKEN_ENGINE,
@@ -133,7 +133,11 @@ from llmgw.shared.states import (
     IN_FLIGHT_REPLICA,
     RUNNING_ENGINE,
     WANTED_REPLICA,
+)
+from llmgw.shared.states import (
     EngineState as E,
+)
+from llmgw.shared.states import (
     ReplicaState as RS,
 )
 
@@ -167,7 +171,7 @@ class ReconcileConfig:
     auto_cordon_max_share: float = 0.25
 
     @classmethod
-    def from_section(cls, sc) -> "ReconcileConfig":
+    def from_section(cls, sc) -> ReconcileConfig:
         """From ``cfg.scheduler`` (``shared.config.SchedulerSection``)."""
         return cls(
             ports=PortRange(base=sc.port_base, count=sc.port_count),
@@ -248,9 +252,7 @@ class _Cycle:
 
     # -- recording ----------------------------------------------------------
 
-    def transition(
-        self, replica: Replica, state: str, reason: str, *, detail: str = "", new: bool = False, **changes
-    ) -> Replica:
+    def transition(self, replica: Replica, state: str, reason: str, *, detail: str = "", new: bool = False, **changes) -> Replica:
         """Record ``replica`` entering ``state``; ``new`` when it had no record before."""
         after = msgspec.structs.replace(replica, state=state, since=self.now, reason=reason, **changes)
         self.replicas[after.id] = after
@@ -291,11 +293,7 @@ class _Cycle:
         return ""
 
     def draining(self, replica: Replica) -> list[str]:
-        return [
-            m.node_id
-            for m in replica.members
-            if (rec := self.nodes.get(m.node_id)) is not None and rec.admin == "draining"
-        ]
+        return [m.node_id for m in replica.members if (rec := self.nodes.get(m.node_id)) is not None and rec.admin == "draining"]
 
     # -- phase 1: each replica's own facts (cases 2, 3, 4, 8) ---------------
 
@@ -334,10 +332,7 @@ class _Cycle:
             return why, _unique(m.node_id for m in ended)
         broken = [m for m in replica.members if m.engine_state in BROKEN_ENGINE]
         if broken:
-            why = "; ".join(
-                f"member rank {m.rank} on {m.node_id} {m.engine_state}" + (f": {m.engine_detail}" if m.engine_detail else "")
-                for m in broken
-            )
+            why = "; ".join(f"member rank {m.rank} on {m.node_id} {m.engine_state}" + (f": {m.engine_detail}" if m.engine_detail else "") for m in broken)
             # The one that says a peer is gone is not the suspect; the peers are.
             quiet = [m.node_id for m in replica.members if m.engine_state not in BROKEN_ENGINE]
             self.peer_lost_quiet[replica.id] = _unique(quiet)
@@ -431,16 +426,12 @@ class _Cycle:
                 self.transition(replica, RS.READY, f"leader on {leader.node_id} serving", endpoint=endpoint)
                 self.became_ready[replica.deployment] = replica.id
             else:  # it came up and stopped making progress before we saw it serve
-                self.transition(
-                    replica, RS.DEGRADED, f"leader on {leader.node_id} stalled: {stalled_why}", detail=stalled_why, endpoint=endpoint
-                )
+                self.transition(replica, RS.DEGRADED, f"leader on {leader.node_id} stalled: {stalled_why}", detail=stalled_why, endpoint=endpoint)
         elif replica.state == RS.LAUNCHING and all(m.engine_state in RUNNING_ENGINE for m in replica.members):
             self.transition(replica, RS.WAITING, "all engines started; leader waiting for workers")
 
     def start_reaping(self, replica: Replica, reason: str) -> Replica:
-        stopping = [
-            m for m in replica.members if not self.node_down(m.node_id) and m.engine_state not in ENDED_ENGINE
-        ]
+        stopping = [m for m in replica.members if not self.node_down(m.node_id) and m.engine_state not in ENDED_ENGINE]
         # An exited engine gets a stop too: the agent keeps an exited engine's
         # record (and its log) until told, so without one it would stay forever.
         exited = [m for m in replica.members if not self.node_down(m.node_id) and m.engine_state == E.EXITED]
@@ -564,10 +555,7 @@ class _Cycle:
         """Why cordoning ``rec`` would exceed ``auto_cordon_max_share`` ("" if it would not)."""
         groups: list[tuple[str, list[str]]]
         if rec.fabrics:
-            groups = [
-                (f"fabric {f.name}", [n for n, r in self.nodes.items() if any(g.name == f.name for g in r.fabrics)])
-                for f in rec.fabrics
-            ]
+            groups = [(f"fabric {f.name}", [n for n, r in self.nodes.items() if any(g.name == f.name for g in r.fabrics)]) for f in rec.fabrics]
         else:
             groups = [("the cluster", list(self.nodes))]
         share = self.config.auto_cordon_max_share
@@ -583,7 +571,7 @@ class _Cycle:
         serving = sorted((r for r in outdated if r.state == RS.READY), key=lambda r: r.generation)
         for replica in [r for r in outdated if r.state != RS.READY] + serving[: max(0, len(serving) - keep)]:
             self.retire(replica, f"{SPEC_CHANGED}; replaced by a replica of the new spec")
-        return serving[max(0, len(serving) - keep):]
+        return serving[max(0, len(serving) - keep) :]
 
     def make_room(self, name: str, serving_old: list[Replica]) -> None:
         """Case 7, no room to surge: retire the oldest outdated replica so its GPUs
@@ -694,9 +682,7 @@ def launches_for(spec: DeploymentSpec, replica: Replica, nodes: Mapping[str, Nod
     return out
 
 
-def remember_failures(
-    history: Mapping[str, Sequence[NodeFailure]], plan: Plan, now: float, window: float
-) -> dict[str, list[NodeFailure]]:
+def remember_failures(history: Mapping[str, Sequence[NodeFailure]], plan: Plan, now: float, window: float) -> dict[str, list[NodeFailure]]:
     """The shell's failure history after ``plan``: this cycle's ``implicated`` in,
     the ``settled`` nodes' history out, and what is older than ``window`` dropped."""
     out: dict[str, list[NodeFailure]] = {n: [f for f in fs if now - f.time < window] for n, fs in history.items()}

@@ -45,10 +45,9 @@ from prometheus_client.core import GaugeMetricFamily
 
 from llmgw.shared import subjects as S
 from llmgw.shared.bus import EVENT_MAX_AGE
-from llmgw.shared.errors import BusError, ConfigError, LlmgwError, WireError
+from llmgw.shared.errors import BusError, LlmgwError, WireError
 from llmgw.shared.events import event_id
 from llmgw.shared.kvmirror import KvMirror, open_bucket
-from llmgw.shared.specs import is_outdated, validate_spec
 from llmgw.shared.schemas import (
     CommandAck,
     DeploymentSpec,
@@ -65,7 +64,7 @@ from llmgw.shared.schemas import (
     template_digest,
     to_builtins,
 )
-
+from llmgw.shared.specs import is_outdated, validate_spec
 from llmgw.shared.states import REPLICA_ORDER, EngineState, ReplicaState
 
 from ..leases import BOOT_SETTLED_HEARTBEATS as SETTLE_HEARTBEATS
@@ -116,7 +115,7 @@ REBUILD_SECONDS = Histogram(
 APPLY_TO_READY_SECONDS = Histogram(
     "llmgw_scheduler_apply_to_ready_seconds", "Time from a deployment's apply to all its replicas being ready", ["deployment"], buckets=REBUILD_BUCKETS
 )
-_ACTING: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()  # read by the capacity collector when scraped
+_ACTING: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # read by the capacity collector when scraped
 
 
 class _Capacity:
@@ -128,7 +127,9 @@ class _Capacity:
         return []
 
     def collect(self):
-        nodes = GaugeMetricFamily("llmgw_scheduler_nodes", "Nodes, by fabric, lease state (unknown: no lease) and admin state", labels=["fabric", "state", "admin"])
+        nodes = GaugeMetricFamily(
+            "llmgw_scheduler_nodes", "Nodes, by fabric, lease state (unknown: no lease) and admin state", labels=["fabric", "state", "admin"]
+        )
         gpus = GaugeMetricFamily("llmgw_scheduler_gpus", "GPUs, by fabric and state (free, used, out_of_service)", labels=["fabric", "state"])
         # The acting one still on the bus: a scheduler that crashed or stopped in
         # this process (tests, a restart in place) must not answer for the live one.
@@ -283,7 +284,13 @@ class Scheduler(ServiceRuntime):
         # A lease is rewritten for checkpoints and boot changes too; only a change of
         # state (or of the agent's boot, or a quarantine) can change a placement, so
         # only that wakes us.
-        self.leases.listeners.append(lambda _k, old, new: self.wake.set() if (old is None or new is None or (old.state, old.boot_id, old.quarantine) != (new.state, new.boot_id, new.quarantine)) else None)
+        self.leases.listeners.append(
+            lambda _k, old, new: (
+                self.wake.set()
+                if (old is None or new is None or (old.state, old.boot_id, old.quarantine) != (new.state, new.boot_id, new.quarantine))
+                else None
+            )
+        )
         self.leases.listeners.append(self._on_lease)
         await self.nc.subscribe(S.ALL_STATUS, cb=self.on_status)
         await self.add_api({"apply": self.api_apply, "delete": self.api_delete, "explain": self.api_explain})
@@ -336,7 +343,9 @@ class Scheduler(ServiceRuntime):
             stops = [st for st in stops if (st.node_id, st.replica_id, st.generation) not in self.stops_in_flight]
             if stops:
                 self.stops_in_flight.update((st.node_id, st.replica_id, st.generation) for st in stops)
-                self._background(self._send_stops(stops), done=lambda: self.stops_in_flight.difference_update((st.node_id, st.replica_id, st.generation) for st in stops))
+                self._background(
+                    self._send_stops(stops), done=lambda: self.stops_in_flight.difference_update((st.node_id, st.replica_id, st.generation) for st in stops)
+                )
 
     def _background(self, coro, done=None) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -356,7 +365,7 @@ class Scheduler(ServiceRuntime):
         while True:
             try:
                 await asyncio.wait_for(self.wake.wait(), interval)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self.wake.clear()
             if await self.follow_leadership(self.take_over) == Turn.STANDING_BY:
@@ -751,9 +760,7 @@ class Scheduler(ServiceRuntime):
         old = self.deployments.items.get(spec.name)
         floor = old.last_generation if old else await self._deleted_generation(spec.name)
         # Applying again is also how an operator says "try now": the backoff is the scheduler's, and starts afresh.
-        stored = msgspec.structs.replace(
-            spec, applied_at=now(), last_generation=max(spec.last_generation, floor), failures=0, retry_at=0.0, last_failure=""
-        )
+        stored = msgspec.structs.replace(spec, applied_at=now(), last_generation=max(spec.last_generation, floor), failures=0, retry_at=0.0, last_failure="")
         await self.deployments_kv.put(spec.name, encode(stored))
         shape = f"{spec.replicas} × {spec.nodes_per_replica} node(s) × {spec.gpus_per_node} GPU(s) of {spec.model} on {spec.engine}"
         if old is not None and template_digest(old) != template_digest(stored):
@@ -833,10 +840,7 @@ def explain_reply(spec: DeploymentSpec, view: ClusterView, replicas, at: float) 
             "id": r.id,
             "state": r.state,
             "reason": r.reason,
-            "members": [
-                {"node": m.node_id, "rank": m.rank, "engine_state": m.engine_state, "engine_detail": m.engine_detail}
-                for m in r.members
-            ],
+            "members": [{"node": m.node_id, "rank": m.rank, "engine_state": m.engine_state, "engine_detail": m.engine_detail} for m in r.members],
         }
         for r in sorted(replicas, key=lambda r: r.generation)
         if r.deployment == spec.name

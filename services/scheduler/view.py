@@ -53,10 +53,7 @@ class PortRange:
         if self.count < PORTS_PER_LEADER:
             raise ConfigError(f"port range needs at least {PORTS_PER_LEADER} ports, got count={self.count}")
         if self.base < 1 or self.base + self.count - 1 > 65535:
-            raise ConfigError(
-                f"port range {self.base}..{self.base + self.count - 1} is outside 1..65535; "
-                "choose a base and count that fit"
-            )
+            raise ConfigError(f"port range {self.base}..{self.base + self.count - 1} is outside 1..65535; choose a base and count that fit")
 
     def __contains__(self, port: object) -> bool:
         return isinstance(port, int) and self.base <= port < self.base + self.count
