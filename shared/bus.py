@@ -65,9 +65,9 @@ class TlsFiles:
 
 def backoff_delay(attempt: int, base: float, maximum: float, rng: random.Random | None = None) -> float:
     """Exponential backoff with +-20 % jitter, capped at ``maximum``."""
-    rng = rng or random
+    uniform = rng.uniform if rng is not None else random.uniform
     delay = min(maximum, base * (2 ** max(0, attempt)))
-    return max(0.0, delay * rng.uniform(0.8, 1.2)) if delay > 0 else 0.0
+    return max(0.0, delay * uniform(0.8, 1.2)) if delay > 0 else 0.0
 
 
 def first_connect_delay(reconnect_base: float, rng: random.Random | None = None) -> float:
@@ -81,8 +81,8 @@ def first_connect_delay(reconnect_base: float, rng: random.Random | None = None)
     known to an agent at start, so the spread cannot be scaled to it; a test
     with compressed timings (``reconnect_base: 100ms``) waits at most that.
     """
-    rng = rng or random
-    return rng.uniform(0.0, reconnect_base) if reconnect_base > 0 else 0.0
+    uniform = rng.uniform if rng is not None else random.uniform
+    return uniform(0.0, reconnect_base) if reconnect_base > 0 else 0.0
 
 
 Callback = Callable[[], Awaitable[None]]
@@ -176,12 +176,12 @@ async def connect(
                     tls_hostname=None,
                     name=f"{role}:{ident}:{name}",
                     inbox_prefix=S.inbox_prefix(role, ident),
-                    connect_timeout=connect_timeout,
+                    connect_timeout=connect_timeout,  # type: ignore[arg-type]  # nats-py annotates int; it is seconds for asyncio.wait_for, a float works
                     allow_reconnect=True,
                     # One try per server here: our own loop below does the first
                     # connect's retries (with logging); reconnects are unbounded.
                     max_reconnect_attempts=1,
-                    reconnect_time_wait=reconnect_base,
+                    reconnect_time_wait=reconnect_base,  # type: ignore[arg-type]  # nats-py annotates int; it is seconds for asyncio.sleep, a float works
                     reconnect_to_server_handler=pick,
                     disconnected_cb=disconnected,
                     reconnected_cb=reconnected,
@@ -193,7 +193,8 @@ async def connect(
                 ATTEMPT_TIMEOUTS * connect_timeout + 2 * reconnect_base,
             )
             nc.options["max_reconnect_attempts"] = -1
-            lg.info("connected to NATS at %s as %s/%s", nc.connected_url.netloc, role, ident)
+            # connected_url is set by a connect that returned; "?" only guards the type
+            lg.info("connected to NATS at %s as %s/%s", nc.connected_url.netloc if nc.connected_url else "?", role, ident)
             return nc
         except Exception as e:  # nats-py raises a variety here; all mean "not now"
             attempt += 1

@@ -63,4 +63,4 @@ class EventPublisher:
             if type(e).__name__ in ("NotFoundError", "MsgNotFoundError") or getattr(e, "code", None) == 404:
                 return False
             raise
-        return bool(last.headers) and last.headers.get(MSG_ID) == msg_id
+        return (last.headers or {}).get(MSG_ID) == msg_id

@@ -78,16 +78,18 @@ def parse_peer(spec: str) -> Peer:
     host, *ports = rest.split(":")
     if not host or len(ports) > 3:
         raise ConfigError(f"--server {spec!r}: expected NAME=HOST[:PORT[:CLUSTER_PORT[:MONITOR_PORT]]]")
-    vals: list[int | None] = []
-    for what, p in zip(("port", "cluster port", "monitor port"), ports):
-        if what == "monitor port" and p in ("off", "none"):
-            vals.append(None)
-            continue
+
+    def number(what: str, p: str) -> int:
         if not p.isdigit() or not (0 < int(p) < 65536):
             raise ConfigError(f"--server {spec!r}: {what} {p!r} is not a port number")
-        vals.append(int(p))
-    defaults = [4222, 6222, 8222]
-    port, cport, mport = (vals + defaults[len(vals) :])[:3]
+        return int(p)
+
+    port = number("port", ports[0]) if len(ports) > 0 else 4222
+    cport = number("cluster port", ports[1]) if len(ports) > 1 else 6222
+    # only the monitor port may be turned off
+    mport: int | None = 8222
+    if len(ports) > 2:
+        mport = None if ports[2] in ("off", "none") else number("monitor port", ports[2])
     return Peer(name=name, host=host, port=port, cluster_port=cport, monitor_port=mport)
 
 

@@ -230,7 +230,7 @@ class NatsCluster:
             if self.size > 1:
                 m.cluster_port = m.cluster_port or free_port(m.host)
         if not (self.pki_dir / pki.SERVER_CERT).exists():
-            pki.issue_server(self.pki_dir, sorted(set(hosts)) + ["localhost"])
+            pki.issue_server(self.pki_dir, [*sorted(set(hosts)), "localhost"])
         routes = [f"{m.host}:{m.cluster_port}" for m in self.members] if self.size > 1 else []
         for m in self.members:
             m.routes = routes

@@ -362,7 +362,7 @@ def _sign_and_record(
             not_after=_iso(not_after),
             issued_at=_iso(now),
             spki_sha256=spki_sha256(cert),
-            **({"sans": ledger_sans} if ledger_sans is not None else {}),
+            sans=ledger_sans if ledger_sans is not None else [],
         )
         entries = _load_ledger(pki)
         entries[entry.key] = entry

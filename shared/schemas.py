@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import time
 import typing
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
 
@@ -517,7 +517,9 @@ def decode_reply(data: bytes | bytearray | memoryview | str, expected: type[T]) 
     read as ``expected``, so a control plane upgraded first keeps its nodes.
     """
     try:
-        reply = decode(data, AgentReply)
+        # A union is a schema msgspec decodes, but ``type[T]`` cannot spell one (that is
+        # PEP 747's TypeForm); the cast names the same union as a type.
+        reply = decode(data, cast("type[AgentReply]", AgentReply))
     except WireError as e:
         if "missing required field `type`" not in str(e):
             raise
