@@ -13,10 +13,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import ClassVar
 
 from textual import work
 from textual.app import App, ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Container
 from textual.reactive import reactive
 from textual.widgets import Footer, Header
@@ -55,8 +56,8 @@ class LlmgwApp(App[None]):
     ENABLE_COMMAND_PALETTE = False
     # Nothing is focused until the first nodes arrive; then the first node is (fabrics.py).
     AUTO_FOCUS = None
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
-    BINDINGS = [
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]  # noqa: RUF012 - Textual declares it `ClassVar[...] | None`, which mypy reads as an instance variable a ClassVar may not override
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("c", "admin('cordon')", "Cordon"),
         Binding("u", "admin('uncordon')", "Uncordon"),
         Binding("d", "admin('drain')", "Drain"),

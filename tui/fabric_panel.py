@@ -23,11 +23,14 @@ class FabricPanel(Vertical):
         super().__init__(id=id)
         self.set_reactive(FabricPanel.view, view)
 
+    # The view is given at construction; None is only the reactive's class default.
     def compose(self):
-        yield from self._rows(self.view)
+        if self.view is not None:
+            yield from self._rows(self.view)
 
     def on_mount(self) -> None:
-        self._titles(self.view)
+        if self.view is not None:
+            self._titles(self.view)
 
     def _rows(self, view: FabricView) -> list[NodeRow]:
         width = max([8, *(len(n.node_id) for n in view.nodes)])
@@ -47,7 +50,7 @@ class FabricPanel(Vertical):
         rows = self.rows()
         width = max([8, *(len(n.node_id) for n in new.nodes)])
         if [r.node_id for r in rows] == [n.node_id for n in new.nodes]:
-            for row, view in zip(rows, new.nodes):
+            for row, view in zip(rows, new.nodes, strict=True):  # the same node ids, checked above
                 row.view, row.name_width = view, width
             return
         # Nodes joined or left (or the filter changed): rows are rebuilt; the

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from textual.binding import Binding
+from typing import ClassVar
+
+from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
 from textual.reactive import reactive
 
@@ -12,7 +14,7 @@ from .node_row import NodeRow
 
 
 class FabricsView(VerticalScroll, can_focus=False):
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("up,k", "move(-1)", "Up", show=False),
         Binding("down,j", "move(1)", "Down", show=False),
     ]
@@ -30,7 +32,7 @@ class FabricsView(VerticalScroll, can_focus=False):
     async def watch_panels(self, panels: tuple[FabricView, ...]) -> None:
         if not self.is_mounted:
             return
-        existing = {p.view.name: p for p in self.query(FabricPanel)}
+        existing = {p.view.name: p for p in self.query(FabricPanel) if p.view is not None}
         if list(existing) == [v.name for v in panels]:
             for view in panels:
                 existing[view.name].view = view

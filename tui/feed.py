@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import BucketNotFoundError, NotFoundError
 from textual.message import Message
@@ -94,8 +96,8 @@ class Feed(Session):
 
     def __init__(self, cfg: ServiceConfig, *, history: int = 500, clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
-        self.nc = None
-        self.js = None
+        self.nc: NATS | None = None
+        self.js: JetStreamContext | None = None
         self.history = history
         self.clock = clock
         self.server = ", ".join(cfg.server)
@@ -107,7 +109,7 @@ class Feed(Session):
         self._state_dirty = False
         self._events: list[Event] = []
         self._waiting: dict[str, str] = {}
-        self._sub = None
+        self._sub: JetStreamContext.PushSubscription | None = None
         self._down_since: float | None = None
 
     # -- running ---------------------------------------------------------------
@@ -127,8 +129,8 @@ class Feed(Session):
                     while resync in pending:
                         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                         for t in done - {resync}:
-                            if t.exception() is not None:
-                                raise t.exception()
+                            if (failed := t.exception()) is not None:
+                                raise failed
                 finally:
                     for t in pending:
                         t.cancel()
@@ -208,7 +210,7 @@ class Feed(Session):
         while True:
             mirror = None
             try:
-                kv = await self.js.key_value(bucket)
+                kv = await self.jetstream.key_value(bucket)
                 mirror = KvMirror(kv, schema)
                 mirror.listeners.append(lambda *_, m=mirror: self._changed(bucket, m))
                 await mirror.start(timeout=5)
@@ -274,7 +276,7 @@ class Feed(Session):
 
     async def _subscribe_events(self):
         """Follow the stream from the next unseen sequence (or the last ``history`` events at first)."""
-        info = await self.js.stream_info(S.EVENT_STREAM)
+        info = await self.jetstream.stream_info(S.EVENT_STREAM)
         last = info.state.last_seq
         first_run = self.next_seq == 0
         start = self.next_seq or max(1, info.state.first_seq, last - self.history + 1)
@@ -285,7 +287,7 @@ class Feed(Session):
                 await old.unsubscribe()
             except Exception:
                 pass
-        self._sub = await self.js.subscribe(
+        self._sub = await self.jetstream.subscribe(
             S.ALL_EVENTS,
             stream=S.EVENT_STREAM,
             ordered_consumer=True,

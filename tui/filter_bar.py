@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from textual.binding import Binding
+from typing import ClassVar
+
+from textual.binding import Binding, BindingType
 from textual.message import Message
 from textual.widgets import Input
 
 
 class FilterBar(Input):
-    BINDINGS = [Binding("escape", "clear_filter", "Clear filter")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "clear_filter", "Clear filter")]
 
     class Closed(Message):
         """The operator is done typing; ``cleared`` when the filter was dropped."""

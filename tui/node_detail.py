@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from rich.console import Group
+from typing import ClassVar
+
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
 from textual.reactive import reactive
 from textual.screen import Screen
@@ -52,7 +54,7 @@ def detail_renderable(v: NodeDetailView) -> Group:
         if m.engine_detail:  # a stalled canary, a lost peer: what the agent saw
             engine.append(f": {m.engine_detail}", style="yellow")
         reps.add_row(m.replica, Text(m.state, style=REPLICA_TONE_STYLE.get(replica_tone(m.state), "")), str(m.rank), m.role, m.gpus, engine)
-    parts = [head, Text(""), gpus, Text(""), hcas if v.hcas else Text("HCAs: none reported", style="dim"), Text("")]
+    parts: list[RenderableType] = [head, Text(""), gpus, Text(""), hcas if v.hcas else Text("HCAs: none reported", style="dim"), Text("")]
     parts.append(reps if v.members else Text("Replicas on this node: none", style="dim"))
     parts += [Text(""), _events(v)]
     return Group(*parts)
@@ -67,7 +69,7 @@ def _events(v: NodeDetailView):
 class NodeDetail(Screen[None]):
     """A full screen, not a modal: the app's cordon, uncordon and drain keys work here too."""
 
-    BINDINGS = [Binding("escape", "close", "Back")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "close", "Back")]
 
     view: reactive[NodeDetailView | None] = reactive(None)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from rich.text import Text
 from textual import events
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.message import Message
 from textual.reactive import reactive
 from textual.widget import Widget
@@ -41,7 +43,7 @@ def row_text(view: NodeView, name_width: int, width: int) -> Text:
 class NodeRow(Widget, can_focus=True):
     """Focus (arrow keys or a click) highlights the node; Enter or a double click opens its detail."""
 
-    BINDINGS = [Binding("enter", "open", "Detail", key_display="⏎")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("enter", "open", "Detail", key_display="⏎")]
 
     view: reactive[NodeView | None] = reactive(None)
     name_width: reactive[int] = reactive(8)

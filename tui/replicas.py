@@ -82,9 +82,9 @@ class ReplicasTable(DataTable):
         # always draw the same way, at once.
         widths = [max([len(label), *(c[i].cell_len for c in cells)]) for i, label in enumerate(COLUMNS)]
         self.clear(columns=True)
-        for label, width in zip(COLUMNS, widths):
+        for label, width in zip(COLUMNS, widths, strict=True):
             self.add_column(label, width=width)
-        for r, row in zip(rows, cells):
+        for r, row in zip(rows, cells, strict=True):
             self.add_row(*row, key=r.id)
         self.border_subtitle = summary(rows) or "no replicas"
         if keep is not None and keep in {r.id for r in rows}:

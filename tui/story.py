@@ -153,6 +153,6 @@ class StoryBook:
                 s.ready_at = ev.time
                 s.steps.append(f"ready ({s.seconds:.1f} s)")
                 self.open.remove(s)
-                self.told = (self.told + [s])[-self.keep :]
+                self.told = [*self.told, s][-self.keep :]
                 return s
         return None

@@ -12,6 +12,8 @@ import asyncio
 import sys
 from pathlib import Path
 
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 
 from llmgw.shared import bus
@@ -41,7 +43,8 @@ class Session:
         if not Path(path).exists():
             raise ConfigError(f"no operator configuration at {path}; pass --config, set LLMGW_CONFIG, or run 'llmgw up' (it writes .llmgw/operator.yaml)")
         self.cfg = load_service_config(path)
-        self.nc = None
+        self.nc: NATS | None = None
+        self.js: JetStreamContext | None = None
 
     async def __aenter__(self):
         import logging
@@ -56,16 +59,32 @@ class Session:
         return self
 
     async def __aexit__(self, *exc):
+        if self.nc is None:
+            return
         try:
             await asyncio.wait_for(self.nc.close(), 3)
         except Exception:
             pass
 
+    # A verb used before the session connected is a bug; these say so plainly
+    # instead of failing on None somewhere inside nats-py.
+    @property
+    def connection(self) -> NATS:
+        if self.nc is None:
+            raise BusError("not connected to NATS yet")
+        return self.nc
+
+    @property
+    def jetstream(self) -> JetStreamContext:
+        if self.js is None:
+            raise BusError("not connected to NATS yet")
+        return self.js
+
     async def read_bucket(self, bucket: str, schema, *, missing: str = "") -> dict:
         """The bucket's records; a bucket not created yet reads as empty, unless it is
         the verb's own (``missing`` names what it lists): then one line says so."""
         try:
-            kv = await self.js.key_value(bucket)
+            kv = await self.jetstream.key_value(bucket)
         except BucketNotFoundError:
             if missing:
                 raise NotProvisioned(
@@ -80,7 +99,7 @@ class Session:
             except NoKeysError:
                 # nats-py's key listing can end early when it races its own
                 # consumer; an empty answer from a bucket holding values is retried.
-                info = await self.js.stream_info(S.kv_stream(bucket))
+                info = await self.jetstream.stream_info(S.kv_stream(bucket))
                 if not info.state.messages:
                     return {}
                 await asyncio.sleep(0.1 * (attempt + 1))
@@ -89,16 +108,20 @@ class Session:
         out = {}
         for k in keys:
             try:
-                out[k] = decode((await kv.get(k)).value, schema)
+                entry = await kv.get(k)
             except KeyNotFoundError:
                 continue  # deleted between the listing and the read
+            if entry.value is None:  # kv.get raises for a deleted key; no value is the same absence
+                continue
+            try:
+                out[k] = decode(entry.value, schema)
             except WireError as e:
                 print(f"llmgw: warning: {bucket}/{k} skipped: {e}", file=sys.stderr)
         return out
 
     async def call(self, service: str, verb: str, payload: bytes, timeout: float = 10.0) -> bytes:
         try:
-            reply = await self.nc.request(S.api(service, verb), payload, timeout=timeout)
+            reply = await self.connection.request(S.api(service, verb), payload, timeout=timeout)
         except Exception as e:
             raise BusError(f"the {service} did not answer {verb} ({type(e).__name__}); is 'llmgw {service}' running?") from None
         if reply.headers and reply.headers.get("Nats-Service-Error-Code"):
