@@ -16,6 +16,7 @@ engines are the real ``sim`` engine, the freeze is a real SIGSTOP.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import signal
 import subprocess
@@ -94,7 +95,8 @@ def squatters(tmp_path):
     started: list[subprocess.Popen] = []
 
     async def start(host: str, port: int) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, str(script), host, str(port)], stdin=subprocess.DEVNULL)
+        # fork+exec off the loop: the agent under test runs on this loop and must not stall behind it
+        p = await asyncio.to_thread(subprocess.Popen, [sys.executable, str(script), host, str(port)], stdin=subprocess.DEVNULL)
         started.append(p)
         await eventually(lambda: (host, port) in procnet.listening_sockets(), f"squatter listening on {host}:{port}")
         return p
@@ -221,12 +223,11 @@ async def test_a_thawed_agent_gets_its_stale_engines_fenced_without_a_restart(cl
     for n in cluster.nodes:
         cluster.start_agent(n)
     await cluster.operator(connector)
-    await cluster.wait(lambda: len([l for l in cluster.leases.items.values() if l.state == "ready"]) == 2, what="both nodes ready")
-    await cluster.apply(
-        DeploymentSpec(
-            name="demo", model="sim-7b", engine="sim", replicas=1, nodes_per_replica=1, gpus_per_node=2, engine_args=["--load-time", "0.2s"], startup_timeout=30
-        )  # fmt: skip
+    await cluster.wait(lambda: len([lease for lease in cluster.leases.items.values() if lease.state == "ready"]) == 2, what="both nodes ready")
+    demo = DeploymentSpec(
+        name="demo", model="sim-7b", engine="sim", replicas=1, nodes_per_replica=1, gpus_per_node=2, engine_args=["--load-time", "0.2s"], startup_timeout=30
     )
+    await cluster.apply(demo)
     (first,) = await cluster.wait(lambda: cluster.ready("demo"), what="replica ready")
     node, stale_pid = first.members[0].node_id, first.members[0].pid
     agent = cluster.agents[node]
@@ -272,7 +273,7 @@ def test_sock_diag_and_proc_net_tcp_agree_on_who_listens():
         mine = {s.getsockname()[1]: (s.getsockname()[0], os.fstat(s.fileno()).st_ino) for s in socks[:4]}
 
         def view(found):
-            return sorted((l.addr, l.port, l.inode) for l in found if l.port in mine)
+            return sorted((listener.addr, listener.port, listener.inode) for listener in found if listener.port in mine)
 
         expected = sorted((addr, port, inode) for port, (addr, inode) in mine.items())
         assert view(procnet._diag_listeners()) == expected

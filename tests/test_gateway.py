@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
 import sys
 
 import aiohttp
@@ -22,6 +21,7 @@ import yaml
 
 from llmgw.shared.natsserver import free_port
 
+from . import spawning
 from .gateway_helpers import HOST, Board, gateway_config, metric_sum, replica, start_gateway, start_sims, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -284,7 +284,7 @@ async def test_keys_limits_and_bad_bodies_reach_no_replica(stack, nats_server, t
     (sim,), _, _ = await stack.start([("a", "org/alpha", 0.0)], gateway=False)
     await stack.board.put(replica("alpha-1", "org/alpha", sim.endpoint))
 
-    hashed = subprocess.run([sys.executable, "-m", "llmgw.services.gateway.auth", "hash", "s3cret"], capture_output=True, text=True, check=True)
+    hashed = await spawning.run([sys.executable, "-m", "llmgw.services.gateway.auth", "hash", "s3cret"], capture_output=True, text=True, check=True)
     (tmp_path / "keys").write_text(f"# ops team\n{hashed.stdout.strip()}  # rotated monthly\n\n")
     tls = nats_server.issue("gw-proc", "gateway")
     nats_server.reload()
@@ -295,9 +295,8 @@ async def test_keys_limits_and_bad_bodies_reach_no_replica(stack, nats_server, t
         "gateway": {"listen": f"{HOST}:{port}", "api_keys_file": "keys", "max_body_bytes": 4096},
     }
     (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(conf))
-    log = open(tmp_path / "gateway.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmgw.services", "gateway", "-c", str(tmp_path / "gateway.yaml"), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT
+    proc = await spawning.start_logged(
+        [sys.executable, "-m", "llmgw.services", "gateway", "-c", str(tmp_path / "gateway.yaml"), "--workers", "1"], tmp_path / "gateway.log"
     )
     base = f"http://{HOST}:{port}"
     try:
@@ -362,12 +361,11 @@ async def test_keys_limits_and_bad_bodies_reach_no_replica(stack, nats_server, t
         assert await sim.metric("vllm:request_success_total") == 1
 
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(15) == 0
+        assert await asyncio.to_thread(proc.wait, 15) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-        log.close()
     assert "gateway serving the OpenAI API" in (tmp_path / "gateway.log").read_text()
 
 
@@ -405,8 +403,8 @@ async def test_https_for_clients_with_a_certificate_from_the_llmgw_pki(stack, na
 
 
 async def test_access_log_has_a_line_per_answer_when_asked_for(stack, caplog):
-    (sim,), gw, client = await stack.start([("a", "alpha", 0.0)], access_log=True)
-    quiet, quiet_client = await stack.gateway()  # the default: no access log
+    (sim,), _gw, client = await stack.start([("a", "alpha", 0.0)], access_log=True)
+    _quiet, quiet_client = await stack.gateway()  # the default: no access log
     await stack.board.put(replica("alpha-1", "alpha", sim.endpoint))
     await wait_for(lambda: model_ids(client), "alpha listed")
     await wait_for(lambda: model_ids(quiet_client), "alpha listed by the quiet gateway")

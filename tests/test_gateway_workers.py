@@ -19,6 +19,7 @@ import yaml
 from llmgw.shared import procfs, procnet
 from llmgw.shared.natsserver import free_port
 
+from . import spawning
 from .gateway_helpers import HOST, Board, metric_sum, replica, start_sims, wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -70,9 +71,8 @@ async def test_two_workers_one_port_restart_and_stop(nats_server, tmp_path):
             "metrics_listen": f"{HOST}:{mport}", "gateway": {"listen": f"{HOST}:{port}"},
         }  # fmt: skip
         (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(conf))
-        log = open(tmp_path / "gateway.log", "wb")
         argv = [sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(tmp_path / "gateway.yaml"), "--workers", "2"]
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = await spawning.start_logged(argv, tmp_path / "gateway.log", stdin=subprocess.DEVNULL)
 
         def listening():
             if proc.poll() is not None:

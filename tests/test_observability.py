@@ -33,6 +33,7 @@ from llmgw.services.gateway.router import Router
 from llmgw.services.scheduler.service import REBUILD_REASONS, RebuildClock, rebuild_reason
 from llmgw.shared.events import Event
 
+from . import spawning
 from .gateway_helpers import metric_sum, start_sims
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -274,7 +275,7 @@ async def test_rebuild_leader_and_lease_metrics_on_a_real_cluster(nats_server, c
             gw = GatewayMetrics(Router(cooldown=1, failures_before_cooldown=1, retry_after=1))
             gw.answered("sim-7b", 200, 0.1, first.id)
             for name, exposition in (("services", generate_latest(REGISTRY)), ("gateway", gw.render())):
-                r = subprocess.run([PROMTOOL, "check", "metrics"], input=exposition, capture_output=True, timeout=60)
+                r = await spawning.run([PROMTOOL, "check", "metrics"], input=exposition, capture_output=True, timeout=60)
                 assert r.returncode == 0, (name, r.stdout.decode() + r.stderr.decode())
     finally:
         await cluster.close()

@@ -20,6 +20,7 @@ import urllib.request
 
 import pytest
 
+from llmgw.shared import procfs
 from llmgw.shared import subjects as S
 from llmgw.shared.schemas import ReplicaTraffic, TrafficReport, encode
 from llmgw.shared.states import EngineState
@@ -152,7 +153,7 @@ async def test_a_stopped_worker_stalls_its_leader_and_a_killed_one_is_a_lost_pee
     os.kill(worker_pid, signal.SIGKILL)
     lost = await eventually(lambda: fact_in(tap, "r1", 0, EngineState.PEER_LOST, mark), "the leader reported peer-lost")
     assert re.search(r"rank 1 lost \(", lost.detail), lost.detail
-    assert lost.pid and os.path.exists(f"/proc/{lost.pid}"), "peer-lost is about a running engine"
+    assert lost.pid and procfs.stat(lost.pid) is not None, "peer-lost is about a running engine"
     await eventually(lambda: fact_in(tap, "r1", 1, EngineState.EXITED, mark), "the worker reported exited")
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 
 import msgspec
 import pytest
@@ -22,6 +21,7 @@ from llmgw.shared import procfs
 from llmgw.shared.natsserver import free_port
 from llmgw.shared.schemas import EngineFact
 
+from . import spawning
 from .agent_helpers import eventually, group_alive, kill_engines, make_launch, recorded_engines
 
 pytestmark = pytest.mark.timeout(60)
@@ -254,7 +254,7 @@ async def test_an_engine_that_exits_is_reported_with_its_log_and_kept_until_stop
 
 async def test_a_reused_pid_is_neither_adopted_nor_signalled(supervisors, work_dir, tmp_path):
     # An unrelated process that happens to hold the pid the engine once had.
-    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    stranger = await spawning.start(["sleep", "60"], start_new_session=True)
     try:
         started = procfs.start_time(stranger.pid)
         cmd = make_launch("r1", gpus=(0,))
