@@ -13,6 +13,8 @@ import asyncio
 import dataclasses
 import time
 
+import nats.errors
+import nats.js.errors
 import pytest
 
 from llmgw.services.devcluster import simcluster
@@ -72,7 +74,7 @@ async def test_outage_longer_than_node_lost_after_counts_against_no_node(cluster
     for n in cluster.nodes:
         cluster.start_agent(n)
     await cluster.operator(connector)
-    await cluster.wait(lambda: sum(1 for l in cluster.leases.items.values() if l.state == "ready") == 2, what="both nodes ready")
+    await cluster.wait(lambda: sum(1 for lease in cluster.leases.items.values() if lease.state == "ready") == 2, what="both nodes ready")
     await cluster.apply(spec())
     (rep,) = await cluster.wait(lambda: cluster.ready("demo"), what="replica ready")
     pids = [m.pid for m in rep.members]
@@ -92,7 +94,7 @@ async def test_outage_longer_than_node_lost_after_counts_against_no_node(cluster
     # monitor holds it: the bucket has renewals only as checkpoints…
     async def renewed_since_back() -> bool:
         leases = [await cluster.monitor_lease(n) for n in sorted(cluster.leases.items)]
-        return len(leases) == 2 and all(l is not None and l.last_renew > back and l.state == "ready" for l in leases)
+        return len(leases) == 2 and all(lease is not None and lease.last_renew > back and lease.state == "ready" for lease in leases)
 
     await cluster.wait(renewed_since_back, timeout=30, what="both leases renewed after the restart")
     # …and no node was declared suspect-then-lost meanwhile: the events say so (the stream survived too).
@@ -122,7 +124,7 @@ async def test_a_write_failed_during_an_outage_is_not_applied_later(nats_server)
         await cluster_wait(lambda: not svc.nc.is_connected, "the monitor notices the outage")
         stale = Lease(node_id="ghost", state="ready", boot_id="b", last_seq=1, last_renew=1.0, since=1.0)
         started = time.monotonic()
-        with pytest.raises(Exception):
+        with pytest.raises(nats.errors.OutboundBufferLimitError):  # nothing buffered: refused at once, not queued for the reconnect
             await kv.put("ghost", encode(stale))
         assert time.monotonic() - started < 1.0, "the write waited for an ack instead of failing at once"
         nats_server.launch()
@@ -136,7 +138,7 @@ async def test_a_write_failed_during_an_outage_is_not_applied_later(nats_server)
             except Exception:
                 await asyncio.sleep(0.1)  # JetStream recovering its streams after the restart
         assert (await kv.get("marker")).value == b"1"
-        with pytest.raises(Exception):
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
             await kv.get("ghost")
     finally:
         await svc.stop()

@@ -132,7 +132,7 @@ def test_at_start_a_lost_gpu_cannot_be_named_and_is_left_out_with_a_warning(tmp_
 
 def test_only_lost_gpus_at_start_is_still_an_error_naming_them(tmp_path):
     smi = fake_smi(tmp_path / "s", "echo 'Unable to determine the device handle for GPU0000:48:00.0: Unknown Error'\nexit 15\n")
-    with pytest.raises(DiscoveryError, match="exited with code 15.*Unable to determine the device handle"):
+    with pytest.raises(DiscoveryError, match=r"exited with code 15.*Unable to determine the device handle"):
         discover(cfg(tmp_path, smi))
 
 
@@ -374,6 +374,6 @@ def test_discovery_interval_defaults_to_10s_and_reads_durations(tmp_path):
     [("100ms", "must be between 200ms and 60m"), ("2h", "must be between 200ms and 60m"), ("0s", "greater than 0"), ("soon", "soon"), ("[1]", "")],
 )
 def test_discovery_interval_is_validated(tmp_path, value, words):
-    with pytest.raises(ConfigError, match="discovery.interval") as e:
+    with pytest.raises(ConfigError, match=r"discovery\.interval") as e:
         load_agent_config(agent_yaml(tmp_path, f"discovery: {{interval: {value}}}\n"))
     assert words in str(e.value)
