@@ -13,6 +13,7 @@ reason, never silently passed.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import shutil
 import time
@@ -36,9 +37,7 @@ def _official_nats_image(image: str) -> bool:
 def _docker_reason() -> str | None:
     if shutil.which("docker") is None:
         return "LLMGW_TEST_NATS=docker but no docker client on PATH"
-    try:
-        import testcontainers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("testcontainers") is None:
         return "LLMGW_TEST_NATS=docker but testcontainers is not installed (pip install '.[docker]')"
     import subprocess
 

@@ -33,7 +33,7 @@ def one_line_error(r) -> str:
     """The single error line of a failed ctl run (asserting there is no traceback)."""
     assert r.returncode != 0, f"exit 0; stdout={r.stdout!r}"
     assert "Traceback" not in r.stderr, r.stderr
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, r.stderr
     return lines[0]
 

@@ -144,7 +144,7 @@ def test_systemd_analyze_verify_would_catch_a_broken_unit(verifiable_units):
     """The check above can fail: a misspelt key and a bad value are reported."""
     agent = verifiable_units / "llmgw-agent.service"
     agent.write_text(agent.read_text().replace("KillMode=process", "KilMode=process").replace("Restart=on-failure", "Restart=sometimes"))
-    rc, problems = _verify(verifiable_units)
+    _rc, problems = _verify(verifiable_units)
     text = "\n".join(problems)
     assert "KilMode" in text and "sometimes" in text, text
 

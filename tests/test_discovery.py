@@ -229,7 +229,7 @@ def fake_pynvml(*, as_bytes=False, fail_init=False, memory_unsupported=False, fa
     count = int(lines[1].split()[1])
     devs = []
     for line in lines[2 : 2 + count]:
-        idx, uuid, *rest = line.split()
+        _index, uuid, *rest = line.split()
         name, total, _used, _free, bus = " ".join(rest[:-4]), int(rest[-4]), rest[-3], rest[-2], rest[-1]
         devs.append((uuid, name, total, bus))
     enc = (lambda s: s.encode()) if as_bytes else (lambda s: s)

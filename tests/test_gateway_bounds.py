@@ -369,7 +369,7 @@ async def process_stack(nats_server, tmp_path, upstream: Upstream, **kw):
 
 async def test_huge_plain_answer_is_502_and_never_held_whole(nats_server, tmp_path):
     up = Upstream(huge_total=256 * MiB)
-    async with process_stack(nats_server, tmp_path, up, max_response_bytes=4 * MiB) as (proc, port, log):
+    async with process_stack(nats_server, tmp_path, up, max_response_bytes=4 * MiB) as (proc, port, _log):
         assert (await ask(port, completion())).status == 200  # warm: the pool, the code paths
         peak_before = status_kib(proc.pid, "VmHWM")
 
@@ -410,7 +410,7 @@ async def test_stream_to_a_client_that_does_not_read_is_flow_controlled(bounded)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # a small kernel share on the client's side
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, (HOST, gw.port))
-    r, w = await asyncio.open_connection(sock=sock, limit=16 * 1024)
+    _reader, w = await asyncio.open_connection(sock=sock, limit=16 * 1024)  # the client never reads: that is the test
     w.write(request_bytes(completion(mode="stream", stream=True)))
     backend = gw.router.backend("bounded-1")
 

@@ -591,7 +591,7 @@ async def test_streamed_answer_on_http10_is_not_chunked_and_ends_with_close():
 # -- 9. a client that leaves -----------------------------------------------------------------------
 async def test_client_disconnect_cancels_its_waiting_handler():
     async with serve() as s:
-        r, w = await s.connect()
+        _reader, w = await s.connect()
         w.write(b"GET /block HTTP/1.1\r\nHost: t\r\n\r\n")
         await asyncio.wait_for(s.app.started.wait(), 2)
         assert not s.app.cancelled.is_set()

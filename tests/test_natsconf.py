@@ -15,7 +15,7 @@ from llmgw.shared.permissions import for_identity
 
 
 def _body(text: str) -> dict:
-    return json.loads("".join(l for l in text.splitlines(True) if not l.startswith("#")))
+    return json.loads("".join(line for line in text.splitlines(True) if not line.startswith("#")))
 
 
 @pytest.fixture

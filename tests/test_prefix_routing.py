@@ -104,7 +104,7 @@ def test_chain_links_cover_their_predecessors_and_the_key_is_the_last_link():
     assert len(links) == math.ceil(len(text) / 256)
     # Same start, different end: the links agree up to the chunk that differs, then never again.
     other = prefix.chain(text[:512] + b"Z" + text[513:], 256)
-    assert links[:2] == other[:2] and all(a != b for a, b in zip(links[2:], other[2:]))
+    assert links[:2] == other[:2] and all(a != b for a, b in zip(links[2:], other[2:], strict=True))
     body = chat(("system", SYSTEM), ("user", "q"))
     assert prefix.prefix_key(body) == prefix.chain(prefix.anchor(body))[-1]
 
@@ -224,7 +224,7 @@ def test_a_replica_leaving_or_joining_moves_only_its_share():
     assert moved and all(before[k] == "m-2" for k in moved)
     assert len(moved) == sum(1 for k in keys if before[k] == "m-2")
     # m-4 joins: only keys it now owns move, about a fifth of them.
-    r = router(IDS + ["m-4"])
+    r = router([*IDS, "m-4"])
     joined = owners(r)
     moved = [k for k in keys if before[k] != joined[k]]
     assert all(joined[k] == "m-4" for k in moved)

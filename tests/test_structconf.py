@@ -24,7 +24,7 @@ class Pool(Section, frozen=True):
 
 class Plan(Section, frozen=True):
     mode: Literal["fast", "careful"] = "careful"
-    labels: dict[str, str] = {}
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
     pools: tuple[Pool, ...] = ()
     grace: Duration = 1.0
     limit: float = 0.5
