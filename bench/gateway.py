@@ -45,6 +45,7 @@ import aiohttp
 import yaml
 
 from llmgw.shared.natsserver import NatsServer, free_port
+from tests import spawning
 from tests.gateway_helpers import HOST, Board, Sim, replica, wait_for
 
 MODEL = "sim"
@@ -218,12 +219,17 @@ async def drive(
             into.cpu[name] = into.cpu.get(name, 0.0) + after - before[name]
 
 
+def child_count(pid: int) -> int:
+    """How many children ``pid`` has (a multi-worker gateway's forked workers)."""
+    return len(Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+
+
 async def wait_http(url: str, proc: subprocess.Popen, what: str, log: Path, timeout: float = 120.0, headers: dict | None = None) -> None:
     async with aiohttp.ClientSession() as s:
 
         async def up():
             if proc.poll() is not None:
-                raise SystemExit(f"{what} exited {proc.returncode}; its log:\n{log.read_text()[-3000:]}")
+                raise SystemExit(f"{what} exited {proc.returncode}; its log:\n{log.read_text()[-3000:]}")  # noqa: ASYNC240 - once, on the way out
             try:
                 async with s.get(url, headers=headers or {}) as r:
                     return r.status == 200
@@ -284,25 +290,24 @@ async def main() -> int:
             }
             (work / f"gateway-{workers}.yaml").write_text(yaml.safe_dump(conf))
             gw_log = work / f"gateway-{workers}.log"
-            with open(gw_log, "wb") as out:
-                argv = [
-                    sys.executable,
-                    "-m",
-                    "llmgw.services",
-                    "--log-level",
-                    "warning",
-                    "gateway",
-                    "-c",
-                    str(work / f"gateway-{workers}.yaml"),
-                    "--workers",
-                    str(workers),
-                ]
-                gw = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+            argv = [
+                sys.executable,
+                "-m",
+                "llmgw.services",
+                "--log-level",
+                "warning",
+                "gateway",
+                "-c",
+                str(work / f"gateway-{workers}.yaml"),
+                "--workers",
+                str(workers),
+            ]
+            gw = await spawning.start_logged(argv, gw_log)
             gateways.append(gw)
             name = "llmgw" if workers == 1 else f"llmgw-w{workers}"
             await wait_http(f"http://{HOST}:{gw_port}/v1/models", gw, name, gw_log)
             if workers > 1:  # every worker routing (each answers /v1/models only once its records are in)
-                await wait_for(lambda: len(Path(f"/proc/{gw.pid}/task/{gw.pid}/children").read_text().split()) == workers, f"{name}'s workers", timeout=60)
+                await wait_for(lambda pid=gw.pid, workers=workers: child_count(pid) == workers, f"{name}'s workers", timeout=60)
                 await asyncio.sleep(2.0)  # their mirrors load after the fork: a settle, not a measurement
             targets.append(Target(name, f"http://{HOST}:{gw_port}", pid=gw.pid))
         litellm_note = "not run (--litellm '')" if args.litellm == "" else "not installed"
@@ -313,14 +318,13 @@ async def main() -> int:
             (work / "litellm.yaml").write_text(yaml.safe_dump(lconf))
             lenv = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "DISABLE_SCHEMA_UPDATE": "True", "LITELLM_LOG": "ERROR"}
             l_log = work / "litellm.log"
-            with open(l_log, "wb") as out:
-                lp = subprocess.Popen([litellm, "--config", str(work / "litellm.yaml"), "--host", HOST, "--port", str(lport), "--num_workers", "1"],
-                                      stdout=out, stderr=subprocess.STDOUT, env=lenv, start_new_session=True)  # fmt: skip
+            lp = await spawning.start_logged([litellm, "--config", str(work / "litellm.yaml"), "--host", HOST, "--port", str(lport), "--num_workers", "1"],
+                                             l_log, env=lenv, start_new_session=True)  # fmt: skip
             procs.append(lp)
             auth = {"Authorization": f"Bearer {MASTER_KEY}"}
             await wait_http(f"http://{HOST}:{lport}/v1/models", lp, "litellm", l_log, headers=auth)
             targets.append(Target("litellm", f"http://{HOST}:{lport}", auth, pid=lp.pid))
-            litellm_note = subprocess.run([litellm, "--version"], capture_output=True, text=True).stdout.strip() or "litellm"
+            litellm_note = (await spawning.run([litellm, "--version"], capture_output=True, text=True)).stdout.strip() or "litellm"
 
         def watch(t: Target) -> dict:
             return {"client": os.getpid(), "engine": sim.proc.pid, **({"proxy": t.pid} if t.pid else {})}
@@ -381,7 +385,7 @@ async def main() -> int:
                 rows.append({"stream": False, "paced": args.paced, "clients": 16, "target": t.name, "rps": s.count / s.seconds,
                              "p50_ms": p50, "p99_ms": p99, "added_p50_ms": p50 - d50, "added_p99_ms": p99 - d99})  # fmt: skip
         if args.json:
-            Path(args.json).write_text(json.dumps({"litellm": litellm_note, "cores": os.cpu_count(), "rows": rows}, indent=1))
+            await asyncio.to_thread(Path(args.json).write_text, json.dumps({"litellm": litellm_note, "cores": os.cpu_count(), "rows": rows}, indent=1))
         return 0
     finally:
         for p in procs + gateways:

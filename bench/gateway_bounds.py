@@ -41,6 +41,7 @@ from pathlib import Path
 import yaml
 
 from llmgw.shared.natsserver import NatsServer, free_port
+from tests import spawning
 from tests.gateway_helpers import HOST, Board, Sim, metric_sum, replica, wait_for
 
 MiB = 1024 * 1024
@@ -137,7 +138,7 @@ class GoodClient:
                     self.conn = await asyncio.wait_for(asyncio.open_connection(HOST, self.port), 5)
                 r, w = self.conn
                 w.write(post("sim"))
-                status, body, keep = await asyncio.wait_for(read_answer(r), 10)
+                status, _body, keep = await asyncio.wait_for(read_answer(r), 10)
                 if status == 200:
                     self.ok.append(time.perf_counter() - t0)
                 else:
@@ -289,11 +290,10 @@ async def main() -> int:
         (work / "gateway.yaml").write_text(yaml.safe_dump({"server": nats.url, "tls": {"ca": tls.ca, "cert": tls.cert, "key": tls.key}, "gateway": gateway}))
         log = work / "gateway.log"
         nofile = args.nofile
-        with open(log, "wb") as out:
-            gw = subprocess.Popen(
-                [sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(work / "gateway.yaml"), "--workers", "1"],
-                stdout=out, stderr=subprocess.STDOUT, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)),
-            )  # fmt: skip
+        gw = await spawning.start_logged(
+            [sys.executable, "-m", "llmgw.services", "--log-level", "warning", "gateway", "-c", str(work / "gateway.yaml"), "--workers", "1"],
+            log, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)),
+        )  # fmt: skip
 
         async def routable():
             if gw.poll() is not None:

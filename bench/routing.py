@@ -191,9 +191,10 @@ async def run_policy(session: aiohttp.ClientSession, sims: list[Sim], urls: list
     await asyncio.gather(*(conversation(c) for c in convs))
     res.seconds = time.perf_counter() - start
     after = await engine_counts(session, sims)
-    res.served = [a[0] - b[0] for a, b in zip(after, before)]
-    res.hits = sum(a[1] - b[1] for a, b in zip(after, before))
-    res.queries = sum(a[2] - b[2] for a, b in zip(after, before))
+    # one count per engine, before and after: a missing engine must fail loudly, not shorten the sum
+    res.served = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    res.hits = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    res.queries = sum(a[2] - b[2] for a, b in zip(after, before, strict=True))
     return res
 
 
@@ -303,7 +304,7 @@ async def long_prompts(session: aiohttp.ClientSession, sims: list[Sim], gw_url: 
                        **{f"{what}_p{q}_ms": pct(v, q / 100) * 1e3 for what, v in (("ttft", r.ttft), ("e2e", r.e2e)) for q in (50, 99)}}
                 for name, r in results.items()}  # fmt: skip
         cpu = {"user_us": user / len(g.e2e) * 1e6, "system_us": system / len(g.e2e) * 1e6} if g.e2e else {}
-        Path(args.json).write_text(json.dumps({"args": vars(args), "long_prompts": rows, "gateway_cpu_per_request": cpu}, indent=1))
+        await asyncio.to_thread(Path(args.json).write_text, json.dumps({"args": vars(args), "long_prompts": rows, "gateway_cpu_per_request": cpu}, indent=1))
 
 
 async def main() -> int:
@@ -450,7 +451,7 @@ async def main() -> int:
                 print(f"\nprefix vs least-outstanding (one gateway): TTFT p50 {lo['ttft_p50_ms'] / px['ttft_p50_ms']:.1f}x lower; "
                       f"two gateways' hit ratio {by[('prefix', 2)]['hit_ratio']:.3f} vs one's {px['hit_ratio']:.3f}")  # fmt: skip
             if args.json:
-                Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+                await asyncio.to_thread(Path(args.json).write_text, json.dumps({"args": vars(args), "rows": rows}, indent=1))
         return 0
     finally:
         for p in procs:
