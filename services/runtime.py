@@ -13,14 +13,16 @@ import uuid
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
 
-from nats.micro import add_service
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.micro import Service, add_service
 from nats.micro.request import Request
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, start_http_server
 
 from llmgw.shared import bus
 from llmgw.shared import subjects as S
 from llmgw.shared.config import ServiceConfig, load_service_config
-from llmgw.shared.errors import ConfigError, LlmgwError, WireError
+from llmgw.shared.errors import BusError, ConfigError, LlmgwError, WireError
 from llmgw.shared.events import EventPublisher
 from llmgw.shared.leader import Leadership
 from llmgw.shared.names import is_valid_name
@@ -58,11 +60,13 @@ class ServiceRuntime:
     def __init__(self, cfg: ServiceConfig):
         self.cfg = cfg
         self.log = logging.getLogger(f"llmgw.{self.role}")
-        self.nc = None
-        self.js = None
+        # Made by start(); services use them through ``nc`` and ``js``, which are only
+        # there once connected.
+        self._nc: NATS | None = None
+        self._js: JetStreamContext | None = None
         self.kv: dict = {}
         self.events: EventPublisher | None = None
-        self.micro = None
+        self.micro: Service | None = None
         self.leadership: Leadership | None = None
         # Whether this instance acts on its leadership (``follow_leadership``):
         # leading is decided by the lease, acting starts only once taking over is done.
@@ -76,6 +80,20 @@ class ServiceRuntime:
         # Unique per process, so a restarted instance never mistakes an old lease for its own.
         self.instance = f"{name}@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
+    @property
+    def nc(self) -> NATS:
+        """The connection to NATS; a use before ``start`` connected is a bug, said as one."""
+        if self._nc is None:
+            raise BusError(f"the {self.role} is not connected to NATS yet")
+        return self._nc
+
+    @property
+    def js(self) -> JetStreamContext:
+        """JetStream on that connection (same terms)."""
+        if self._js is None:
+            raise BusError(f"the {self.role} is not connected to NATS yet")
+        return self._js
+
     # -- lifecycle -----------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
@@ -85,7 +103,7 @@ class ServiceRuntime:
                 start_http_server(int(port), addr=host or "0.0.0.0", registry=self.metrics_registry)
             except (OSError, ValueError) as e:
                 raise ConfigError(f"{cfg.source}: metrics_listen {cfg.metrics_listen}: {e}") from None
-        self.nc = await bus.connect(
+        self._nc = nc = await bus.connect(
             cfg.server,
             cfg.tls_files(),
             name=self.role,
@@ -96,7 +114,7 @@ class ServiceRuntime:
             on_reconnect=self.on_bus_reconnect,
             pending_size=self.bus_pending_size,
         )
-        self.js = self.nc.jetstream(timeout=5)
+        self._js = nc.jetstream(timeout=5)
         await self.open_buckets()
         await self.setup()
 
@@ -130,9 +148,11 @@ class ServiceRuntime:
 
     async def add_api(self, endpoints: dict) -> None:
         """Expose request/reply endpoints as a nats.micro service (``nats micro ls`` finds it)."""
-        self.micro = await add_service(self.nc, name=f"llmgw-{self.role}", version=VERSION, description=f"llmgw {self.role}", queue_group=f"llmgw-{self.role}")
+        self.micro = micro = await add_service(
+            self.nc, name=f"llmgw-{self.role}", version=VERSION, description=f"llmgw {self.role}", queue_group=f"llmgw-{self.role}"
+        )
         for verb, handler in endpoints.items():
-            await self.micro.add_endpoint(name=verb, subject=S.api(self.role, verb), handler=self._wrap(verb, handler))
+            await micro.add_endpoint(name=verb, subject=S.api(self.role, verb), handler=self._wrap(verb, handler))
 
     def _wrap(self, verb, handler):
         async def run(req: Request) -> None:
@@ -218,14 +238,15 @@ class ServiceRuntime:
                 await asyncio.wait_for(self.micro.stop(), 3)
             except Exception:
                 pass
-        if self.nc and not self.nc.is_closed:
+        nc = self._nc
+        if nc and not nc.is_closed:
             try:
-                await asyncio.wait_for(self.nc.drain(), 3)
+                await asyncio.wait_for(nc.drain(), 3)
             except Exception:
                 pass
-            if not self.nc.is_closed:
+            if not nc.is_closed:
                 try:
-                    await asyncio.wait_for(self.nc.close(), 2)
+                    await asyncio.wait_for(nc.close(), 2)
                 except Exception:
                     pass
 

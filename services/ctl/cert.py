@@ -54,7 +54,7 @@ def list_certs(args) -> int:
         rows.append((e.role, e.name, e.serial[:16], e.not_after, status))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())  # every row has the header's columns
     return 0
 
 

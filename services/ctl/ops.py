@@ -63,7 +63,7 @@ def _table(rows: list[tuple], out=sys.stdout) -> None:
         return
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip(), file=out)
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip(), file=out)  # every row has the header's columns
 
 
 def _json(obj) -> None:

@@ -60,6 +60,7 @@ import logging
 import re
 import ssl
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from email.utils import formatdate
 from http import HTTPStatus
@@ -77,6 +78,9 @@ _HIGH_WATER = 64 * 1024  # transport write buffer high-water mark (streams wait 
 REFUSE_LINGER = 0.25  # how long a connection over max_connections is read and dropped before closing
 MAX_LINGERING = 64  # more refused connections than this at once are closed without the linger
 LOG_EVERY = 10.0  # seconds between two log lines of the same throttled kind
+# The loop exception handlers installed by _watch_accept_errors, so a second server on
+# the same loop does not wrap the first one's filter again.
+_ACCEPT_FILTERS: weakref.WeakSet[Callable[..., object]] = weakref.WeakSet()
 
 
 class Throttled:
@@ -692,7 +696,7 @@ class HttpServer:
         every second); say it once in a while instead, in the gateway's words."""
         loop = self.loop
         previous = loop.get_exception_handler()
-        if getattr(previous, "_llmgw_accept_filter", False):
+        if previous in _ACCEPT_FILTERS:
             return
 
         def handler(loop, context):
@@ -705,7 +709,7 @@ class HttpServer:
             else:
                 loop.default_exception_handler(context)
 
-        handler._llmgw_accept_filter = True
+        _ACCEPT_FILTERS.add(handler)
         loop.set_exception_handler(handler)
 
     def _sweep(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .httpserver import HttpServer
 from .router import Router
 
 # Latency buckets start at a millisecond (the gateway's own overhead shows at
@@ -135,7 +136,7 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
-        self.server = None  # the HttpServer, once it exists (what it holds is read when scraped)
+        self.server: HttpServer | None = None  # the HttpServer, once it exists (what it holds is read when scraped)
         r.register(_RouterCollector(router))
         r.register(_ServerCollector(self))
         # labels() takes a lock and hashes its arguments; the hot path reuses children.

@@ -19,6 +19,7 @@ routing. Pure: records in, the list out (tests/test_promsd.py).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 from llmgw.shared.schemas import Replica
@@ -52,7 +53,7 @@ def leader_node(rep: Replica) -> str:
 def engine_targets(replicas: Iterable[Replica]) -> list[dict]:
     """The http_sd target groups: one per ready replica with a usable endpoint,
     sorted by deployment and replica so the answer is stable between refreshes."""
-    groups = []
+    groups: list[dict[str, Any]] = []
     for rep in replicas:
         if rep.state not in ROUTABLE_REPLICA:
             continue

@@ -130,6 +130,13 @@ class Upstream:
         if self.client is not None:
             await self.client.close()
 
+    @property
+    def started(self) -> UpstreamClient:
+        """The client; forwarding before ``start`` is a bug, said as one."""
+        if self.client is None:
+            raise RuntimeError("the upstream client is not started")
+        return self.client
+
 
 class Forwarder:
     def __init__(self, router: Router, upstream: Upstream, metrics: GatewayMetrics, access: AccessLog | None = None, *, stall_after: float = 5.0):
@@ -181,6 +188,7 @@ class Forwarder:
     ) -> tuple[Response | Stream, int]:
         """One try on ``b``: the response and the status to count. Raises _Retryable while nothing was sent."""
         self.metrics.attempt(b.id)
+        client = self.upstream.started
         upstream: Connection | None = None
         finished = False  # the upstream answer was read to its end: its connection may be reused
         extra = b""
@@ -190,7 +198,7 @@ class Forwarder:
             extra += b"Content-Type: " + form + b"\r\n"
         try:
             try:
-                upstream = await self.upstream.client.post(b.endpoint, path, body, extra, b.flights, stream, not form)
+                upstream = await client.post(b.endpoint, path, body, extra, b.flights, stream, not form)
                 streaming = upstream.status == 200 and upstream.mimetype == "text/event-stream"
                 if streaming:
                     first = await upstream.read_some()
@@ -216,8 +224,8 @@ class Forwarder:
                 self.metrics.refused("response_too_large")
                 self.metrics.upstream_error(b.id, "too_large")
                 self.too_large_log.warning("replica %s: %s; answered 502", b.id, e)
-                self.dropped += self.upstream.client.max_response_bytes
-                resp = errors.response_too_large(b.id, self.upstream.client.max_response_bytes)
+                self.dropped += client.max_response_bytes
+                resp = errors.response_too_large(b.id, client.max_response_bytes)
                 return resp, resp.status
             except ReadTimeout:
                 self.metrics.upstream_error(b.id, "timeout")
@@ -231,8 +239,8 @@ class Forwarder:
 
             if streaming:
                 self.metrics.first_token(model, time.perf_counter() - started)
-                resp, status, finished = await self._relay_stream(request, b, upstream, first, model)
-                return resp, status
+                relayed, status, finished = await self._relay_stream(request, b, upstream, first, model)
+                return relayed, status
             finished = True
             if upstream.status >= 500:
                 self.metrics.upstream_error(b.id, f"http_{upstream.status}")
@@ -252,6 +260,7 @@ class Forwarder:
     async def _relay_stream(self, request: Request, b: Backend, upstream: Connection, first: bytes, model: str) -> tuple[Stream, int, bool]:
         """Pass the stream through; returns the response, the status to count, and whether upstream ended cleanly."""
         pending = first
+        most = self.upstream.started.max_response_bytes
         upstream.answered = True  # from here on the client has bytes: no retry, an error event at worst
         try:
             resp = request.start_stream(200, _STREAM_HEAD + b.head, "text/event-stream")
@@ -282,10 +291,10 @@ class Forwarder:
                 if not chunk:
                     break
                 pending += chunk
-                if len(pending) > self.upstream.client.max_response_bytes:  # one event that never ends
+                if len(pending) > most:  # one event that never ends
                     upstream.close()
                     self.metrics.refused("response_too_large")
-                    message = f"replica {b.id} sent an event over {self.upstream.client.max_response_bytes} bytes (gateway.max_response_bytes)"
+                    message = f"replica {b.id} sent an event over {most} bytes (gateway.max_response_bytes)"
                     await self._end_broken(resp, b, model, "too_large", message, "upstream_response_too_large", count=False)
                     return resp, 200, False
             if pending:

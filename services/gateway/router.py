@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from llmgw.shared.schemas import DeploymentSpec, Replica
 from llmgw.shared.states import ROUTABLE_REPLICA
@@ -85,7 +86,7 @@ class Backend:
         self.rid_hash = prefix.id_hash(self.id)  # its identity for rendezvous hashing
 
 
-def routable(rep: Replica | None) -> bool:
+def routable(rep: Replica | None) -> TypeGuard[Replica]:
     return rep is not None and rep.state in ROUTABLE_REPLICA and rep.endpoint.startswith(("http://", "https://"))
 
 

@@ -20,6 +20,7 @@ import itertools
 import operator
 import re
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 import msgspec
@@ -33,6 +34,10 @@ from .metrics import UNKNOWN_MODEL, GatewayMetrics
 from .promsd import engine_targets
 from .proxy import Forwarder
 from .router import NoReadyReplica, Router, UnknownModel
+
+if TYPE_CHECKING:  # annotations only: the HTTP side imports nothing of the bus
+    from llmgw.shared.kvmirror import KvMirror
+    from llmgw.shared.schemas import Replica
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 # The other OpenAI-compatible (and vLLM / SGLang) endpoints, proxied the same way:
@@ -166,7 +171,7 @@ class GatewayApp:
         self.bounds = bounds or GatewaySection(max_body_bytes=max_body_bytes, max_buffered_body_bytes=max(max_body_bytes, 256 * 1024 * 1024))
         self.max_json_depth = self.bounds.max_json_depth
         self.first_seen: dict[str, int] = {}  # model -> when this gateway first saw it ready ("created")
-        self.replicas = None  # the replica records' KvMirror (the service sets it): GET /sd/engines
+        self.replicas: KvMirror[Replica] | None = None  # the replica records' KvMirror (the service sets it): GET /sd/engines
 
     def server(self) -> HttpServer:
         b = self.bounds
@@ -263,7 +268,8 @@ class GatewayApp:
                 request, started, errors.bad_request("the form field 'model' is required: name one of GET /v1/models", code="missing_field", param="model")
             )
         try:
-            return await self.forwarder.forward(request, path, request.body, model, False, content_type)
+            # form_fields read a multipart Content-Type, so there is one ("or" only for the type)
+            return await self.forwarder.forward(request, path, request.body, model, False, content_type or b"")
         except UnknownModel as e:
             return self._refused(request, started, errors.not_found(f"{e}; GET /v1/models lists the models served"), UNKNOWN_MODEL)
         except NoReadyReplica as e:

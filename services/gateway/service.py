@@ -37,7 +37,7 @@ from .auth import ApiKeys
 from .httpserver import HttpServer
 from .metrics import GatewayMetrics
 from .proxy import Forwarder, Upstream
-from .router import Backend, Router
+from .router import Router
 from .server import GatewayApp
 
 # How long a stopping gateway lets requests in flight finish.
@@ -115,7 +115,6 @@ def traffic_reports(router: Router, gateway: str, reported: dict[str, int], now:
     or requests in flight. Empty when idle."""
     by_node: dict[str, list[ReplicaTraffic]] = {}
     for b in router.backends():
-        b: Backend
         if b.outstanding <= 0 and b.completed == reported.get(b.id, 0):
             continue
         reported[b.id] = b.completed
@@ -234,13 +233,16 @@ class Gateway(ServiceRuntime):
         tick = min(g.traffic_interval, g.stall_after / 4)
         reported: dict[str, int] = {}
         next_report = 0.0
+        forwarder, http = self.forwarder, self.http
+        if forwarder is None or http is None:  # setup() makes both before it spawns this watch
+            raise RuntimeError("the gateway watch was started before setup")
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
             try:
-                self.forwarder.sweep(now)
+                forwarder.sweep(now)
                 if self.give_back is not None:
-                    self.give_back.after(self.http.dropped + self.forwarder.dropped)
+                    self.give_back.after(http.dropped + forwarder.dropped)
                 if now >= next_report - tick / 10:
                     next_report = now + g.traffic_interval
                     for report in traffic_reports(self.router, self.instance, reported, time.time()):

@@ -109,7 +109,9 @@ class Connection(asyncio.Protocol):
     def __init__(self, pool: _Pool):
         self.pool = pool
         self.loop = pool.client.loop
-        self.transport: asyncio.Transport | None = None
+        # Set by connection_made, which asyncio calls before create_connection hands the
+        # protocol back (_Pool._connect): no one holds a Connection without its transport.
+        self.transport: asyncio.Transport
         self.buf = bytearray()
         self.waiter: asyncio.Future | None = None
         self.eof = False  # the peer closed (or the socket broke): no byte will come any more
@@ -369,8 +371,7 @@ class Connection(asyncio.Protocol):
             self.close()
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()  # also what stops the engine's work on an abandoned answer
+        self.transport.close()  # also what stops the engine's work on an abandoned answer
         self.eof = True
 
 
