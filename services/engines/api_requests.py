@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from .tokens import chat_tokens, prompt_key, tokenize
 
@@ -188,7 +189,7 @@ def completion_request(body: dict, served_model: str, max_model_len: int = MAX_M
 def _prompts(raw: object) -> list[Prompt]:
     """A string, a list of strings, a list of token ids, or a list of those lists."""
 
-    def token_ids(x: object) -> bool:
+    def token_ids(x: object) -> TypeGuard[list[int]]:
         return isinstance(x, list) and bool(x) and all(type(t) is int and t >= 0 for t in x)
 
     if isinstance(raw, str):
@@ -259,7 +260,7 @@ def _response_turns(body: dict) -> list[tuple[str, str]]:
     if raw is None:
         raise bad("'input' is required", "input", code="missing_field")
     if isinstance(raw, str):
-        return turns + [("user", raw)]
+        return [*turns, ("user", raw)]
     if not isinstance(raw, list) or not raw:
         raise bad("'input' must be a string or a non-empty list of input items", "input")
     for i, item in enumerate(raw):

@@ -186,7 +186,7 @@ class _Api:
         if gen.stream:
             return await self._stream(request, gen, shape, answers, prompt_tokens)
 
-        texts = [[] for _ in answers]
+        texts: list[list[str]] = [[] for _ in answers]
         async with self.core.admit(prompt_tokens, [p.ids for p in gen.prompts]) as seq:
             async for batch in seq.decode(answers):
                 for j, token in batch:

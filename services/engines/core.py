@@ -169,11 +169,11 @@ class EngineCore:
             self._next = asyncio.get_running_loop().create_future()
             self._arrived.set()
         if self._stepper is None or self._stepper.done():
-            self._stepper = asyncio.create_task(self._run_steps(), name="sim-stepper")
+            self._stepper = asyncio.create_task(self._run_steps(self._collective), name="sim-stepper")
         # Shielded: a request that goes away must not cancel everyone's step.
         await asyncio.shield(self._next)
 
-    async def _run_steps(self) -> None:
+    async def _run_steps(self, collective: Callable[[], Awaitable[None]]) -> None:
         while True:
             await self._arrived.wait()
             if self.step_delay:
@@ -184,7 +184,7 @@ class EngineCore:
             done, self._next = self._next, None
             self._arrived.clear()
             await self._gate()
-            await self._collective()
+            await collective()
             self.steps += 1
             if done is not None and not done.done():
                 done.set_result(None)

@@ -31,7 +31,7 @@ class EngineMetrics:
         self.prefix_queries = child(Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", label, registry=r))
         self.prefix_hits = child(Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", label, registry=r))
         self.kv_usage = child(Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", label, registry=r))
-        self._success = Counter("vllm:request_success", "Finished requests.", label + ["finished_reason"], registry=r)
+        self._success = Counter("vllm:request_success", "Finished requests.", [*label, "finished_reason"], registry=r)
         self.model_name = model_name
 
     def finished(self, reason: str) -> None:

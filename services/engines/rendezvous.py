@@ -169,6 +169,7 @@ class Leader:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
+        assert task is not None  # asyncio.start_server runs each connection's handler as a task
         self._tasks.add(task)
         try:
             await self._serve_member(reader, writer)

@@ -32,15 +32,22 @@ import asyncio
 import logging
 import math
 import signal
+import socket
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from llmgw.shared.durations import format_duration, parse_duration
 from llmgw.shared.errors import ConfigError
 
 from .api_requests import MAX_MODEL_LEN
 from .binding import explain_bind_error, reserve
-from .rendezvous import PEER_TIMEOUT, Leader, join
+from .rendezvous import PEER_TIMEOUT, Leader, Link, join
+
+if TYPE_CHECKING:  # annotations only: workers never load the HTTP and metrics stacks
+    from aiohttp import web
+
+    from .core import EngineCore
 
 # 1 is an unexpected crash and 2 a configuration error (see services/cli.py).
 EXIT_PEER_LOST = 3
@@ -181,7 +188,8 @@ async def _run(cfg: SimConfig) -> int:
     work = asyncio.create_task(role.run())
     stopped = asyncio.create_task(stop.wait())
     try:
-        done, _ = await asyncio.wait({work, stopped, fatal}, return_when=asyncio.FIRST_COMPLETED)
+        waits: set[asyncio.Future[Any]] = {work, stopped, fatal}
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         # A failed start raises here; its one-line error is the whole story.
         rc = work.result() if work in done else fatal.result() if fatal in done else 0
     finally:
@@ -204,10 +212,10 @@ class LeaderRole:
 
     def __init__(self, cfg: SimConfig, log: logging.Logger, fatal: asyncio.Future[int]):
         self.cfg, self.log, self.fatal = cfg, log, fatal
-        self.http_sock = None
+        self.http_sock: socket.socket | None = None
         self.rendezvous: Leader | None = None
-        self.runner = None
-        self.core = None
+        self.runner: web.AppRunner | None = None
+        self.core: EngineCore | None = None
         self._stall_pending = ""
 
     def stall(self) -> None:
@@ -233,35 +241,39 @@ class LeaderRole:
         from .metrics import EngineMetrics
 
         cfg = self.cfg
-        self.http_sock = reserve("HTTP", cfg.host, cfg.port)  # held, not listening
+        if cfg.host is None or cfg.port is None:  # SimConfig.from_args requires both of a leader
+            raise ConfigError("the leader (--rank 0) needs --host and --port")
+        self.http_sock = http_sock = reserve("HTTP", cfg.host, cfg.port)  # held, not listening
         metrics = EngineMetrics(cfg.served_model)
-        self.rendezvous = Leader(cfg.leader_addr, cfg.rendezvous_port, cfg.nnodes, cfg.model, self._peer_lost, self.log, peer_timeout=cfg.peer_timeout)
-        collective = self.rendezvous.collective if cfg.nnodes > 1 else None
-        self.core = EngineCore(
+        self.rendezvous = rendezvous = Leader(
+            cfg.leader_addr, cfg.rendezvous_port, cfg.nnodes, cfg.model, self._peer_lost, self.log, peer_timeout=cfg.peer_timeout
+        )
+        collective = rendezvous.collective if cfg.nnodes > 1 else None
+        self.core = core = EngineCore(
             metrics, cfg.token_rate, cfg.max_num_seqs, collective=collective,
             prefill_rate=cfg.prefill_rate, cache_tokens=cfg.kv_cache_tokens, block_size=cfg.block_size,
         )  # fmt: skip
         if self._stall_pending:
-            self.core.stall(self._stall_pending)
-        await self.rendezvous.start()
-        await self.rendezvous.formed.wait()
+            core.stall(self._stall_pending)
+        await rendezvous.start()
+        await rendezvous.formed.wait()
 
         self.log.info("loading %s across %d ranks (%s)", cfg.model, cfg.nnodes, format_duration(cfg.load_time))
         await asyncio.sleep(cfg.load_time)
-        if self.core.broken_because:
+        if core.broken_because:
             # Loading is collective too; with a rank gone it never completes.
-            self.log.error("loading stalls: %s", self.core.broken_because)
+            self.log.error("loading stalls: %s", core.broken_because)
             await _forever()
 
-        app = build_app(self.core, metrics, served_model=cfg.served_model, model=cfg.model, log=self.log, max_model_len=cfg.max_model_len)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.SockSite(self.runner, self.http_sock, shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT)
+        app = build_app(core, metrics, served_model=cfg.served_model, model=cfg.model, log=self.log, max_model_len=cfg.max_model_len)
+        self.runner = runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.SockSite(runner, http_sock, shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT)
         try:
             await site.start()
         except OSError as e:
             raise explain_bind_error("HTTP", cfg.host, cfg.port, e) from None
-        host, port = self.http_sock.getsockname()[:2]
+        host, port = http_sock.getsockname()[:2]
         self.log.info("serving %s as %r on http://%s:%d", cfg.model, cfg.served_model, host, port)
         await _forever()
         return 0
@@ -273,7 +285,8 @@ class LeaderRole:
                 self.fatal.set_result(EXIT_PEER_LOST)
             return
         self.log.error("rank %d lost (%s); generation stalls from now on, as with NCCL (--on-peer-loss stall)", rank, why)
-        self.core.break_group(f"rank {rank} lost: {why}")
+        if self.core is not None:  # made before the rendezvous that reports a loss starts
+            self.core.break_group(f"rank {rank} lost: {why}")
 
     async def close(self) -> None:
         if self.core is not None:
@@ -291,7 +304,7 @@ class WorkerRole:
 
     def __init__(self, cfg: SimConfig, log: logging.Logger):
         self.cfg, self.log = cfg, log
-        self.link = None
+        self.link: Link | None = None
         self.stalled = False
         self._held: int | None = None  # the step not acked while stalled
 
@@ -308,7 +321,7 @@ class WorkerRole:
 
     async def run(self) -> int:
         cfg = self.cfg
-        self.link = await join(
+        self.link = link = await join(
             cfg.leader_addr,
             cfg.rendezvous_port,
             rank=cfg.rank,
@@ -327,11 +340,11 @@ class WorkerRole:
                 if self.stalled:
                     self._held = msg.get("n")
                 else:
-                    self.link.send({"op": "ack", "n": msg.get("n")})
+                    link.send({"op": "ack", "n": msg.get("n")})
             elif op == "formed":
                 self.log.info("all %d ranks joined; the leader is loading", cfg.nnodes)
 
-        why = await self.link.watch(on_message)
+        why = await link.watch(on_message)
         if cfg.on_peer_loss == "exit":
             self.log.error("lost the leader (%s); exiting (--on-peer-loss exit)", why)
             return EXIT_PEER_LOST
