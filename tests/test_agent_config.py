@@ -404,5 +404,5 @@ def test_check_identity_on_a_file_that_is_not_a_certificate(tmp_path, certs):
 def test_config_is_frozen(tmp_path, certs):
     cfg = load_agent_config(write(tmp_path, base(certs)))
     with pytest.raises(AttributeError):
-        cfg.node_id = "node02"  # type: ignore[misc]
+        cfg.node_id = "node02"  # type: ignore[misc] - assigning to the frozen config is what this checks
     assert os.path.isabs(cfg.source)

@@ -182,8 +182,11 @@ async def test_idle_connections_are_not_reused_after_keepalive_and_are_closed(en
         await conn.read()
         conn.release()
         first = engine.seen[-1]["peer"]
+
         # past its keepalive the sweeper drops it from the pool and closes it (waited for, not slept for)
-        swept = lambda: (sum(len(p.idle) for p in c._pools.values()), conn.transport.is_closing())  # noqa: E731
+        def swept():
+            return (sum(len(p.idle) for p in c._pools.values()), conn.transport.is_closing())
+
         await eventually(swept, (0, True), what="the idle connection swept and closed", timeout=5)
         conn = await c.post(engine.endpoint, "/v1/chat/completions", b"{}")
         await conn.read()

@@ -13,6 +13,7 @@ an operator's uncordon clears the reason.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import pytest
@@ -84,7 +85,7 @@ async def test_crash_loop_backs_off_and_auto_cordon_stays_within_the_share(clust
     collector = asyncio.create_task(collect())
     try:
         await cluster.wait(
-            lambda: (sum(1 for l in cluster.leases.items.values() if l.state == "ready"), len(nodes.items)),
+            lambda: (sum(1 for lease in cluster.leases.items.values() if lease.state == "ready"), len(nodes.items)),
             (4, 4),
             what="four nodes registered and ready",
         )
@@ -109,9 +110,9 @@ async def test_crash_loop_backs_off_and_auto_cordon_stays_within_the_share(clust
 
         # -- backoff: every gap between attempts is at least the backoff due.
         times = launches()
-        gaps = [b - a for a, b in zip(times, times[1:])]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
         due = [min(CAP, BASE * 2**k) for k in range(len(gaps))]
-        assert all(g >= d - 0.01 for g, d in zip(gaps, due)), (gaps, due)
+        assert all(g >= d - 0.01 for g, d in zip(gaps, due, strict=True)), (gaps, due)
         failed = [e for e in events if e.kind == "replica" and e.what == RS.FAILED and e.data.get("deployment") == "crash"]
         assert len(failed) >= len(times) - 1 and all("exited" in e.detail for e in failed)
         spec = deployments.items["crash"]

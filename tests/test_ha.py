@@ -16,6 +16,7 @@ import os
 import signal
 
 import pytest
+from nats.errors import TimeoutError as NatsTimeout
 
 from llmgw.shared import subjects as S
 
@@ -52,7 +53,7 @@ async def replica_events(ops, rid: str) -> list[str]:
         while True:
             try:
                 msg = await sub.next_msg(timeout=1)
-            except Exception:
+            except NatsTimeout:  # nothing more for this replica
                 break
             out.append(msg.subject.rsplit(".", 1)[1])
             if msg.metadata.num_pending == 0 or msg.metadata.sequence.stream >= last:
@@ -179,14 +180,18 @@ async def test_up_ha_survives_killing_the_acting_scheduler_health_monitor_and_a_
     leaders = await KvMirror(await open_bucket(js, S.BUCKET_LEADERS, wait=10), LeaderLease).start()
     replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS, wait=10), Replica).start()
     try:
-        ready = lambda: sorted(r.id for r in replicas.items.values() if r.state == "ready")  # noqa: E731
+
+        def ready() -> list[str]:
+            return sorted(r.id for r in replicas.items.values() if r.state == "ready")
+
         before = await eventually(lambda: (ids := ready()) and len(ids) == 2 and ids, timeout=20, what="two replicas ready")
 
         def acting_pid(service):
             lease = leaders.items.get(service)
             return int(lease.holder.split(":")[-2]) if lease else None
 
-        for service in ("scheduler", "health"):
+        async def kill_the_acting(service: str) -> None:
+            # A function per service, not a loop body: the waits' closures bind this call's victim.
             victim = await eventually(lambda: acting_pid(service), timeout=10, what=f"an acting {service}")
             name = next(n for n, p in _pids(ha_dir).items() if p["pid"] == victim)
             os.kill(victim, signal.SIGKILL)
@@ -194,14 +199,20 @@ async def test_up_ha_survives_killing_the_acting_scheduler_health_monitor_and_a_
             heir = await eventually(
                 lambda: (p := acting_pid(service)) not in (None, victim) and _proc_alive(p) and p, timeout=20, what=f"standby {service} takes over"
             )
+
             # … and the supervisor restarts the killed one, and says so (recorded, then said).
-            said = lambda: f"{name} (pid {victim}) exited; restarted as pid {_pids(ha_dir)[name]['pid']}" in (ha_dir / "logs" / "supervisor.log").read_text()  # noqa: E731
+            def said() -> bool:
+                return f"{name} (pid {victim}) exited; restarted as pid {_pids(ha_dir)[name]['pid']}" in (ha_dir / "logs" / "supervisor.log").read_text()
+
             await eventually(
                 lambda: _pids(ha_dir)[name]["pid"] != victim and _proc_alive(_pids(ha_dir)[name]["pid"]) and said(),
                 timeout=20,
                 what=f"{name} restarted, and said so",
             )
             assert heir != victim
+
+        for service in ("scheduler", "health"):
+            await kill_the_acting(service)
 
         gw = _pids(ha_dir)["gateway"]["pid"]
         os.kill(gw, signal.SIGKILL)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -23,6 +22,7 @@ from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.schemas import DeploymentSpec, NodeRecord
 
+from . import spawning
 from .cluster_helpers import CLUSTER_ENV, TIMINGS, Cluster
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -100,7 +100,7 @@ async def test_an_hca_port_down_fails_the_multi_node_replica_at_once_and_it_is_r
     other_fabric = "ib-b" if first.fabric == "ib-a" else "ib-a"
     leases_seen: set[str] = set()
 
-    port, before, now = simcluster.set_hca_port(cluster.nodes[victim].config, "mlx5_0", up=False)
+    _port, before, now = simcluster.set_hca_port(cluster.nodes[victim].config, "mlx5_0", up=False)
     assert (before, now) == ("4: ACTIVE", "1: DOWN")
 
     def rebuilt():
@@ -151,7 +151,7 @@ async def test_a_gpu_fault_fails_exactly_the_replica_holding_it_and_the_gpu_take
     assert not gpu3.healthy and "Unable to determine the device handle" in gpu3.problem
 
     simcluster.set_gpu_fault(config, 3)  # gpu-ok
-    (back,) = await cluster.wait(
+    (_back,) = await cluster.wait(  # exactly one replacement
         lambda: [r for r in cluster.ready("demo") if r.id != spared.id and r.members[0].gpus == [2, 3]], timeout=20, what="replacement ready on GPUs 2-3"
     )
     assert all(g.healthy for g in record(cluster, "node01").gpus)
@@ -174,7 +174,7 @@ async def test_a_process_llmgw_did_not_start_keeps_its_gpu_from_placement_and_it
     node = cluster.nodes["node01"]
     # A stranger on this machine using GPU 1, as the driver would list it.
     marker = cluster.marker.split(b"=", 1)[1].decode()
-    stranger = subprocess.Popen(
+    stranger = await spawning.start(
         [sys.executable, "-c", "import time; time.sleep(120)"],
         cwd=node.dir,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": "1", simcluster.SIM_ENV: "node01", CLUSTER_ENV: marker},
@@ -189,7 +189,7 @@ async def test_a_process_llmgw_did_not_start_keeps_its_gpu_from_placement_and_it
         # Judged in the same discovery round: the engine on GPU 0 is ours, the stranger is not.
         await cluster.wait(seen, ([], [stranger.pid], 1024), timeout=10, what="GPU 1 held by the stranger, GPU 0 by our engine")
         await cluster.apply(spec(name="b", replicas=1, nodes=1, gpus=3))
-        (pending,) = await cluster.wait(
+        (_pending,) = await cluster.wait(  # exactly one, pending
             lambda: [r for r in cluster.live("b") if r.state == "pending" and "gpu_foreign" in r.reason], what="b pending on the busy GPU"
         )
         assert cluster.replicas.items[a.id].state == "ready"  # what runs is left alone

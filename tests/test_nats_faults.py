@@ -23,6 +23,7 @@ import time
 import urllib.request
 
 import pytest
+from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client import REGISTRY
 
 from llmgw.services.devcluster import simcluster
@@ -117,7 +118,7 @@ async def bring_up(c: ClusterOn3, nodes=4, fabrics=2):
     for n in c.nodes:
         c.start_agent(n)
     await c.operator3()
-    await c.wait(lambda: sum(1 for l in c.leases.items.values() if l.state == "ready") == nodes, timeout=30, what="all nodes ready")
+    await c.wait(lambda: sum(1 for lease in c.leases.items.values() if lease.state == "ready") == nodes, timeout=30, what="all nodes ready")
 
 
 def monitor(m, path: str) -> dict:
@@ -190,7 +191,9 @@ async def test_two_of_three_die_writes_stop_nothing_is_lost_and_quorum_resumes_i
     nats.restart(2)
     # Quorum back: leases are written again (renewed after the outage), nobody lost, same replica.
     await c3.wait(
-        lambda: health.acting and not health.write_blocked and all(l.last_renew > down_at + 3 and l.state == "ready" for l in c3.leases.items.values()),
+        lambda: (
+            health.acting and not health.write_blocked and all(lease.last_renew > down_at + 3 and lease.state == "ready" for lease in c3.leases.items.values())
+        ),
         timeout=60,
         what="leases written again",
     )
@@ -199,7 +202,7 @@ async def test_two_of_three_die_writes_stop_nothing_is_lost_and_quorum_resumes_i
     js = c3.ops.jetstream(timeout=5)
     sub = await js.subscribe("llmgw.event.node.*.lost", ordered_consumer=True)
     try:
-        with pytest.raises(Exception):
+        with pytest.raises(NatsTimeout):
             await sub.next_msg(timeout=1)  # no lost event at all
     finally:
         await sub.unsubscribe()

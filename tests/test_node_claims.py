@@ -114,7 +114,7 @@ async def bring_up(cluster: Cluster, connector, nodes: int, record: bool = True)
             assert ok, data
     for n in cluster.nodes:
         cluster.start_agent(n)
-    await cluster.wait(lambda: len([l for l in cluster.leases.items.values() if l.state == "ready"]) == nodes, timeout=45, what="all nodes ready")
+    await cluster.wait(lambda: len([lease for lease in cluster.leases.items.values() if lease.state == "ready"]) == nodes, timeout=45, what="all nodes ready")
     nodes_kv = await open_bucket(ops.jetstream(), S.BUCKET_NODES, wait=10)
     cluster.node_records = await KvMirror(nodes_kv, NodeRecord).start()
     await cluster.wait(
@@ -129,7 +129,7 @@ async def bring_up(cluster: Cluster, connector, nodes: int, record: bool = True)
 
 
 async def test_an_inventory_claiming_another_address_is_refused_and_never_routed_to(cluster, connector):
-    sched, ops = await bring_up(cluster, connector, nodes=1)
+    _sched, ops = await bring_up(cluster, connector, nodes=1)
     try:
         recorded = cluster.nodes["node01"].spec.mgmt_addr
         endpoints: list[str] = []
@@ -166,7 +166,7 @@ async def test_an_inventory_claiming_another_address_is_refused_and_never_routed
 
 
 async def test_set_addr_validates_and_a_node_without_one_is_unverified(cluster, connector):
-    sched, ops = await bring_up(cluster, connector, nodes=1, record=False)
+    _sched, ops = await bring_up(cluster, connector, nodes=1, record=False)
     try:
         rec = cluster.node_records.items["node01"]
         assert rec.recorded_addr == "" and rec.mgmt_addr == cluster.nodes["node01"].spec.mgmt_addr  # today's behaviour
@@ -208,14 +208,14 @@ def start_clone(cluster: Cluster, node: str, tmp_path) -> subprocess.Popen:
 
 
 async def test_a_clone_is_quarantined_and_tears_nothing_down(cluster, connector, tmp_path):
-    sched, ops = await bring_up(cluster, connector, nodes=2)
+    _sched, ops = await bring_up(cluster, connector, nodes=2)
     try:
         await cluster.apply(spec("demo", 1, 2, 2))
         (demo,) = await cluster.wait(lambda: cluster.ready("demo"), what="demo ready")
         quarantined = await events_of(ops, "node", "quarantined")
 
         clone = start_clone(cluster, "node02", tmp_path)
-        lease = await cluster.wait(lambda: (l := cluster.leases.items.get("node02")) is not None and l.quarantine and l, what="node02 quarantined")
+        lease = await cluster.wait(lambda: (held := cluster.leases.items.get("node02")) is not None and held.quarantine and held, what="node02 quarantined")
         assert lease.quarantine.startswith("node02: two agents with one identity — boot ids ")
         assert "heartbeat in alternation; quarantined until an operator resolves it" in lease.quarantine
         await cluster.wait(lambda: quarantined, what="the quarantine event")
@@ -261,7 +261,10 @@ async def test_a_clone_is_quarantined_and_tears_nothing_down(cluster, connector,
 def test_a_legit_restart_changes_the_boot_id_once_and_is_not_quarantined():
     t = Timings(heartbeat_interval=1.0, suspect_after_missed=3, node_lost_after=10.0)
     book = LeaseBook(t)
-    hb = lambda seq, boot: Heartbeat(node_id="n1", boot_id=boot, seq=seq)  # noqa: E731
+
+    def hb(seq: int, boot: str) -> Heartbeat:
+        return Heartbeat(node_id="n1", boot_id=boot, seq=seq)
+
     for i in range(1, 4):
         book.heartbeat(hb(i, "A"), float(i))
     # the agent restarts; one heartbeat of the old one arrives late, reordered
@@ -277,7 +280,10 @@ def test_a_legit_restart_changes_the_boot_id_once_and_is_not_quarantined():
 def test_alternating_boot_ids_quarantine_and_release_starts_afresh():
     t = Timings(heartbeat_interval=1.0, suspect_after_missed=3, node_lost_after=10.0)
     book = LeaseBook(t)
-    hb = lambda seq, boot: Heartbeat(node_id="n1", boot_id=boot, seq=seq)  # noqa: E731
+
+    def hb(seq: int, boot: str) -> Heartbeat:
+        return Heartbeat(node_id="n1", boot_id=boot, seq=seq)
+
     seen = []
     # B takes the lease (it could be a restart); A's first return is refused (it could be
     # the old agent's last heartbeat, late); its second return within the window: two agents.
@@ -344,11 +350,14 @@ def raw_inventory(gpus: list[dict], boot: str) -> bytes:
 
 
 async def test_absurd_inventories_and_heartbeats_are_refused_and_the_real_ones_kept(cluster, connector):
-    sched, ops = await bring_up(cluster, connector, nodes=1)
+    await bring_up(cluster, connector, nodes=1)
     try:
         thief = await connector.connect(node_tls(cluster, "node01"), label="thief")
         rec = cluster.node_records.items["node01"]
-        gpu = lambda i: {"index": i, "uuid": f"GPU-{i}", "name": "H200"}  # noqa: E731
+
+        def gpu(i: int) -> dict:
+            return {"index": i, "uuid": f"GPU-{i}", "name": "H200"}
+
         malformed = counter("llmgw_registry_inventories_total", result="malformed")
         for gpus in ([gpu(i) for i in range(10_000)], [gpu(-1)], [gpu(2**70)]):
             await thief.publish(S.inventory("node01"), raw_inventory(gpus, rec.boot_id))
@@ -373,8 +382,8 @@ async def test_absurd_inventories_and_heartbeats_are_refused_and_the_real_ones_k
         seq = (await cluster.wait(lambda: cluster.monitor_lease("node01"), what="the monitor's lease of node01")).last_seq
 
         async def renewed() -> bool:
-            l = await cluster.monitor_lease("node01")
-            return l is not None and l.state == "ready" and seq < l.last_seq < 2**40 and l.boot_id == lease.boot_id
+            now = await cluster.monitor_lease("node01")
+            return now is not None and now.state == "ready" and seq < now.last_seq < 2**40 and now.boot_id == lease.boot_id
 
         await cluster.wait(renewed, what="real heartbeats still accepted")
         # and the registry still takes the agent's own inventory after all that

@@ -630,7 +630,10 @@ async def _loaded(pilot) -> None:
     app = pilot.app
     # every bucket and the history in, rows drawn and focus placed; then a moment for the
     # table to size its columns (it does that when idle)
-    loaded = lambda: app.history_loaded and [len(app.state.nodes), len(app.state.leases), len(app.state.replicas)] == [5, 5, 3]
+
+    def loaded() -> bool:
+        return app.history_loaded and [len(app.state.nodes), len(app.state.leases), len(app.state.replicas)] == [5, 5, 3]
+
     await until(pilot, lambda: loaded() and len(app.query(NodeRow)) == 5 and len(table_rows(app)) == 3 and app.focused is not None, what="everything on screen")
     # Then until the screen stops changing: the table sizes its columns when idle, and on a
     # loaded machine that can take longer than any fixed pause.
