@@ -265,7 +265,7 @@ class Watch:
 
     async def reopen(self) -> None:
         """After the server restarted: fresh watches (the event reader needs none)."""
-        for attempt in range(60):
+        for _attempt in range(60):
             try:
                 await self.open_mirrors()
                 break
@@ -328,7 +328,7 @@ class Watch:
 
     def leases_ready(self) -> bool:
         leases = self.mirrors["leases"].items
-        return bool(leases) and all(l.state == "ready" for l in leases.values())
+        return bool(leases) and all(lease.state == "ready" for lease in leases.values())
 
     async def close(self) -> None:
         if self._events_task:
@@ -536,7 +536,7 @@ class Bench:
             if len(self.w.ready(self.deployment)) >= want and len(self.w.of(self.deployment)) == want and self.w.leases_ready():
                 first, since = len(self.load.done), time.time()  # done only grows: look at what came since
 
-                def settled() -> bool | None:
+                def settled(first: int = first, since: float = since) -> bool | None:  # bound now: the loop moves them on
                     new = self.load.done[first:]
                     if any(r.error for r in new):
                         return False
@@ -905,7 +905,7 @@ async def main(args) -> int:
     # SIGTERM ends the run as Ctrl-C does: through the finally below, which stops the cluster.
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     own = args.attach is None
-    d = Path(args.attach or args.dir or tempfile.mkdtemp(prefix="llmgw-failover-")).resolve()
+    d = await asyncio.to_thread(lambda: Path(args.attach or args.dir or tempfile.mkdtemp(prefix="llmgw-failover-")).resolve())
     cluster = watch = load = None
     results: list[Result] = []
     try:
@@ -955,7 +955,8 @@ async def main(args) -> int:
                 "events": [asdict(e) for e in watch.events],
                 "requests": [asdict(r) for r in load.done],
             }
-            Path(args.json).write_text(json.dumps(data, indent=1))
+            # every request of the run: off the loop, which still serves the load's clients until the finally
+            await asyncio.to_thread(Path(args.json).write_text, json.dumps(data, indent=1))
         return 0 if all(r.healed for r in results if not r.note.startswith("not run")) else 1
     finally:
         if load is not None:
