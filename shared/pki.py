@@ -215,7 +215,9 @@ def _load_ca(pki: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         key = serialization.load_pem_private_key((pki / CA_KEY).read_bytes(), password=None)
     except (ValueError, TypeError) as e:
         raise PkiError(f"the authority in {pki} cannot be read: {e}") from None
-    return cert, key  # type: ignore[return-value]
+    if not isinstance(key, ec.EllipticCurvePrivateKey):  # init_ca makes one; another kind was put there by hand
+        raise PkiError(f"the authority key in {pki} is a {type(key).__name__}, not the elliptic-curve key init-ca makes")
+    return cert, key
 
 
 # --------------------------------------------------------------------------

@@ -159,10 +159,10 @@ class Agent:
             await self.supervisor.adopt()
             self._log_summary()
             self.supervisor.start()
-            self.nc = await self._connect()
-            if self.nc is None:
+            self.nc = nc = await self._connect()
+            if nc is None:
                 return 0  # asked to stop before the bus answered
-            await self._subscribe()
+            await self._subscribe(nc)
             await self._announce()
             self._tasks += [
                 asyncio.create_task(self._heartbeats(), name="heartbeats"),
@@ -263,8 +263,16 @@ class Agent:
             self._lock_fd = None
 
     # -- what we publish ---------------------------------------------------------
-    def _connected(self) -> bool:
-        return self.nc is not None and self.nc.is_connected
+    def _bus(self) -> NATS | None:
+        """The connection while it is up; None while it is down (or not made yet)."""
+        return self.nc if self.nc is not None and self.nc.is_connected else None
+
+    @property
+    def last_found(self) -> Discovery:
+        """What discovery found last; run() discovers before anything reads it."""
+        if self.found is None:
+            raise RuntimeError("read before the first discovery")
+        return self.found
 
     async def _announce(self) -> None:
         """What a (re)connected control plane needs at once: inventory, all engines, a heartbeat."""
@@ -276,11 +284,12 @@ class Agent:
         await self._announce()
 
     async def _heartbeat(self) -> None:
-        if not self._connected():
+        nc = self._bus()
+        if nc is None:
             return
         self.seq += 1
         hb = Heartbeat(node_id=self.node, boot_id=self.boot_id, seq=self.seq, sent_at=time.time())
-        await self.nc.publish(S.heartbeat(self.node), encode(hb))
+        await nc.publish(S.heartbeat(self.node), encode(hb))
 
     async def _heartbeats(self) -> None:
         every = self.cfg.heartbeat_interval
@@ -320,10 +329,11 @@ class Agent:
         )
 
     async def _publish_inventory(self) -> None:
-        if not self._connected() or self.inventory is None:
+        nc = self._bus()
+        if nc is None or self.inventory is None:
             return
         self.inventory.sent_at = time.time()
-        await self.nc.publish(S.inventory(self.node), encode(self.inventory))
+        await nc.publish(S.inventory(self.node), encode(self.inventory))
 
     def _engine_pids(self) -> set[int]:
         """Every process of the engines this agent supervises (wrapper, engine, its tree):
@@ -345,7 +355,7 @@ class Agent:
         while True:
             await asyncio.sleep(every)
             try:
-                found = await asyncio.to_thread(discover, self.cfg, previous=self.found.gpus, known_pids=self._engine_pids, nvml=nvml)
+                found = await asyncio.to_thread(discover, self.cfg, previous=self.last_found.gpus, known_pids=self._engine_pids, nvml=nvml)
             except LlmgwError as e:
                 # Keep publishing what we last knew; say so once per distinct failure.
                 if str(e) != last_error:
@@ -354,10 +364,11 @@ class Agent:
                 found = None
             if found is not None:
                 last_error = ""
-                changed = (found.gpus, found.fabrics, found.hcas) != (self.found.gpus, self.found.fabrics, self.found.hcas)
+                known = self.last_found
+                changed = (found.gpus, found.fabrics, found.hcas) != (known.gpus, known.fabrics, known.hcas)
                 if changed:
                     log.warning("inventory changed: %s", self._describe(found))
-                    for w in set(found.warnings) - set(self.found.warnings):
+                    for w in set(found.warnings) - set(known.warnings):
                         log.warning("discovery: %s", w)
                     self.found, self.inventory = found, self._inventory(found)
                 if not changed and time.monotonic() - last_sent < self.cfg.inventory_interval:
@@ -386,7 +397,8 @@ class Agent:
             items = [await self._outbox.get()]
             while not self._outbox.empty():
                 items.append(self._outbox.get_nowait())
-            if not self._connected():
+            nc = self._bus()
+            if nc is None:
                 continue  # the full report on reconnect carries all of it
             if any(isinstance(i, _FullReport) for i in items):
                 # Taken now, the full list is newer than every change queued with it.
@@ -395,21 +407,22 @@ class Agent:
             else:
                 latest: dict[tuple, EngineFact] = {}
                 for f in items:
-                    latest[(f.replica_id, f.generation, f.rank)] = f
+                    if isinstance(f, EngineFact):  # always, in this branch
+                        latest[(f.replica_id, f.generation, f.rank)] = f
                 report = StatusReport(node_id=self.node, boot_id=self.boot_id, full=False, engines=list(latest.values()), sent_at=time.time())
             try:
-                await self.nc.publish(S.status(self.node), encode(report))
+                await nc.publish(S.status(self.node), encode(report))
             except Exception as e:
                 log.warning("status report not sent: %s", e)
 
     # -- commands ------------------------------------------------------------------
-    async def _subscribe(self) -> None:
-        await self.nc.subscribe(S.cmd_launch(self.node), cb=self._answering(self._launch))
-        await self.nc.subscribe(S.cmd_stop(self.node), cb=self._answering(self._stop_cmd))
-        await self.nc.subscribe(S.cmd_list(self.node), cb=self._answering(self._list))
-        await self.nc.subscribe(S.cmd_inventory(self.node), cb=self._answering(self._inventory_cmd))
-        await self.nc.subscribe(S.traffic(self.node), cb=self._on_traffic)
-        await self.nc.flush()
+    async def _subscribe(self, nc: NATS) -> None:
+        await nc.subscribe(S.cmd_launch(self.node), cb=self._answering(self._launch))
+        await nc.subscribe(S.cmd_stop(self.node), cb=self._answering(self._stop_cmd))
+        await nc.subscribe(S.cmd_list(self.node), cb=self._answering(self._list))
+        await nc.subscribe(S.cmd_inventory(self.node), cb=self._answering(self._inventory_cmd))
+        await nc.subscribe(S.traffic(self.node), cb=self._on_traffic)
+        await nc.flush()
 
     def _answering(self, handler: Callable[[bytes], Awaitable[CommandAck | StatusReport | Inventory]]):
         """Every request gets exactly one reply: the handler's, or the error that stopped it."""
@@ -468,8 +481,11 @@ class Agent:
 
     async def _inventory_cmd(self, data: bytes) -> Inventory:
         """The registry asks when it has no record of a node it sees alive."""
-        self.inventory.sent_at = time.time()
-        return self.inventory
+        inventory = self.inventory
+        if inventory is None:  # made with the first discovery, before the subscriptions
+            raise RuntimeError("asked for the inventory before the first discovery")
+        inventory.sent_at = time.time()
+        return inventory
 
     # -- logs ------------------------------------------------------------------
     @staticmethod
@@ -492,10 +508,10 @@ class Agent:
         c = self.cfg
         log.info(
             "agent %s (boot %s) from %s: mgmt %s on %s; %s; heartbeat every %s; work dir %s; %d engine(s) on record",
-            self.node, self.boot_id, c.source, c.mgmt_addr, c.mgmt_interface, self._describe(self.found),
+            self.node, self.boot_id, c.source, c.mgmt_addr, c.mgmt_interface, self._describe(self.last_found),
             format_duration(c.heartbeat_interval), c.supervisor.work_dir, len(self.supervisor.facts()),
         )  # fmt: skip
-        for w in self.found.warnings:
+        for w in self.last_found.warnings:
             log.warning("discovery: %s", w)
 
 

@@ -380,7 +380,7 @@ def _text(value: object) -> str:
 def query_nvml() -> list[Gpu]:
     """GPUs through NVML (``pynvml`` from the ``nvidia-ml-py`` package)."""
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
     except ImportError:
         raise DiscoveryError(
             "NVML discovery needs the nvidia-ml-py package, which is not installed: pip install 'llmgw[nvml]' "
@@ -422,6 +422,15 @@ def query_nvml() -> list[Gpu]:
             pass
 
 
+def _installed_pynvml():
+    """The ``pynvml`` module when nvidia-ml-py is installed, else None."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    return pynvml
+
+
 class NvmlHealth:
     """GPU health through NVML, kept across discoveries for its XID event set.
 
@@ -435,13 +444,8 @@ class NvmlHealth:
     """
 
     def __init__(self, pynvml=None):
-        if pynvml is None:
-            try:
-                import pynvml  # type: ignore[import-not-found]
-            except ImportError:
-                pynvml = None
-        self.nvml = pynvml
-        self.available = pynvml is not None
+        self.nvml = pynvml if pynvml is not None else _installed_pynvml()
+        self.available = self.nvml is not None
         self.events = None
         self.xids: dict[int, str] = {}  # index -> "XID 79: GPU has fallen off the bus"
         self.initialised = False
@@ -678,7 +682,7 @@ def gpu_health(
             if pid in ours:
                 continue
             mib_sum, pids = foreign.get(uuid, (0, []))
-            foreign[uuid] = (mib_sum + mib, pids + [pid])
+            foreign[uuid] = (mib_sum + mib, [*pids, pid])
     final = []
     for g in out:
         problem = problems.get(g.index, "")

@@ -28,6 +28,8 @@ import shutil
 import time
 from pathlib import Path
 
+import msgspec
+
 from llmgw.shared.errors import WireError
 from llmgw.shared.files import write_atomic
 from llmgw.shared.schemas import Base, LaunchCommand, decode, encode
@@ -61,7 +63,7 @@ MAX_TAIL_BYTES = 32 * 1024
 class EngineSpec(Base):
     command: LaunchCommand
     argv: list[str]
-    env: dict[str, str] = {}  # only what llmgw sets, on top of the agent's environment
+    env: dict[str, str] = msgspec.field(default_factory=dict)  # only what llmgw sets, on top of the agent's environment
     serves_http: bool = False
     health_url: str = ""
     created_at: float = 0.0

@@ -71,13 +71,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import aiohttp
 
 from llmgw.shared import procfs, procnet
 from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import LlmgwError, WireError
-from llmgw.shared.schemas import CommandAck, EngineFact, LaunchCommand, TrafficReport
+from llmgw.shared.schemas import CommandAck, EngineFact, LaunchCommand, ReportedEngineState, TrafficReport
 from llmgw.shared.states import EngineState
 
 from . import adapters
@@ -230,7 +231,9 @@ class Engine:
             rank=c.rank,
             serves_http=self.spec.serves_http,
             pid=self.pid,
-            state=self.state,
+            # A supervised engine is never in the scheduler's own states (absent, unreported),
+            # and a StrEnum member is the very string the Literal names.
+            state=cast(ReportedEngineState, self.state),
             detail=self.detail,
             exit_code=self.exit_code,
             gpus=list(c.gpus),
@@ -539,8 +542,10 @@ class Supervisor:
         d.write_spec(spec)
         e = Engine(dir=d, spec=spec)
         try:
-            with open(d.log_path, "ab") as out:
-                e.child = subprocess.Popen(
+            # Both bounded and quick (a local file; fork/exec of the wrapper, never waited on here:
+            # the watch loop reaps it), so the loop is not handed to a thread for them.
+            with open(d.log_path, "ab") as out:  # noqa: ASYNC230 - a local log file opened for append, see above
+                e.child = subprocess.Popen(  # noqa: ASYNC220 - fork/exec only; the wrapper is reaped by the watch loop
                     [self.python, "-m", "llmgw.services.agent.wrapper", str(d.path)],
                     stdin=subprocess.DEVNULL,
                     stdout=out,
@@ -753,7 +758,7 @@ class Supervisor:
         answers = await asyncio.gather(*(self._healthy(e.spec.health_url) for e in leaders))
         # Read after the answers: the sockets that answered are in the table.
         found = procnet.listeners()
-        for e, problem in zip(leaders, answers):
+        for e, problem in zip(leaders, answers, strict=True):  # gather answers each, in order
             self._judge(e, problem, found)
 
     def _judge(self, e: Engine, problem: str | None, found: list[procnet.Listener]) -> None:
@@ -814,7 +819,8 @@ class Supervisor:
         try:
             self._signal(e, signal.SIGTERM)
             deadline = time.monotonic() + self.cfg.stop_timeout
-            while e.engine_alive() and time.monotonic() < deadline:
+            # Polled: the engine is the wrapper's child, not ours, so nothing signals its exit to this loop.
+            while e.engine_alive() and time.monotonic() < deadline:  # noqa: ASYNC110 - polled, see above
                 await asyncio.sleep(POLL)
             if e.engine_alive():
                 log.warning("%s (pid %d) still running %s after SIGTERM; sending SIGKILL", e.label, e.pid, format_duration(self.cfg.stop_timeout))
@@ -896,11 +902,11 @@ class Supervisor:
         """A gateway's evidence about the replicas whose leader runs here."""
         now = time.monotonic()
         leaders: dict[str, Engine] = {}
-        for e in self._engines.values():
-            if e.live and e.spec.serves_http:
-                have = leaders.get(e.cmd.replica_id)
-                if have is None or e.cmd.generation > have.cmd.generation:
-                    leaders[e.cmd.replica_id] = e
+        for candidate in self._engines.values():
+            if candidate.live and candidate.spec.serves_http:
+                have = leaders.get(candidate.cmd.replica_id)
+                if have is None or candidate.cmd.generation > have.cmd.generation:
+                    leaders[candidate.cmd.replica_id] = candidate
         gw = report.gateway
         for rt in report.replicas:
             e = leaders.get(rt.replica_id)
