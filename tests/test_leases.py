@@ -101,12 +101,12 @@ C = CHECKPOINT_HEARTBEATS * T.heartbeat_interval  # the checkpoint interval: 40 
 
 def beats(first, last, *, node="node02", boot="b1", seq=1, every=1.0):
     """Heartbeats of ``node`` at first, first + every, … up to last."""
-    return [(first + i * every, "hb", node, seq + i, boot) for i in range(int(round((last - first) / every)) + 1)]
+    return [(first + i * every, "hb", node, seq + i, boot) for i in range(round((last - first) / every) + 1)]
 
 
 def ticks(first, last, every=1.0, offset=0.5):
     """The monitor's ticks, half a heartbeat after each heartbeat."""
-    return [(first + i * every + offset, "tick") for i in range(int(round((last - first) / every)))]
+    return [(first + i * every + offset, "tick") for i in range(round((last - first) / every))]
 
 
 def simulate(timeline, book=None, store=None):
@@ -172,16 +172,16 @@ def test_a_nodes_checkpoint_phase_is_a_hash_of_its_id():
         # two agents, one identity: the first boot change is written; the alternation quarantines
         # (a transition); the operator's release is one, and the boot holding the lease settles again
         (
-            beats(0, 3, boot="A")
-            + [
+            [
+                *beats(0, 3, boot="A"),
                 (4.0, "hb", "node02", 1, "B"),
                 (5.0, "hb", "node02", 5, "A"),
                 (6.0, "hb", "node02", 2, "B"),
                 (7.0, "hb", "node02", 6, "A"),
                 (8.0, "release", "node02"),
-            ]
-            + beats(9, 12, boot="B", seq=3)
-            + ticks(0, 13),
+                *beats(9, 12, boot="B", seq=3),
+                *ticks(0, 13),
+            ],
             [(0, "transition"), (3.5, "boot"), (4.5, "boot"), (7, "transition"), (8, "transition"), (12.5, "boot")],
         ),
     ],
@@ -267,7 +267,7 @@ def test_a_lease_waiting_to_be_written_keeps_its_most_telling_cause(failed, then
     book.unstored("node01", failed)
     if then:
         book.unstored("node01", then)
-    assert [(l.node_id, c) for l, c in book.due_writes(0.5)] == [("node01", cause)]
+    assert [(lease.node_id, c) for lease, c in book.due_writes(0.5)] == [("node01", cause)]
     book.stored(book.leases["node01"], 0.5)
     assert book.due_writes(0.75) == []
 
@@ -341,3 +341,90 @@ def test_a_monitor_leading_again_keeps_the_renewals_it_heard_itself():
     fresh = LeaseBook(T)
     fresh.load(dict(store), at=31.0)
     assert fresh.leases["node02"].last_renew == 18.0
+
+
+def every_due_write(book: LeaseBook, at: float) -> set[tuple[str, str]]:
+    """What ``due_writes`` must name, by the definition: a walk over every lease
+    (a dirty one with its cause; a checkpoint for a lease renewed since it was stored
+    whose slot boundary passed since it was written). The book looks at fewer."""
+    out = set()
+    for node, lease in book.leases.items():
+        if node in book.dirty:
+            out.add((node, book.dirty[node]))
+        elif lease.last_renew > book.stored_renew.get(node, -math.inf) and (
+            node not in book.written_at or book._slot(node, at) != book._slot(node, book.written_at[node])
+        ):
+            out.add((node, "checkpoint"))
+    return out
+
+
+def every_expiry(book: LeaseBook, at: float) -> set[tuple[str, str]]:
+    """What ``expire`` must do, by the definition: every lease silent for
+    node_lost_after goes lost, every ready one silent for suspect_after goes suspect."""
+    if at < book.not_before or book.outage_since is not None:
+        return set()
+    out = set()
+    for node, lease in book.leases.items():
+        silent = at - lease.last_renew
+        if lease.state != "lost" and silent >= T.node_lost_after:
+            out.add((node, "lost"))
+        elif lease.state == "ready" and silent >= T.suspect_after:
+            out.add((node, "suspect"))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_due_writes_names_what_a_walk_over_every_lease_names(seed):
+    """Random histories — nodes appearing, heartbeating at random, falling silent and
+    returning, agents restarting, writes failing, ticks at irregular gaps (some longer
+    than a checkpoint interval), a takeover from what was stored: at every tick the
+    incremental ``due_writes`` (it looks only at the nodes whose slot boundary passed
+    since the last tick, and those still waiting for a renewal) names exactly what a
+    walk over every lease names, and ``expire`` (one comparison for a node heard
+    lately) expires exactly what the definition does."""
+    import random
+
+    rng = random.Random(seed)
+    book, store = LeaseBook(T), {}
+    nodes = [f"node{i:03d}" for i in range(60)]
+    seq = dict.fromkeys(nodes, 0)
+    boot = dict.fromkeys(nodes, "b1")
+    silent: set[str] = set()
+    at = 0.0
+    for _ in range(1500):
+        at += rng.choice([0.01, 0.1, 0.25, 0.5, 1.0, 3.0]) if rng.random() > 0.01 else C * rng.choice([0.99, 1.0, 1.5, 3.0])
+        for node in rng.sample(nodes, rng.randint(0, 20)):
+            if node in silent:
+                continue
+            if rng.random() < 0.01:
+                boot[node] = f"b{rng.randint(2, 99)}"  # the agent restarted
+            seq[node] += 1
+            if (tr := book.heartbeat(Heartbeat(node_id=node, boot_id=boot[node], seq=seq[node]), at)) is not None:
+                if rng.random() < 0.1:
+                    book.unstored(node, "transition")  # the write failed: it waits as dirty
+                else:
+                    book.stored(tr.lease, at)
+                    store[node] = tr.lease
+        if rng.random() < 0.05:
+            silent ^= {rng.choice(nodes)}  # one node falls silent, or speaks again
+        expected = every_expiry(book, at)
+        expired = book.expire(at)
+        assert {(tr.node_id, tr.new) for tr in expired} == expected, at
+        for tr in expired:
+            assert book.leases[tr.node_id] == tr.lease
+            book.stored(tr.lease, at)
+            store[tr.node_id] = tr.lease
+        want = every_due_write(book, at)
+        got = book.due_writes(at)
+        assert {(lease.node_id, cause) for lease, cause in got} == want, at
+        assert len(got) == len(want)  # each once
+        for lease, _cause in got:
+            if rng.random() < 0.05:
+                book.unstored(lease.node_id, "checkpoint")  # failed: retried as dirty
+            else:
+                book.stored(lease, at)
+                store[lease.node_id] = lease
+        if rng.random() < 0.003:
+            taken = LeaseBook(T)  # a takeover: a new monitor continues from the bucket
+            taken.load(dict(store), at)
+            book = taken
