@@ -65,7 +65,7 @@ class ServiceRuntime:
         self._nc: NATS | None = None
         self._js: JetStreamContext | None = None
         self.kv: dict = {}
-        self.events: EventPublisher | None = None
+        self._events: EventPublisher | None = None  # made by open_buckets; read through ``events``
         self.micro: Service | None = None
         self.leadership: Leadership | None = None
         # Whether this instance acts on its leadership (``follow_leadership``):
@@ -93,6 +93,14 @@ class ServiceRuntime:
         if self._js is None:
             raise BusError(f"the {self.role} is not connected to NATS yet")
         return self._js
+
+    @property
+    def events(self) -> EventPublisher:
+        """The event stream's publisher, made with the buckets (a service that opens
+        only others' buckets, the gateway, has none and publishes no events)."""
+        if self._events is None:
+            raise BusError(f"the {self.role} has no event publisher (not started, or it publishes no events)")
+        return self._events
 
     # -- lifecycle -----------------------------------------------------------
     async def start(self) -> None:
@@ -126,7 +134,7 @@ class ServiceRuntime:
         service that owns none and only reads others' (the gateway) opens those
         instead."""
         self.kv = await bus.provision(self.js, self.buckets, events=True, replicas=self.cfg.kv_replicas, adjust=True, logger=self.log)
-        self.events = EventPublisher(self.js, self.role, on_failure=self.write_failed)
+        self._events = EventPublisher(self.js, self.role, on_failure=self.write_failed)
 
     async def setup(self) -> None:
         """Subscriptions, watchers and API endpoints of the concrete service."""

@@ -74,9 +74,10 @@ async def observe_seed_story(
         story.first_reply = await asyncio.to_thread(chat, gateway_url, model, "hello from the seed scenario")
         doomed = {k for k, r in story.before.items() if any(m.node_id == victim for m in r.members)}
 
-        story.killed_at = time.time()
         # Only this cluster's node: another cluster on the machine has a node02 too.
-        story.killed_pids = len(simcluster.kill_node(victim, str(Path(cluster_dir).resolve())))
+        cluster_root = await asyncio.to_thread(Path(cluster_dir).resolve)  # off the loop: it reads the file system
+        story.killed_at = time.time()
+        story.killed_pids = len(simcluster.kill_node(victim, str(cluster_root)))
         story.mark(story.killed_at, f"{victim} killed ({story.killed_pids} processes, SIGKILL)")
         say(f"killed {victim}; waiting for the control plane to notice")
         deadline = time.monotonic() + timeout
@@ -225,7 +226,7 @@ async def observe_fabric_story(
                 story.victim_leases.append(state)
             rec = nodes.items.get(victim)
             fab = next((f for f in rec.fabrics if f.name == story.fabric), None) if rec else None
-            if story.seen_unusable_at is None and fab is not None and not fab.usable:
+            if story.seen_unusable_at is None and rec is not None and fab is not None and not fab.usable:
                 story.seen_unusable_at, story.problem = rec.updated_at or time.time(), fab.problem
                 story.mark(story.seen_unusable_at, f"registry: {story.fabric} unusable on {victim} ({fab.problem})")
             if _follow_rebuild(story, replicas.items, doomed, story.down_at, say, say_failed=True):

@@ -326,7 +326,7 @@ class SimNode:
         return self.dir / "agent.log"
 
 
-def write_node(root: Path, pki_dir: Path, server_url: str, spec: SimNodeSpec, timings: Timings) -> SimNode:
+def write_node(root: Path, pki_dir: Path, server_url: str | list[str], spec: SimNodeSpec, timings: Timings) -> SimNode:
     """Onboard one simulated node: certificate, fake devices, agent.yaml (the seed's format)."""
     d = root / "nodes" / spec.node_id
     d.mkdir(parents=True, exist_ok=True)
@@ -458,7 +458,7 @@ def running_engines(node_id: str, work_dir: Path) -> list[SimEngine]:
     from ..agent.enginedir import EngineDir
 
     root = Path(work_dir) / "engines"
-    out = []
+    out: list[SimEngine] = []
     if not root.is_dir():
         return out
     for path in sorted(root.iterdir()):

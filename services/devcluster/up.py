@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,7 +113,7 @@ class Cluster:
     """Everything ``up`` starts and where it put it."""
 
     dir: Path
-    progress: callable = print
+    progress: Callable[[str], object] = print
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     nodes: list[SimNode] = field(default_factory=list)
     nats: NatsServer | None = None  # the (first) server
@@ -122,23 +123,30 @@ class Cluster:
     ha: bool = False
     t0: float = field(default_factory=time.monotonic)
 
+    @property
+    def first_server(self) -> NatsServer:
+        """The (first) NATS server, once ``prepare`` made it."""
+        if self.nats is None:
+            raise UpError("no NATS server prepared yet")
+        return self.nats
+
     def say(self, msg: str) -> None:
         self.progress(f"[{time.monotonic() - self.t0:6.1f}s] {msg}")
 
     @property
     def nats_urls(self) -> list[str]:
-        return self.nats_cluster.urls if self.nats_cluster else [self.nats.url]
+        return self.nats_cluster.urls if self.nats_cluster else [self.first_server.url]
 
     @property
     def server_setting(self) -> str | list[str]:
         """``server:`` in every config: one URL, or the list of the cluster's."""
-        return self.nats_urls if self.nats_cluster else self.nats.url
+        return self.nats_urls if self.nats_cluster else self.first_server.url
 
     # -- files ---------------------------------------------------------------
     def _service_config(self, role: str, extra: dict, file: str = "") -> Path:
-        tls = self.nats.tls_for(role, role)
+        tls = self.first_server.tls_for(role, role)
         if not Path(tls.cert).exists():
-            tls = self.nats.issue(role, role)
+            tls = self.first_server.issue(role, role)
         path = self.dir / "config" / f"{file or role}.yaml"
         if self.nats_cluster and role != "operator":
             extra = {"kv_replicas": 3, **extra}
@@ -277,8 +285,8 @@ class Cluster:
         data = {
             "gateway_url": self.gateway_url,
             "gateway_urls": self.gateway_urls,
-            "nats_url": self.nats.url,
-            "nats_monitor_url": self.nats.monitor_url,
+            "nats_url": self.first_server.url,
+            "nats_monitor_url": self.first_server.monitor_url,
             "operator_config": str(self.operator_config.resolve()),
             "dir": str(self.dir.resolve()),
             "nodes": [
@@ -300,7 +308,7 @@ class Cluster:
                     "config": str(m.conf_path.resolve()),
                     "store_dir": str((m.root / "jetstream").resolve()),
                 }
-                for m in (self.nats_cluster.members if self.nats_cluster else [self.nats])
+                for m in (self.nats_cluster.members if self.nats_cluster else [self.first_server])
             ],
         }
         (self.dir / "cluster.json").write_text(json.dumps(data, indent=2) + "\n")
@@ -317,12 +325,13 @@ class Cluster:
                 + ", ".join(f"{m.name} {m.url}" for m in self.nats_cluster.members)
             )
             return
-        self.nats.render()
-        self.nats.log_file = self.dir / "logs" / "nats-server.log"
-        self._spawn("nats-server", self.llmgw("nats", "--config", str(self.nats.conf_path)))
-        self.nats.proc = self.procs["nats-server"]
-        self.nats.wait_ready(20)
-        self.say(f"nats-server ready on {self.nats.url} (monitoring {self.nats.monitor_url})")
+        nats = self.first_server
+        nats.render()
+        nats.log_file = self.dir / "logs" / "nats-server.log"
+        self._spawn("nats-server", self.llmgw("nats", "--config", str(nats.conf_path)))
+        nats.proc = self.procs["nats-server"]
+        nats.wait_ready(20)
+        self.say(f"nats-server ready on {nats.url} (monitoring {nats.monitor_url})")
 
     def start_services(self) -> None:
         names = SERVICES + (HA_SERVICES if self.ha else ())
@@ -343,7 +352,7 @@ class Cluster:
 
     # -- waiting, with progress --------------------------------------------------
     async def connect(self):
-        tls = self.nats.tls_for("operator", "operator")
+        tls = self.first_server.tls_for("operator", "operator")
         # Progress lines are the output here; connection chatter only if something is wrong.
         quiet = logging.getLogger("llmgw.up.bus")
         quiet.setLevel(max(logging.WARNING, logging.getLogger().level))
@@ -361,7 +370,7 @@ class Cluster:
         try:
             while True:
                 self.check_alive()
-                ready = {k for k, l in leases.items.items() if l.state == "ready"} & want
+                ready = {k for k, lease in leases.items.items() if lease.state == "ready"} & want
                 registered = {k for k, r in nodes.items.items() if r.boot_id} & want  # joined, not only onboarded (set-addr)
                 now_state = (len(registered), len(ready))
                 if now_state != last:
@@ -560,7 +569,7 @@ async def _bring_up(cluster: Cluster, args) -> None:
 def _ready_banner(cluster: Cluster, args) -> None:
     cfg = cluster.operator_config
     print()
-    print(f"llmgw is up: {len(cluster.nodes)} simulated nodes, NATS at {cluster.nats.url}")
+    print(f"llmgw is up: {len(cluster.nodes)} simulated nodes, NATS at {cluster.first_server.url}")
     print(f"  gateway (OpenAI API): {cluster.gateway_url}/v1")
     for url in cluster.gateway_urls[1:]:
         print(f"  second gateway:       {url}/v1 (--ha: standby scheduler and health monitor too)")
@@ -606,8 +615,8 @@ def up(args) -> int:
                 cluster.stop_all()
         return 0
     if args.detach:
-        sup = cluster._spawn("supervisor", cluster.llmgw("up", "--supervise", str(d)))
-        print(f"running in the background (a crashed service is restarted by the supervisor, pid {sup.pid}); stop with: llmgw down --dir {d}")
+        supervising = cluster._spawn("supervisor", cluster.llmgw("up", "--supervise", str(d)))
+        print(f"running in the background (a crashed service is restarted by the supervisor, pid {supervising.pid}); stop with: llmgw down --dir {d}")
         return 0
     print("running; press Ctrl-C to stop everything")
     stop = {"flag": False}
@@ -699,7 +708,7 @@ class Supervisor:
             with open(logs / f"{name}.log", "ab") as log:
                 p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.dir)
             self.procs[name] = p
-            self.restarts[name] = recent + [stamp]
+            self.restarts[name] = [*recent, stamp]
             self.down_since.pop(name, None)
             rec = self._recorded()
             rec[name] = {"pid": p.pid, "start": _start_time(p.pid), "cmd": argv[3:5]}
@@ -777,7 +786,7 @@ def _nats_fault(d: Path, n: int, *, kill: bool) -> int:
     rec = procs.get(srv["process"])
     running = rec is not None and _alive(rec["pid"], rec.get("start"))
     if kill:
-        if not running:
+        if rec is None or not running:
             print(f"NATS server {n} ({srv['name']}) is not running")
             return 0
         _signal(rec["pid"], signal.SIGKILL)
