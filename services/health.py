@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
+from collections import Counter as Tally
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -51,6 +52,9 @@ WRITES = Counter(
 )
 for _cause in WRITE_CAUSES:
     WRITES.labels(_cause)  # every cause reads 0 before its first write, not absent
+# The one label every heartbeat counts under, looked up once (labels() takes a lock
+# and builds a key per call: 400 times a second at 2,000 nodes, 2,000 at 10,000).
+ACCEPTED = HEARTBEATS.labels("accepted")
 _ACTING: weakref.WeakSet[HealthMonitor] = weakref.WeakSet()  # monitors whose leases the scrape reads
 
 
@@ -173,7 +177,7 @@ class HealthMonitor(ServiceRuntime):
         if self._refusing:
             self._refusing = False
         else:
-            HEARTBEATS.labels("accepted").inc()
+            ACCEPTED.inc()
         if tr:
             # nats-py runs this subscription's callbacks one at a time: while this
             # write waits (a KV without quorum answers only at its timeout), every
@@ -319,9 +323,11 @@ class HealthMonitor(ServiceRuntime):
 
     def _gauge(self) -> None:
         self._gauge_stale = False
+        # One walk over the leases, not one per state.
+        states = Tally(lease.state for lease in self.book.leases.values())
         for state in ("ready", "suspect", "lost"):
-            LEASES.labels(state).set(sum(1 for l in self.book.leases.values() if l.state == state))
-        QUARANTINED.set(sum(1 for l in self.book.leases.values() if l.quarantine))
+            LEASES.labels(state).set(states[state])
+        QUARANTINED.set(sum(1 for lease in self.book.leases.values() if lease.quarantine))
 
 
 def main(args) -> int:
