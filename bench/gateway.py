@@ -251,6 +251,7 @@ def find_litellm(arg: str | None) -> str | None:
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=3.0, help="length of one run (default 3)")
+    ap.add_argument("--warmup", type=float, default=1.0, help="seconds of load per target and mode before measuring (default 1)")
     ap.add_argument("--rounds", type=int, default=2, help="turns each target takes per cell (default 2: a b c a b c)")
     ap.add_argument("--clients", default="1,16,64", help="concurrent clients per cell (default 1,16,64)")
     ap.add_argument("--litellm", default=None, help="path of the litellm command ('' to skip; default: PATH, then /tmp/litellm-venv/bin/litellm)")
@@ -332,8 +333,8 @@ async def main() -> int:
         results: dict[tuple, Sample] = {}
         async with CLIENTS[args.client]() as session:
             for t in targets:  # warm every path (imports, pools, caches) before measuring
-                await drive(session, t, 4, False, 1.0, Sample())
-                await drive(session, t, 4, True, 1.0, Sample())
+                await drive(session, t, 4, False, args.warmup, Sample())
+                await drive(session, t, 4, True, args.warmup, Sample())
             for stream in modes:
                 for clients in clients_list:
                     for _ in range(args.rounds):

@@ -19,7 +19,8 @@ import pytest
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
-SMOKE = ["--nodes", "20", "--replicas", "5", "--steady", "3s", "--node-lost-after", "3s", "--heartbeat", "0.5s"]
+# --steady 1s: the CPU windows (two of them) only have to be measured here, not to be long enough to mean anything
+SMOKE = ["--nodes", "20", "--replicas", "5", "--steady", "1s", "--node-lost-after", "3s", "--heartbeat", "0.5s"]
 
 
 def _alive(pid: int) -> bool:
@@ -46,7 +47,7 @@ def test_smoke_mode_runs_every_phase_and_cleans_up(tmp_path):
         assert f"== phase {n}: {name} ==" in out
 
     summary = out.split("== SUMMARY ==", 1)[1]
-    assert re.search(r"^command: .*control_plane\.py --nodes 20 --replicas 5", summary, re.M)
+    assert re.search(r"^command: .*control_plane\.py --nodes 20 --replicas 5 --steady 1s", summary, re.M)
     assert re.search(rf"^machine:  {os.cpu_count()} cores", summary, re.M)
     assert "phases completed: bring-up, steady, placement, failover, restart (5/5)" in summary
     rows = [line for line in summary.splitlines() if line.startswith("| ")]
@@ -90,7 +91,25 @@ def test_smoke_mode_runs_every_phase_and_cleans_up(tmp_path):
 def test_gateway_bench_measures_both_targets_without_errors(tmp_path, client):
     """bench/gateway.py in a tiny run: every cell measured, no failed request, CPU accounted."""
     figures = tmp_path / "gateway.json"
-    args = ["--seconds", "0.3", "--rounds", "1", "--clients", "1,4", "--paced", "50", "--litellm", "", "--client", client, "--json", str(figures)]
+    # a warm-up as short as a cell: it has to go through every path once, not to steady the figures
+    args = [
+        "--seconds",
+        "0.3",
+        "--warmup",
+        "0.3",
+        "--rounds",
+        "1",
+        "--clients",
+        "1,4",
+        "--paced",
+        "50",
+        "--litellm",
+        "",
+        "--client",
+        client,
+        "--json",
+        str(figures),
+    ]
     r = subprocess.run([sys.executable, "-m", "bench.gateway", *args], cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert f"load generator: {client} client" in r.stdout
