@@ -164,7 +164,7 @@ async def test_one_server_of_three_dies_while_a_node_dies(c3):
     print(f"rebuilt on ib-b {time.monotonic() - t0:.1f}s after the kill")
     assert all(alive(m.pid) for m in second.members)
     # The killed server comes back on its store and catches up with what was written meanwhile.
-    nats.restart(victim)
+    await asyncio.to_thread(nats.restart, victim)  # off the loop: the services run on it while the server catches up
     want = (await js.stream_info(stream)).state.last_seq
     await c3.wait(lambda: (stream_last_seq(nats.members[victim], stream) or 0) >= want, timeout=30, what="the restarted server caught up")
 
@@ -187,8 +187,9 @@ async def test_two_of_three_die_writes_stop_nothing_is_lost_and_quorum_resumes_i
     assert all(alive(p) for p in pids)
     down_at = time.time()
     await asyncio.sleep(3.0)  # the fault lasts longer than node_lost_after (1.5 s)
-    nats.restart(1)
-    nats.restart(2)
+    # Both together and off the loop (each restart waits until its server is current; the
+    # services under test run on this loop meanwhile and must not be frozen by the wait).
+    await asyncio.gather(asyncio.to_thread(nats.restart, 1), asyncio.to_thread(nats.restart, 2))
     # Quorum back: leases are written again (renewed after the outage), nobody lost, same replica.
     await c3.wait(
         lambda: (
