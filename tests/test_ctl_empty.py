@@ -7,22 +7,55 @@ as its own process, as an operator runs it.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
 from llmgw.shared.config import write_config
 
+from .conftest import make_server, start_on_free_ports
 
-@pytest.fixture
-def operator_cfg(nats_server, tmp_path):
-    tls = nats_server.issue("admin", "operator")
-    nats_server.reload()
-    cfg = tmp_path / "operator.yaml"
-    write_config(cfg, {"server": nats_server.url, "tls": {"ca": tls.ca, "cert": tls.cert, "key": tls.key}})
+
+@pytest.fixture(scope="module")
+def empty_server(tmp_path_factory):
+    """One server for the whole module (a server, its authority and the operator's
+    identity cost more than most of these tests): every verb here fails on an
+    empty cluster without writing anything, so the tests only read it — and
+    ``nothing_provisioned`` checks after each test that it is still empty."""
+    srv = make_server(tmp_path_factory.mktemp("ctl-empty") / "nats")
+    srv.prepare()
+    start_on_free_ports(srv)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def operator_cfg(empty_server, tmp_path_factory):
+    tls = empty_server.issue("admin", "operator")
+    empty_server.reload()
+    cfg = tmp_path_factory.mktemp("operator") / "operator.yaml"
+    write_config(cfg, {"server": empty_server.url, "tls": {"ca": tls.ca, "cert": tls.cert, "key": tls.key}})
     return cfg
+
+
+def jetstream_assets(server) -> dict:
+    with urllib.request.urlopen(f"{server.monitor_url}/jsz", timeout=5) as r:
+        jsz = json.load(r)
+    return {"streams": jsz.get("streams", 0), "consumers": jsz.get("consumers", 0), "messages": jsz.get("messages", 0)}
+
+
+@pytest.fixture(autouse=True)
+def nothing_provisioned(request):
+    """The shared server stays empty: a verb that created a stream, a bucket or a
+    consumer would change what the next test sees, so it fails the test that did it."""
+    yield
+    if "operator_cfg" in request.fixturenames:
+        server = request.getfixturevalue("empty_server")
+        assert jetstream_assets(server) == {"streams": 0, "consumers": 0, "messages": 0}, f"{request.node.name} left JetStream assets behind"
 
 
 def ctl(cfg, *args):
