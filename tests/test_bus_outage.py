@@ -86,7 +86,7 @@ async def test_outage_longer_than_node_lost_after_counts_against_no_node(cluster
     await asyncio.sleep(OUTAGE)  # the fault itself lasts this long
     assert all(alive(p) for p in pids), "an engine died during the outage"
     nats_server.launch()
-    nats_server.wait_ready()
+    await asyncio.to_thread(nats_server.wait_ready)  # off the loop: the services reconnect on it as soon as the server is up
     back = time.time()
 
     # Every agent reconnected and renewed its lease after the server came back (the
@@ -128,7 +128,7 @@ async def test_a_write_failed_during_an_outage_is_not_applied_later(nats_server)
             await kv.put("ghost", encode(stale))
         assert time.monotonic() - started < 1.0, "the write waited for an ack instead of failing at once"
         nats_server.launch()
-        nats_server.wait_ready()
+        await asyncio.to_thread(nats_server.wait_ready)
         await cluster_wait(lambda: svc.nc.is_connected, "the monitor reconnected", timeout=20)
         # A write after the reconnect, acknowledged: anything buffered went before it.
         for _ in range(100):
