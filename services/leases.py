@@ -196,7 +196,7 @@ class LeaseBook:
         self.outage_since = None
         self.not_before = max(self.not_before, at + self.grace())
 
-    def _recovering(self, old: Lease | None, at: float) -> None:
+    def _recovering(self, old: Lease | None, at: float, since: float) -> None:
         """A heartbeat during a recovery's grace: if its node had not been heard
         since the recovery began, the agents are still coming back, so the grace
         runs on until ``grace()`` passes with no node returning.
@@ -212,7 +212,7 @@ class LeaseBook:
         """
         if at >= self.not_before:
             self.recovery_since = None  # the grace ended: the ordinary countdowns run
-        elif old is None or old.last_renew < self.recovery_since:
+        elif old is None or old.last_renew < since:
             self.not_before = max(self.not_before, at + self.grace())
 
     def load(self, leases: dict[str, Lease], at: float) -> None:
@@ -279,7 +279,7 @@ class LeaseBook:
         node = hb.node_id
         old = self.leases.get(node)
         if self.recovery_since is not None:
-            self._recovering(old, at)
+            self._recovering(old, at, self.recovery_since)
         if old is None:
             self.boots[node], self.returns[node] = {hb.boot_id: at}, []
             self.checkpoint_phase(node)  # in the phase order from now on

@@ -201,7 +201,7 @@ class Registry(ServiceRuntime):
             for i in range(0, len(batch), BATCH_WRITES):
                 chunk = batch[i : i + BATCH_WRITES]
                 results = await asyncio.gather(*(self._apply_inventory(inv) for inv, _ in chunk), return_exceptions=True)
-                for (inv, result), outcome in zip(chunk, results):
+                for (inv, result), outcome in zip(chunk, results, strict=True):
                     if isinstance(outcome, BaseException):
                         failed += 1
                         INVENTORIES.labels("error").inc()

@@ -43,7 +43,7 @@ async def bring_up(cluster, connector, nodes=2, fabrics=1, schedulers=1):
     for n in cluster.nodes:
         cluster.start_agent(n)
     await cluster.operator(connector)
-    await cluster.wait(lambda: len([l for l in cluster.leases.items.values() if l.state == "ready"]) == nodes, timeout=45, what="all nodes ready")
+    await cluster.wait(lambda: len([lease for lease in cluster.leases.items.values() if lease.state == "ready"]) == nodes, timeout=45, what="all nodes ready")
     return scheds
 
 
@@ -63,8 +63,12 @@ async def test_launch_sequence_reaches_ready_and_serves(cluster, connector):
     assert rep.fabric == "ib-a" and [m.rank for m in rep.members] == [0, 1]
     assert rep.members[0].role == "leader" and rep.members[0].serves_http and not rep.members[1].serves_http
     assert all(m.pid and m.engine_state for m in rep.members)
-    with urllib.request.urlopen(rep.endpoint + "/health", timeout=5) as r:
-        assert r.status == 200
+
+    def health_status() -> int:
+        with urllib.request.urlopen(rep.endpoint + "/health", timeout=5) as r:
+            return r.status
+
+    assert await asyncio.to_thread(health_status) == 200  # a blocking read: off the test's loop
     # the path it took, in order, from the event stream
     js = cluster.ops.jetstream()
     sub = await js.subscribe(f"llmgw.event.replica.{rep.id}.>", ordered_consumer=True)
@@ -192,7 +196,7 @@ async def test_ctl_reads_and_changes_the_cluster(cluster, connector, tmp_path):
     assert nodes[0]["admin"] == "cordoned"
 
     async def history():
-        return [json.loads(l) for l in (await asyncio.to_thread(ctl, cfg, "events", "-o", "json")).stdout.splitlines()]
+        return [json.loads(line) for line in (await asyncio.to_thread(ctl, cfg, "events", "-o", "json")).stdout.splitlines()]
 
     async def seen(wanted):
         return {(e["kind"], e["subject"], e["what"]) for e in await history()} & wanted

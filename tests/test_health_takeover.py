@@ -74,12 +74,12 @@ async def test_a_monitor_starting_on_a_full_bucket_knows_every_stored_lease(nats
         leases = await KvMirror(await ops.jetstream(timeout=5).key_value(S.BUCKET_LEASES), Lease).start()
         try:
             await wait_for(
-                lambda: sorted(n for n, l in leases.items.items() if l.state == "lost"),
+                lambda: sorted(n for n, lease in leases.items.items() if lease.state == "lost"),
                 dead,
                 timeout=20,
                 what="every stored lease of a dead node declared lost",
             )
-            await wait_for(lambda: (l := leases.items.get("live01")) is not None and l.state == "ready", what="live01 ready")
+            await wait_for(lambda: (lease := leases.items.get("live01")) is not None and lease.state == "ready", what="live01 ready")
             # Lost after the grace, counted from the stored renewal (how soon after it is the pure
             # core's table, tests/test_leases.py: this machine may be busy).
             assert all(leases.items[n].since >= svc.book.not_before for n in dead)
@@ -107,7 +107,7 @@ async def test_a_standby_takes_over_from_checkpoints_and_what_it_heard(nats_serv
     b1, b2 = Beater(n1, "node01").start(), Beater(n2, "node02").start()
     b = None
     try:
-        await wait_for(lambda: {n: l.state for n, l in leases.items.items()}, {"node01": "ready", "node02": "ready"}, what="both ready")
+        await wait_for(lambda: {n: lease.state for n, lease in leases.items.items()}, {"node01": "ready", "node02": "ready"}, what="both ready")
         first = dict(leases.items)
         # A checkpoint of node01's renewals: what a standby started now would resume from.
         await wait_for(lambda: leases.items["node01"].last_renew > first["node01"].last_renew, timeout=CHECKPOINT + 5, what="a checkpoint of node01")
@@ -120,7 +120,7 @@ async def test_a_standby_takes_over_from_checkpoints_and_what_it_heard(nats_serv
         assert stored.state == "ready" and stored.last_seq <= b2.seq  # a checkpoint: never newer than the truth
         await wait_for(lambda: b.acting, timeout=10, what="the standby taking over")
         took_over = b.book.not_before - b.book.grace()
-        lost = await wait_for(lambda: (l := leases.items["node02"]).state == "lost" and l, timeout=10, what="node02 lost")
+        lost = await wait_for(lambda: (lease := leases.items["node02"]).state == "lost" and lease, timeout=10, what="node02 lost")
         # Its countdown ran from its last heartbeat, which the standby heard (not from the older
         # checkpoint), and waited for the grace. (How soon: tests/test_leases.py's table.)
         assert lost.since >= b.book.not_before

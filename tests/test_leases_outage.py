@@ -121,7 +121,7 @@ def test_grace_is_at_least_two_heartbeats():
     ids=["same-boot-returns", "replayed-heartbeat", "seq-jump", "new-boot"],
 )
 def test_lost_node_returns(after_lost, transitions, final):
-    book, seen = run([("hb", 0, 1, "b1"), ("tick", 12)] + after_lost)
+    book, seen = run([("hb", 0, 1, "b1"), ("tick", 12), *after_lost])
     assert seen[:2] == [FIRST, ("node01", "ready", "lost")]
     assert [(o, n) for _, o, n in seen[2:]] == transitions
     assert book.leases["node01"].state == final
@@ -150,7 +150,8 @@ def herd(returns, until, dead=("node99",)):
     book and when each node went lost."""
     nodes = [f"node{i:02d}" for i in range(len(returns))] + list(dead)
     events = [("hb", 0, 1, "b1", n) for n in nodes] + [("down", 0.5), ("up", 10.0)]
-    events += [("hb", at + k, 2 + k, "b1", n) for n, at in zip(nodes, returns) for k in range(int(until - at) + 1)]
+    # The dead nodes are the ones past the end of ``returns``: they never heartbeat again.
+    events += [("hb", at + k, 2 + k, "b1", n) for n, at in zip(nodes, returns, strict=False) for k in range(int(until - at) + 1)]
     events += [("tick", 10.0 + k / 2) for k in range(int((until - 10.0) * 2) + 1)]
     events.sort(key=lambda e: (e[1], e[0] != "hb"))  # a heartbeat and a tick at one time: the heartbeat first
     book = LeaseBook(T)

@@ -88,7 +88,7 @@ def test_seed_places_one_replica_per_fabric_with_launches_for_every_member():
     assert w.where("sim-g2") == ("ib-b", [("node03", [0, 1, 2, 3]), ("node04", [0, 1, 2, 3])])
     assert plan.generations == {"sim": 2}
     assert w.deployments["sim"].last_generation == 2
-    assert [(l.node_id, l.replica_id, l.command.rank) for l in plan.launches] == [
+    assert [(launch.node_id, launch.replica_id, launch.command.rank) for launch in plan.launches] == [
         ("node01", "sim-g1", 0),
         ("node02", "sim-g1", 1),
         ("node03", "sim-g2", 0),
@@ -713,7 +713,7 @@ def test_two_thousand_nodes_thousand_two_node_replicas_is_linear_work(monkeypatc
     dep = make_deployment("big", replicas=1000, gpus_per_node=8, nodes_per_replica=2)
     plan = reconcile({"big": dep}, {}, nodes, leases, T0)
     assert len(plan.writes) == 1000 and len(plan.launches) == 2000 and plan.pending == {}
-    used = [(l.node_id, g) for l in plan.launches for g in l.command.gpus]
+    used = [(launch.node_id, g) for launch in plan.launches for g in launch.command.gpus]
     assert len(used) == len(set(used)) == 16_000
     assert calls["n"] <= 2 * 2000  # one verification per chosen node, no walk over all nodes per replica
     # 500 more than fit: the refusal is explained once per cycle, not once per replica.

@@ -590,7 +590,7 @@ def test_the_replacement_keeps_off_the_node_a_peer_reported_lost_until_it_is_hea
     plan = w.step()
     assert w.state("sim-g1") == RS.REAPING
     (new,) = [r for r in w.replicas.values() if r.id != "sim-g1"]
-    assert new.fabric == "ib-b" and {l.node_id for l in plan.launches} == {"node03", "node04"}
+    assert new.fabric == "ib-b" and {launch.node_id for launch in plan.launches} == {"node03", "node04"}
     # Still avoided while node02 says nothing (its old engine reaped, too)...
     w.all_members("sim-g1", E.EXITED)
     w.step()
@@ -602,7 +602,7 @@ def test_the_replacement_keeps_off_the_node_a_peer_reported_lost_until_it_is_hea
     w.leases["node02"] = msgspec.structs.replace(w.leases["node02"], last_renew=w.now + 0.5)
     plan = w.step()
     assert w.replicas[big.id].state == RS.LAUNCHING
-    assert {l.node_id for l in plan.launches} == {"node01", "node02"}
+    assert {launch.node_id for launch in plan.launches} == {"node01", "node02"}
 
 
 def test_a_replica_failed_by_a_lost_node_is_no_crash_loop_of_its_deployment():

@@ -173,7 +173,7 @@ async def test_a_lease_of_a_boot_whose_inventory_came_asks_for_nothing(nats_serv
         await node.publish(S.heartbeat("node07"), encode(Heartbeat(node_id="node07", boot_id="boot-7", seq=1)))
         # The registry's own copy of the leases has it ready: its listener has judged it.
         await wait_for(
-            lambda: (l := registry.leases and registry.leases.items.get("node07")) and (l.state, l.boot_id),
+            lambda: (lease := registry.leases and registry.leases.items.get("node07")) and (lease.state, lease.boot_id),
             ("ready", "boot-7"),
             what="the lease, as the registry sees it",
         )

@@ -46,7 +46,7 @@ async def test_a_node_that_never_answers_a_stop_does_not_delay_another_nodes_fai
     for n in cluster.nodes:
         cluster.start_agent(n)
     await cluster.operator(connector)
-    await cluster.wait(lambda: sum(1 for l in cluster.leases.items.values() if l.state == "ready") == 2, what="node01 and node02 ready")
+    await cluster.wait(lambda: sum(1 for lease in cluster.leases.items.values() if lease.state == "ready") == 2, what="node01 and node02 ready")
     await cluster.apply(
         DeploymentSpec(
             name="demo", model="sim-7b", engine="sim", replicas=1, nodes_per_replica=2, gpus_per_node=2, engine_args=["--load-time", "0.2s"], startup_timeout=30

@@ -409,9 +409,9 @@ class Reconciler:
             self._leases = {n: (lease.state, lease.quarantine) for n, lease in leases.items()}
         else:
             for n in changed_nodes:
-                lease = leases.get(n)
-                if lease is not None:
-                    self._leases[n] = (lease.state, lease.quarantine)
+                now_held = leases.get(n)
+                if now_held is not None:
+                    self._leases[n] = (now_held.state, now_held.quarantine)
                 else:
                     self._leases.pop(n, None)
         self._deployments = dict(deployments)

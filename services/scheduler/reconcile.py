@@ -340,7 +340,7 @@ class _Cycle:
         spec = self.deployments.get(replica.deployment)
         leader = replica.members[0]
         late = spec is not None and self.now - replica.created_at > spec.startup_timeout
-        if replica.state in _STARTING and leader.engine_state not in _LEADER_UP and late:  # up, however late we look
+        if spec is not None and replica.state in _STARTING and leader.engine_state not in _LEADER_UP and late:  # up, however late we look
             states = ", ".join(f"{m.node_id}: {m.engine_state or 'unreported'}" for m in replica.members)
             laggards = [m.node_id for m in replica.members if m.engine_state not in (E.READY, E.JOINED, E.STALLED)]
             return f"not ready within {spec.startup_timeout:g}s of launch ({states})", _unique(laggards)
@@ -590,8 +590,14 @@ class _Cycle:
         replica = self.start_reaping(replica, reason)
         self.finish_reaping(replica)
 
+    def placing_view(self) -> ClusterView:
+        """The view placement reads and commits to: built before any replica is placed."""
+        if self.view is None:
+            raise RuntimeError("a replica placed before the cycle's view was built")
+        return self.view
+
     def retry(self, spec: DeploymentSpec, replica: Replica) -> None:
-        result = place(request_for(spec), self.view)
+        result = place(request_for(spec), self.placing_view())
         if result.placed:
             self.launch(spec, replica, result)
             return
@@ -621,7 +627,7 @@ class _Cycle:
                 spec_digest=digest,
             )
             self.plan.generations[spec.name] = generation
-            result = place(request_for(spec), self.view)
+            result = place(request_for(spec), self.placing_view())
             if result.placed:
                 self.launch(spec, replica, result, new=True)
             else:
@@ -630,6 +636,8 @@ class _Cycle:
 
     def launch(self, spec: DeploymentSpec, replica: Replica, result: PlacementResult, *, new: bool = False) -> None:
         members = result.members
+        if not members:
+            raise ValueError(f"launch of {replica.id}: its placement placed no member ({result.summary})")
         leader = members[0]
         leader_addr = self.nodes[leader.node_id].mgmt_addr
         placed = self.transition(
@@ -644,7 +652,7 @@ class _Cycle:
             spec_digest=template_digest(spec),  # what it is launched with, whatever it was made for
             new=new,
         )
-        self.view.commit(placed)
+        self.placing_view().commit(placed)
         self.plan.launches.extend(launches_for(spec, placed, self.nodes))
 
 

@@ -136,7 +136,7 @@ class _Capacity:
         for sched in [s for s in list(_ACTING) if s.acting and getattr(s, "nc", None) is not None and s.nc.is_connected][:1]:
             # The reconciler's live view, kept current by every step (a full build of
             # 10,000 nodes per scrape cost more than the steps themselves).
-            live = sched.reconciler.view
+            live: ClusterView = sched.reconciler.view
             if sched.reconciler.fresh:
                 live = ClusterView.build(sched.nodes.items, sched.leases.items, sched.replicas.items.values(), ports=sched.rconfig.ports)
             n: dict[tuple, int] = defaultdict(int)
@@ -403,7 +403,7 @@ class Scheduler(ServiceRuntime):
                     resend.append(launch)
         if resend:
             self.log.info("re-sending %d launches an earlier leader may not have sent", len(resend))
-            await asyncio.gather(*(self._launch(l) for l in resend))
+            await asyncio.gather(*(self._launch(launch) for launch in resend))
 
     async def _ask_status(self, node: str) -> None:
         try:
@@ -475,7 +475,7 @@ class Scheduler(ServiceRuntime):
             return leases
         stamp = time.monotonic()
         ask = [n for n in due if stamp - self.heard_asked.get(n, (float("-inf"), None))[0] >= self.cfg.health.heartbeat_interval]
-        for node, answer in zip(ask, await asyncio.gather(*(self._ask_lease(n) for n in ask))):
+        for node, answer in zip(ask, await asyncio.gather(*(self._ask_lease(n) for n in ask)), strict=True):
             self.heard_asked[node] = (stamp, answer)
         out = leases
         for node, stored in due.items():
@@ -574,7 +574,7 @@ class Scheduler(ServiceRuntime):
             async with room:
                 await self.replicas_kv.put(rid, encode(rep))
             self.book.wrote(rid, rep, time.time())
-            launched.extend(asyncio.create_task(self._launch(l)) for l in launches.get(rid, ()))
+            launched.extend(asyncio.create_task(self._launch(launch)) for launch in launches.get(rid, ()))
 
         results = await asyncio.gather(*(write(rid, rep) for rid, rep in writes.items()), return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
@@ -597,8 +597,8 @@ class Scheduler(ServiceRuntime):
             self.book.forget(rid)
         # 3b. the launches of records not written here (none today), and the stops,
         # concurrently: a rebuild should not wait on one slow agent.
-        orphans = [l for l in plan.launches if l.replica_id not in writes]
-        await asyncio.gather(*launched, *(self._launch(l) for l in orphans), self._send_stops(plan.stops))
+        orphans = [launch for launch in plan.launches if launch.replica_id not in writes]
+        await asyncio.gather(*launched, *(self._launch(launch) for launch in orphans), self._send_stops(plan.stops))
         # 4. history (a replica's events are in its record already), in order, a
         # window at a time: thousands of transitions need not take a round trip each.
         unpublished = [ev for ev in plan.events if id(ev) not in published]
@@ -749,8 +749,8 @@ class Scheduler(ServiceRuntime):
         for state in REPLICA_ORDER:
             if state != ReplicaState.GONE:
                 REPLICAS.labels(state).set(counts.get(state, 0))
-        for state in EngineState:
-            MEMBERS.labels(state.value or "unreported").set(engines.get(state, 0))
+        for engine_state in EngineState:
+            MEMBERS.labels(engine_state.value or "unreported").set(engines.get(engine_state, 0))
         stamp = now()
         BACKING_OFF.set(sum(1 for d in self.deployments.items.values() if d.retry_at > stamp))
 
