@@ -192,6 +192,13 @@ async def connect(
                 ),
                 ATTEMPT_TIMEOUTS * connect_timeout + 2 * reconnect_base,
             )
+            if not nc.is_connected:
+                # nats-py raises only on an -ERR in place of the handshake's PONG; an EOF there
+                # (the server closing the connection before accepting it: under TLS 1.3 a
+                # refused certificate's alert comes after the client's side of the handshake
+                # completed) returns as if connected, and the read loop finds the EOF later.
+                # Checked before anything awaits, so this is exactly "no PONG came".
+                raise ConnectionRefusedError("the server closed the connection before accepting it (a refused certificate or identity?)")
             nc.options["max_reconnect_attempts"] = -1
             # connected_url is set by a connect that returned; "?" only guards the type
             lg.info("connected to NATS at %s as %s/%s", nc.connected_url.netloc if nc.connected_url else "?", role, ident)
