@@ -13,9 +13,12 @@ reason, never silently passed.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import os
 import shutil
+import sys
+import threading
 import time
 
 import pytest
@@ -23,6 +26,63 @@ import pytest
 from llmgw.shared import bus
 from llmgw.shared.errors import BusError
 from llmgw.shared.natsserver import NatsServer
+
+# --------------------------------------------------------------------------
+# A test about to hit its pytest-timeout prints what its event loop awaits
+# --------------------------------------------------------------------------
+
+TASK_DUMP_LEAD = 3.0  # seconds before pytest-timeout ends the test
+
+
+def _dump_awaiting_tasks(nodeid: str) -> None:
+    """Print every task of each running event loop with the line it awaits on.
+
+    pytest-timeout shows the main thread's stack, which for an async test is the
+    loop idling in select(): it says that the test hangs, not on what. The loop is
+    idle then, so reading its tasks from this thread is safe enough for a report.
+    """
+    loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop) and o.is_running()]
+    print(f"\n+++ {nodeid}: {TASK_DUMP_LEAD:.0f}s before its timeout, the tasks of {len(loops)} running event loop(s):", file=sys.stderr)
+    for loop in loops:
+        try:
+            tasks = list(asyncio.all_tasks(loop))
+        except RuntimeError as e:  # the set changed while read: say so rather than guess
+            print(f"+++ could not list the tasks: {e}", file=sys.stderr)
+            continue
+        for task in tasks:
+            print(f"+++ {task.get_name()}:", file=sys.stderr)
+            for where in _await_chain(task.get_coro()):
+                print(f"      {where}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _await_chain(coro):
+    """The lines a suspended coroutine awaits on, outermost first (a task's own stack
+    shows only its outermost frame)."""
+    depth = 0
+    while coro is not None and depth < 30:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            yield f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        depth += 1
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    timer = None
+    if limit > TASK_DUMP_LEAD:
+        timer = threading.Timer(limit - TASK_DUMP_LEAD, _dump_awaiting_tasks, args=(item.nodeid,))
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
+
 
 NATS_MODE = os.environ.get("LLMGW_TEST_NATS", "binary")
 
