@@ -195,3 +195,18 @@ class Cluster:
         # A service whose stop never ends is a bug of the service, not of the test's
         # cleanup: say which (its processes were still cleaned up above).
         assert not stuck, f"stop() of {', '.join(stuck)} did not return within 20s"
+
+
+async def crash(svc, mirrors=()) -> None:
+    """Stop a service as a crash would: its tasks end, its connection drops, it never
+    resigns. Bounded as ServiceRuntime.stop bounds it: a task caught in a nats-py call can
+    outlive its cancel, and an unbounded wait for it hung a test once in a hunt (90 s
+    timeout); closing the connection leaves such a task nothing to act through."""
+    for t in svc.tasks:
+        t.cancel()
+    _done, stuck = await asyncio.wait(svc.tasks, timeout=5) if svc.tasks else (set(), set())
+    for t in stuck:
+        print(f"crash: task {t.get_name()} did not end within 5s of its cancel", file=sys.stderr)
+    for mirror in mirrors:
+        await asyncio.wait_for(mirror.stop(), 5)
+    await asyncio.wait_for(svc.nc.close(), 5)

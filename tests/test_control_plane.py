@@ -13,6 +13,7 @@ from llmgw.services.devcluster import simcluster
 from llmgw.shared.schemas import DeploymentSpec, template_digest
 
 from .cluster_helpers import Cluster
+from .cluster_helpers import crash as crash_service
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -114,14 +115,7 @@ async def test_returning_node_has_its_stale_engines_stopped(cluster, connector):
 
 async def crash(svc):
     """Stop a service as a crash would: no resignation, no goodbye."""
-    for t in svc.tasks:
-        t.cancel()
-    await asyncio.gather(*svc.tasks, return_exceptions=True)
-    for m in ("nodes", "leases", "deployments", "replicas"):
-        mirror = getattr(svc, m, None)
-        if mirror is not None:
-            await mirror.stop()
-    await svc.nc.close()
+    await crash_service(svc, [m for name in ("nodes", "leases", "deployments", "replicas") if (m := getattr(svc, name, None)) is not None])
 
 
 async def test_standby_scheduler_finishes_a_rebuild_without_duplicates(cluster, connector):

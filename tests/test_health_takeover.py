@@ -20,6 +20,7 @@ from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror
 from llmgw.shared.schemas import ApiError, Lease, NodeRequest, decode, encode
 
+from .cluster_helpers import crash as crash_service
 from .conftest import service_config
 from .test_registry_health import FAST, Beater, events_of, start_health, wait_for
 
@@ -29,12 +30,7 @@ CHECKPOINT = CHECKPOINT_HEARTBEATS * FAST["heartbeat_interval"]  # Timings.check
 
 
 async def crash(svc: health_mod.HealthMonitor) -> None:
-    """Stop a monitor as a crash would: its tasks end, its connection drops, it never resigns."""
-    for t in svc.tasks:
-        t.cancel()
-    await asyncio.gather(*svc.tasks, return_exceptions=True)
-    await svc.stored_leases.stop()
-    await svc.nc.close()
+    await crash_service(svc, [svc.stored_leases])
 
 
 async def test_a_monitor_starting_on_a_full_bucket_knows_every_stored_lease(nats_server, connector):
