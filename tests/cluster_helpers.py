@@ -210,3 +210,17 @@ async def crash(svc, mirrors=()) -> None:
     for mirror in mirrors:
         await asyncio.wait_for(mirror.stop(), 5)
     await asyncio.wait_for(svc.nc.close(), 5)
+
+
+def sim_spec(name="demo", replicas=1, nodes=2, gpus=2, load="0.2s"):
+    """A deployment of the sim engine, as the control-plane tests apply it."""
+    return DeploymentSpec(
+        name=name,
+        model="sim-7b",
+        engine="sim",
+        replicas=replicas,
+        nodes_per_replica=nodes,
+        gpus_per_node=gpus,
+        engine_args=["--load-time", load],
+        startup_timeout=30,
+    )

@@ -10,25 +10,13 @@ import urllib.request
 import pytest
 
 from llmgw.services.devcluster import simcluster
-from llmgw.shared.schemas import DeploymentSpec, template_digest
+from llmgw.shared.schemas import template_digest
 
 from .cluster_helpers import Cluster
 from .cluster_helpers import crash as crash_service
+from .cluster_helpers import sim_spec as spec
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
-
-
-def spec(name="demo", replicas=1, nodes=2, gpus=2, load="0.2s"):
-    return DeploymentSpec(
-        name=name,
-        model="sim-7b",
-        engine="sim",
-        replicas=replicas,
-        nodes_per_replica=nodes,
-        gpus_per_node=gpus,
-        engine_args=["--load-time", load],
-        startup_timeout=30,
-    )
 
 
 @pytest.fixture

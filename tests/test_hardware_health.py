@@ -20,27 +20,15 @@ import pytest
 from llmgw.services.devcluster import simcluster
 from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror, open_bucket
-from llmgw.shared.schemas import DeploymentSpec, NodeRecord
+from llmgw.shared.schemas import NodeRecord
 
 from . import spawning
 from .cluster_helpers import CLUSTER_ENV, TIMINGS, Cluster
+from .cluster_helpers import sim_spec as spec
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 DISCOVERY = 0.3
-
-
-def spec(name="demo", replicas=1, nodes=2, gpus=2, load="0.2s"):
-    return DeploymentSpec(
-        name=name,
-        model="sim-7b",
-        engine="sim",
-        replicas=replicas,
-        nodes_per_replica=nodes,
-        gpus_per_node=gpus,
-        engine_args=["--load-time", load],
-        startup_timeout=30,
-    )
 
 
 @pytest.fixture
