@@ -92,6 +92,8 @@ from pathlib import Path
 
 import aiohttp
 
+from llmgw.shared.tasks import cancel_and_wait
+
 FAULTS = ("node-kill", "leader-kill", "worker-kill", "leader-hang", "worker-hang", "stall", "hca-down", "gpu-fault", "agent-kill", "nats-restart")
 LLMGW = [sys.executable, "-m", "llmgw.services"]
 STOPPED_REPLICA = ("failed", "reaping", "gone")
@@ -145,9 +147,7 @@ class Load:
 
     async def stop(self) -> None:
         self._stop.set()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         if self.session is not None:
             await self.session.close()
 
@@ -331,9 +331,9 @@ class Watch:
         return bool(leases) and all(lease.state == "ready" for lease in leases.values())
 
     async def close(self) -> None:
-        if self._events_task:
-            self._events_task.cancel()
-            await asyncio.gather(self._events_task, return_exceptions=True)
+        # One cancel is not enough: a get_msg answered in the same turn swallows it on
+        # Python 3.11 (llmgw.shared.tasks), and this loop would then read on for ever.
+        await cancel_and_wait((self._events_task,))
         for m in self.mirrors.values():
             await m.stop()
         if self.nc is not None:

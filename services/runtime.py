@@ -27,6 +27,7 @@ from llmgw.shared.events import EventPublisher
 from llmgw.shared.leader import Leadership
 from llmgw.shared.names import is_valid_name
 from llmgw.shared.schemas import ApiError, decode, encode
+from llmgw.shared.tasks import cancel_and_wait
 
 VERSION = "0.1.0"
 # Control-plane writes (KV puts, event publishes) the bus refused or did not
@@ -231,9 +232,7 @@ class ServiceRuntime:
         whose flush never returns, a task that will not end) leaves a process
         that neither serves nor exits — systemd's stop timeout or a test's
         timeout would be all that ends it."""
-        for t in self.tasks:
-            t.cancel()
-        _done, stuck = await asyncio.wait(self.tasks, timeout=5) if self.tasks else (set(), set())
+        stuck = await cancel_and_wait(self.tasks, timeout=5)
         for t in stuck:
             self.log.warning("task %s did not end within 5s of being cancelled; leaving it", t.get_name())
         if self.leadership:

@@ -30,6 +30,7 @@ from typing import Generic, TypeVar
 
 from llmgw.shared.errors import WireError
 from llmgw.shared.schemas import decode
+from llmgw.shared.tasks import cancel_and_wait
 
 T = TypeVar("T")
 log = logging.getLogger("llmgw.kv")
@@ -103,10 +104,7 @@ class KvMirror(Generic[T]):
 
     async def stop(self) -> None:
         self._stopped = True
-        for task in (self._guard, self._task):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait((self._guard, self._task))
         if self._watch is not None:
             await self._stop_watcher(self._watch)
 
@@ -225,9 +223,7 @@ class KvMirror(Generic[T]):
     async def _resync(self, why: str) -> None:
         log.info("%s: re-reading the bucket: %s", self.kv._stream, why)
         old_task, old_watch = self._task, self._watch
-        if old_task is not None:
-            old_task.cancel()
-            await asyncio.gather(old_task, return_exceptions=True)
+        await cancel_and_wait((old_task,))
         if old_watch is not None:
             await self._stop_watcher(old_watch)
         watch = await self._open(fresh={})

@@ -25,6 +25,7 @@ from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.natsserver import NatsServer
 from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRequest, Replica, decode, encode
+from llmgw.shared.tasks import cancel_and_wait
 
 from .conftest import service_config
 from .waiting import _UNSET, eventually
@@ -199,13 +200,10 @@ class Cluster:
 
 async def crash(svc, mirrors=()) -> None:
     """Stop a service as a crash would: its tasks end, its connection drops, it never
-    resigns. Bounded as ServiceRuntime.stop bounds it: a task caught in a nats-py call can
-    outlive its cancel, and an unbounded wait for it hung a test once in a hunt (90 s
-    timeout); closing the connection leaves such a task nothing to act through."""
-    for t in svc.tasks:
-        t.cancel()
-    _done, stuck = await asyncio.wait(svc.tasks, timeout=5) if svc.tasks else (set(), set())
-    for t in stuck:
+    resigns. Ended as ServiceRuntime.stop ends them (llmgw.shared.tasks): a task whose nats-py
+    read completed with its cancel swallows it on Python 3.11, and a single cancel and an
+    unbounded wait for it hung a test once in a hunt (90 s timeout)."""
+    for t in await cancel_and_wait(svc.tasks, timeout=5):
         print(f"crash: task {t.get_name()} did not end within 5s of its cancel", file=sys.stderr)
     for mirror in mirrors:
         await asyncio.wait_for(mirror.stop(), 5)

@@ -19,6 +19,7 @@ import pytest
 from nats.errors import TimeoutError as NatsTimeout
 
 from llmgw.shared import subjects as S
+from llmgw.shared.tasks import cancel_and_wait
 
 from .cluster_helpers import Cluster
 from .test_control_plane import bring_up, spec
@@ -35,9 +36,8 @@ async def cluster(nats_server, tmp_path):
 
 async def die(svc):
     """The process dies: every task stops where it is, the connection drops."""
-    for t in list(svc.tasks) + list(getattr(svc, "background", ())):
-        t.cancel()
-    await asyncio.gather(*svc.tasks, return_exceptions=True)
+    stuck = await cancel_and_wait([*svc.tasks, *getattr(svc, "background", ())])
+    assert not stuck, f"tasks that did not end when cancelled: {[t.get_name() for t in stuck]}"
     for m in ("nodes", "leases", "deployments", "replicas"):
         await getattr(svc, m).stop()
     await svc.nc.close()

@@ -13,6 +13,7 @@ from llmgw.services import registry as registry_mod
 from llmgw.services.leases import CHECKPOINT_HEARTBEATS
 from llmgw.shared import subjects as S
 from llmgw.shared.schemas import ApiError, FabricMembership, Gpu, Heartbeat, Inventory, Lease, NodeRecord, decode, encode
+from llmgw.shared.tasks import cancel_and_wait
 
 from .conftest import service_config
 from .waiting import _UNSET, eventually
@@ -145,8 +146,7 @@ class Beater:
         return self
 
     async def stop(self):
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        await cancel_and_wait([self.task])
 
 
 async def start_health(nats_server, name="health"):

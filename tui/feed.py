@@ -33,6 +33,7 @@ from llmgw.shared.config import ServiceConfig
 from llmgw.shared.errors import BusError, WireError
 from llmgw.shared.kvmirror import KvMirror
 from llmgw.shared.schemas import DeploymentSpec, Event, Lease, NodeRecord, Replica, decode
+from llmgw.shared.tasks import cancel_and_wait
 
 from .model import ClusterState
 
@@ -132,9 +133,7 @@ class Feed(Session):
                             if (failed := t.exception()) is not None:
                                 raise failed
                 finally:
-                    for t in pending:
-                        t.cancel()
-                    await asyncio.gather(*pending, return_exceptions=True)
+                    await cancel_and_wait(pending)
         finally:
             await self._close()
 

@@ -76,6 +76,7 @@ from llmgw.shared.schemas import (
     decode,
     encode,
 )
+from llmgw.shared.tasks import cancel_and_wait
 
 from .config import AgentConfig, check_identity, load_agent_config
 from .discovery import Discovery, DiscoveryError, NvmlHealth, discover
@@ -239,13 +240,8 @@ class Agent:
     async def _shutdown(self) -> None:
         # Heartbeats stop first, so the health monitor sees silence rather than
         # a heartbeat from an agent that is already going.
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        for t in await cancel_and_wait(self._tasks, timeout=5):
+            log.warning("task %s did not end within 5s of being cancelled; leaving it", t.get_name())
         # Draining lets a command already received finish and be answered;
         # only then does the supervisor stop watching. Engines keep running.
         if self.nc is not None and not self.nc.is_closed:

@@ -80,6 +80,7 @@ from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import LlmgwError, WireError
 from llmgw.shared.schemas import CommandAck, EngineFact, LaunchCommand, ReportedEngineState, TrafficReport
 from llmgw.shared.states import EngineState
+from llmgw.shared.tasks import cancel_and_wait
 
 from . import adapters
 from .config import SupervisorConfig
@@ -371,13 +372,8 @@ class Supervisor:
         """Stop watching. Engines keep running; unfinished stops are finished by the next agent."""
         canaries = [e.canary for e in self._engines.values() if e.canary is not None]
         tasks = [t for t in (self._watch, self._scan, *self._stops.values(), *self._ending.values(), *canaries) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        for t in await cancel_and_wait(tasks, timeout=5):
+            log.warning("task %s did not end within 5s of being cancelled; leaving it", t.get_name())
         self._watch = self._scan = None
         self._stops.clear()
         self._ending.clear()

@@ -66,6 +66,7 @@ from llmgw.shared.schemas import (
 )
 from llmgw.shared.specs import is_outdated, validate_spec
 from llmgw.shared.states import REPLICA_ORDER, EngineState, ReplicaState
+from llmgw.shared.tasks import cancel_and_wait
 
 from ..leases import BOOT_SETTLED_HEARTBEATS as SETTLE_HEARTBEATS
 from ..runtime import ServiceRuntime, Turn, run_service
@@ -812,8 +813,7 @@ class Scheduler(ServiceRuntime):
         return explain_reply(spec, view, self.replicas.items.values(), now())
 
     async def stop(self) -> None:
-        for t in list(getattr(self, "background", ())):
-            t.cancel()
+        await cancel_and_wait(list(getattr(self, "background", ())))
         for m in ("nodes", "leases", "deployments", "replicas"):
             mirror = getattr(self, m, None)
             if mirror is not None:
