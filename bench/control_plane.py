@@ -19,12 +19,13 @@ after 15 s, 20 fabrics, 8 GPUs per node):
   last of 8,000 launches at agents < 2 s; lost -> last replacement launch
   < 200 ms; a nats-server restart under 10,000 connected agents: every lease
   renewed again within two heartbeats of the server's return, and no node
-  declared lost. Needs about 4 GB of memory in this process (0.37 MiB per
-  simulated agent, measured at 2,000 and 3,000) and 10,000 + file
-  descriptors in it and as many in nats-server: the bench raises its own
-  ``RLIMIT_NOFILE`` soft limit (nats-server inherits it) and says so, or stops
-  with the ``ulimit -Hn`` it needs. Bring-up takes minutes (10,000 TLS
-  handshakes made by this one process); do not run it on a busy machine.
+  declared lost. Needs about 4 GB of memory over the agent workers (0.37 MiB
+  per simulated agent, measured at 2,000 and 3,000) and 10,000 + file
+  descriptors in them and as many in nats-server: the bench raises its own
+  ``RLIMIT_NOFILE`` soft limit (its workers and nats-server inherit it) and
+  says so, or stops with the ``ulimit -Hn`` it needs. Bring-up takes minutes
+  (10,000 TLS handshakes made on this machine's cores, beside nats-server's);
+  do not run it on a busy machine.
 
 What runs where:
 
@@ -34,8 +35,11 @@ What runs where:
   way ``llmgw up`` starts them (``up.Cluster``: same config files, same
   ``python -m llmgw.services ROLE --config FILE``, same teardown), so their CPU
   can be read from ``/proc/<pid>/stat``;
-* the simulated agents in this process, on one asyncio loop: one TLS
-  connection per node under that node's own certificate (the server only lets
+* the simulated agents in ``--agent-procs`` worker processes (this script
+  with ``--agents-worker``; one per 2,500 nodes by default, at most one per
+  core), each one asyncio loop, told what to do and telling what they saw
+  over their stdin/stdout (one loop's handshakes alone would pace a herd of
+  thousands: ~160/s here): one TLS connection per node under that node's own certificate (the server only lets
   ``CN=nodeNNNN,OU=node`` publish ``llmgw.node.nodeNNNN.>``). Each connects the
   way the real agent does (``shared/bus.py``: a first connect delayed by a draw
   in [0, reconnect_base), reconnects backing off with jitter, and on every
@@ -50,8 +54,8 @@ Phases:
 1. bring-up: every agent connects (``--connect-concurrency`` handshakes in
    flight); until every node is registered and its lease ready.
 2. steady state: CPU of each process over ``--steady``; the target is on
-   registry + health + scheduler; nats-server and this process are reported
-   beside it.
+   registry + health + scheduler; nats-server and the bench with its agent
+   workers are reported beside it.
 3. placement: ``--replicas`` replicas x 2 nodes x 4 GPUs applied as the
    operator; apply -> first/last launch command at the agents, -> all ready.
 4. failover: one member node's heartbeats stop (its connection stays up);
@@ -64,7 +68,8 @@ Phases:
    own ``llmgw_health_lease_age_seconds{node}`` (metrics_listen), a node
    counting once its age shows a heartbeat accepted after the return; the
    same from the last agent's return, apart (the control plane's own time:
-   the herd before it is paced by this one process's TLS handshakes) — and
+   the herd before it is paced by the simulated agents' TLS handshakes, made
+   on the same cores) — and
    the nodes declared lost meanwhile (lost events in ``LLMGW_EVENTS`` for live
    nodes, and the monitor's ``llmgw_health_transitions_total{to="lost"}``):
    the target is none. The monitor pauses its countdowns while it is away from
@@ -137,6 +142,7 @@ from llmgw.shared.schemas import (
     decode,
     encode,
 )
+from llmgw.shared.tasks import cancel_and_wait
 
 # % of one core (registry + health + scheduler), s, s, heartbeat intervals (issue #17)
 # The phases in order (--until names the last one to run).
@@ -146,7 +152,7 @@ TARGETS = {"cpu": 25.0, "placement": 2.0, "failover": 0.2, "restart_heartbeats":
 AGENT_RECONNECT_BASE, AGENT_RECONNECT_MAX = 0.5, 5.0
 # The real agent's connect timeout (bus.connect's default), which bounds each
 # reconnect attempt too; the bench's first connects get longer (they queue
-# for a handshake slot in this one process).
+# for a handshake slot in their worker).
 AGENT_CONNECT_TIMEOUT, BENCH_FIRST_CONNECT_TIMEOUT = 5.0, 20.0
 # Thousands of agents losing the bus at once would print thousands of warnings;
 # the phase reports what they did instead.
@@ -155,6 +161,16 @@ AGENT_LOG.setLevel(logging.ERROR)
 DEPLOYMENT = "bench"
 CONTROL_PLANE = ("registry", "health", "scheduler")  # the processes the CPU target sums
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+THIS_FILE = Path(__file__).resolve()  # agent workers are this script again (--agents-worker JOB)
+
+
+def peak_mib(pid: int) -> float:
+    """A process's peak resident memory (``VmHWM`` in ``/proc/<pid>/status``), MiB."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -221,6 +237,7 @@ class SimAgent:
     silent: bool = False  # heartbeats stopped for good (the failover's victim)
     reconnected_at: list = field(default_factory=list)  # wall clock of each reconnect
     errors: int = 0  # connection errors nats-py reported (a failed reconnect attempt is one)
+    emit: object = None  # in an agents worker: tells the bench what happened (a dict a line)
 
     def inventory(self) -> Inventory:
         return Inventory(
@@ -270,9 +287,13 @@ class SimAgent:
 
     async def on_error(self, _e: Exception) -> None:
         self.errors += 1
+        if self.emit:
+            self.emit({"ev": "error", "node": self.node_id})
 
     async def on_reconnect(self) -> None:
         self.reconnected_at.append(time.time())
+        if self.emit:
+            self.emit({"ev": "reconnected", "node": self.node_id, "at": self.reconnected_at[-1]})
         if self.silent:
             return  # a node whose heartbeats were stopped (phase 4) stays silent
         try:
@@ -375,6 +396,221 @@ class Board:
 
 
 # --------------------------------------------------------------------------
+# Agent workers: the simulated agents spread over processes
+# --------------------------------------------------------------------------
+#
+# One asyncio loop completes only so many TLS handshakes a second (~160 here),
+# which paced the restart phase's herd at 2,000 nodes and would take a minute
+# at 10,000: the figure would be this process's, not the control plane's. So the
+# agents run in ``--agent-procs`` worker processes (``control_plane.py
+# --agents-worker JOB``), each one loop of SimAgents exactly as before. The
+# bench talks to them over their stdin/stdout, a JSON object a line:
+#
+#   bench -> worker   {"op": "connect"} | {"op": "inventory", "nodes": [...]}
+#                     | {"op": "silence", "node": N} | {"op": "close"}
+#   worker -> bench   {"ev": "connected", "node": N} | {"ev": "launch", ...}
+#                     | {"ev": "reconnected", "node": N, "at": T} | {"ev": "error", "node": N}
+#                     | {"ev": "silenced", "node": N, "last_beat": T} | {"ev": "closed"}
+#
+# Times are the workers' wall clocks, stamped where the event happened (same
+# machine, same clock as the services' event times); the pipe's delay is not in
+# any figure.
+
+
+class WorkerBoard(Board):
+    """A worker's board: every launch is also told to the bench."""
+
+    def __init__(self, emit, pid_base: int):
+        super().__init__(pid=pid_base)
+        self.emit = emit
+
+    def launched(self, seen: LaunchSeen) -> None:
+        super().launched(seen)
+        self.emit({"ev": "launch", "at": seen.at, "node": seen.node, "replica_id": seen.replica_id, "generation": seen.generation, "rank": seen.rank})
+
+
+async def agents_worker(job: dict) -> int:
+    loop = asyncio.get_running_loop()
+    out = sys.stdout
+
+    def emit(event: dict) -> None:
+        out.write(json.dumps(event) + "\n")
+        out.flush()
+
+    board = WorkerBoard(emit, job["pid_base"])
+    agents = {
+        a["node_id"]: SimAgent(a["node_id"], a["fabric"], a["mgmt_addr"], a["gpus"], bus.TlsFiles(a["ca"], a["cert"], a["key"]), board, emit=emit)
+        for a in job["agents"]
+    }
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    sem = asyncio.Semaphore(job["concurrency"])
+
+    async def connect(agent: SimAgent) -> None:
+        # The real agent's first-connect spread, before queueing for a handshake slot.
+        await asyncio.sleep(bus.first_connect_delay(AGENT_RECONNECT_BASE))
+        async with sem:
+            try:
+                await agent.connect(job["urls"])
+                await agent.announce(job["heartbeat"])
+            except Exception as e:
+                emit({"ev": "failed", "error": f"{agent.node_id} could not connect: {type(e).__name__}: {e}"})
+                return
+        emit({"ev": "connected", "node": agent.node_id})
+
+    running: set[asyncio.Task] = set()
+    while line := await reader.readline():
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "connect":
+            for agent in agents.values():
+                t = asyncio.create_task(connect(agent))
+                running.add(t)
+                t.add_done_callback(running.discard)
+        elif op == "inventory":
+            for node in cmd["nodes"]:
+                with contextlib.suppress(Exception):
+                    await agents[node].publish_inventory()
+        elif op == "silence":
+            agent = agents[cmd["node"]]
+            agent.stop_heartbeats()
+            emit({"ev": "silenced", "node": agent.node_id, "last_beat": agent.last_beat})
+        elif op == "close":
+            break
+    # close, or the bench is gone (EOF): end every connection, then say so
+    await cancel_and_wait(running)
+    for agent in agents.values():
+        agent.stop_heartbeats()
+
+    async def close(nc):
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(asyncio.gather(*(close(ag.nc) for ag in agents.values() if ag.nc is not None)), 15)
+    emit({"ev": "closed"})
+    return 0
+
+
+@dataclass
+class AgentView:
+    """The bench's view of one simulated agent living in a worker."""
+
+    node_id: str
+    fabric: str
+    mgmt_addr: str
+    tls: bus.TlsFiles
+    worker: int = 0
+    silent: bool = False
+    last_beat: float = 0.0
+    reconnected_at: list = field(default_factory=list)
+    errors: int = 0
+
+
+class Fleet:
+    """The agent workers, and what their agents did as the bench sees it."""
+
+    def __init__(self, board: Board, out):
+        self.board = board
+        self.out = out
+        self.views: dict[str, AgentView] = {}
+        self.procs: list[asyncio.subprocess.Process] = []
+        self.readers: list[asyncio.Task] = []
+        self.connected = 0
+        self.closed = 0
+        self.failed = ""  # a worker that ended before it was told to
+        self.silenced: dict[str, asyncio.Future] = {}
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    async def start(self, root: Path, views: list[AgentView], procs: int, job: dict) -> None:
+        for k in range(procs):
+            mine = views[k::procs]
+            for v in mine:
+                v.worker = k
+                self.views[v.node_id] = v
+            path = root / f"agents-worker-{k}.json"
+            agents = [{"node_id": v.node_id, "fabric": v.fabric, "mgmt_addr": v.mgmt_addr, "ca": v.tls.ca, "cert": v.tls.cert, "key": v.tls.key} for v in mine]
+            path.write_text(json.dumps({**job, "agents": [{**a, "gpus": job["gpus"]} for a in agents], "pid_base": 100_000 + k * 1_000_000}))
+            p = await asyncio.create_subprocess_exec(
+                sys.executable, str(THIS_FILE), "--agents-worker", str(path), stdin=subprocess.PIPE, stdout=subprocess.PIPE, limit=1 << 20
+            )
+            self.procs.append(p)
+            self.readers.append(asyncio.create_task(self._read(k, p)))
+
+    async def _read(self, k: int, p: asyncio.subprocess.Process) -> None:
+        assert p.stdout is not None
+        while line := await p.stdout.readline():
+            ev = json.loads(line)
+            kind = ev["ev"]
+            if kind == "launch":
+                self.board.launched(LaunchSeen(ev["at"], ev["node"], ev["replica_id"], ev["generation"], ev["rank"]))
+            elif kind == "reconnected":
+                self.views[ev["node"]].reconnected_at.append(ev["at"])
+            elif kind == "error":
+                self.views[ev["node"]].errors += 1
+            elif kind == "connected":
+                self.connected += 1
+            elif kind == "silenced":
+                view = self.views[ev["node"]]
+                view.silent, view.last_beat = True, ev["last_beat"]
+                fut = self.silenced.pop(view.node_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+            elif kind == "failed":
+                self.failed = self.failed or ev["error"]
+            elif kind == "closed":
+                self.closed += 1
+                return
+        self.failed = self.failed or f"agents worker {k} (pid {p.pid}) ended unasked, exit code {await p.wait()}"
+
+    def check_alive(self) -> None:
+        if self.failed:
+            raise BenchError(self.failed)
+
+    async def tell(self, k: int, cmd: dict) -> None:
+        stdin = self.procs[k].stdin
+        assert stdin is not None
+        stdin.write((json.dumps(cmd) + "\n").encode())
+        await stdin.drain()
+
+    async def connect_all(self) -> None:
+        for k in range(len(self.procs)):
+            await self.tell(k, {"op": "connect"})
+
+    async def publish_inventory(self, nodes: list[str]) -> None:
+        for k in range(len(self.procs)):
+            mine = [n for n in nodes if self.views[n].worker == k]
+            if mine:
+                await self.tell(k, {"op": "inventory", "nodes": mine})
+
+    async def silence(self, node: str, timeout: float = 10.0) -> AgentView:
+        """Stop one agent's heartbeats for good (its connection stays up); returns its view
+        once the worker says so, with the time of its last heartbeat."""
+        fut = self.silenced[node] = asyncio.get_running_loop().create_future()
+        await self.tell(self.views[node].worker, {"op": "silence", "node": node})
+        await asyncio.wait_for(fut, timeout)
+        return self.views[node]
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Every worker closes its connections and exits; one that does not is killed."""
+        for k, p in enumerate(self.procs):
+            if p.returncode is None:
+                with contextlib.suppress(Exception):
+                    await self.tell(k, {"op": "close"})
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in self.procs)), timeout)
+        for p in self.procs:
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                await p.wait()
+        await cancel_and_wait(self.readers)
+
+
+# --------------------------------------------------------------------------
 # The bench
 # --------------------------------------------------------------------------
 
@@ -404,7 +640,8 @@ class Bench:
         self.cluster = Cluster(dir=root, progress=lambda m: print(m, flush=True))
         self.t0 = time.monotonic()
         self.board = Board()
-        self.agents: list[SimAgent] = []
+        self.agents: list[AgentView] = []
+        self.fleet = Fleet(self.board, self.out)
         self.fig = Figures()
         self.nc = None
         self.js = None
@@ -438,9 +675,7 @@ class Bench:
         with one_ledger_write(nats.pki_dir):
             for i, node in enumerate(ids):
                 tls = nats.issue(node, "node")
-                self.agents.append(
-                    SimAgent(node, fabric_name(i // per), f"10.{(i + 1) >> 16 & 255}.{(i + 1) >> 8 & 255}.{(i + 1) & 255}", a.gpus, tls, self.board)
-                )
+                self.agents.append(AgentView(node, fabric_name(i // per), f"10.{(i + 1) >> 16 & 255}.{(i + 1) >> 8 & 255}.{(i + 1) & 255}", tls))
         self.out(f"issued {len(ids)} node certificates in {time.monotonic() - t:.1f}s ({a.fabrics} fabrics of {per} nodes)")
         hb, lost = a.heartbeat, a.node_lost_after
         self.suspect_after = next(k for k in (3, 2, 1) if k * hb < lost)
@@ -484,7 +719,7 @@ class Bench:
         deadline = time.monotonic() + timeout
         for svc in ("llmgw-registry", "llmgw-scheduler"):
             while True:
-                self.cluster.check_alive()
+                self.check_alive()
                 try:
                     await self.nc.request(f"$SRV.PING.{svc}", b"", timeout=1)
                     break
@@ -521,11 +756,17 @@ class Bench:
         p = {r: self.cluster.procs[r].pid for r in ("registry", "health", "scheduler")}
         servers = [n for n in self.cluster.procs if n.startswith("nats-server")]
         p["nats-server"] = self.cluster.procs[servers[0]].pid  # the first (of a cluster: its CPU stands for each)
-        p["bench (agents)"] = os.getpid()
         return p
 
     def cpu_all(self) -> dict[str, float]:
-        return {name: cpu_seconds(pid) for name, pid in self.pids().items()}
+        cpu = {name: cpu_seconds(pid) for name, pid in self.pids().items()}
+        # this process and its agent workers, together: the load generator
+        cpu["bench (agents)"] = sum(cpu_seconds(pid) for pid in (os.getpid(), *self.fleet.pids))
+        return cpu
+
+    def check_alive(self) -> None:
+        self.cluster.check_alive()
+        self.fleet.check_alive()
 
     # -- phase 1 ---------------------------------------------------------------
     async def bring_up(self) -> None:
@@ -539,37 +780,41 @@ class Bench:
         self.out("services answer; connecting agents")
         nodes = await self.mirror(S.BUCKET_NODES, NodeRecord)
         leases = await self.mirror(S.BUCKET_LEASES, Lease)
+        # Thousands of TLS handshakes: spread over the agent workers, bounded concurrency
+        # in each, with progress.
+        job = {
+            "urls": self.cluster.nats_urls,
+            "heartbeat": a.heartbeat,
+            "gpus": a.gpus,
+            "concurrency": max(1, -(-a.connect_concurrency // a.agent_procs)),
+        }
+        await self.fleet.start(self.root, self.agents, a.agent_procs, job)
+        self.out(
+            f"{a.agent_procs} agent worker process(es) (pids {', '.join(map(str, self.fleet.pids))}), {-(-len(self.agents) // a.agent_procs)} agents each at most"
+        )
         c0 = self.cpu_all()
-        # 2,000 TLS handshakes from one loop: bounded concurrency, with progress.
-        sem = asyncio.Semaphore(a.connect_concurrency)
-        done = 0
         t = time.monotonic()
-        last_print = t
-
-        async def one(agent: SimAgent):
-            nonlocal done, last_print
-            # The real agent's first-connect spread, before queueing for a handshake slot.
-            await asyncio.sleep(bus.first_connect_delay(AGENT_RECONNECT_BASE))
-            async with sem:
-                await agent.connect(self.cluster.nats_urls)
-                await agent.announce(a.heartbeat)
-            done += 1
-            if time.monotonic() - last_print >= 2 or done == len(self.agents):
-                last_print = time.monotonic()
+        await self.fleet.connect_all()
+        last_print, last_done = t, -1
+        while self.fleet.connected < len(self.agents):
+            self.check_alive()
+            await asyncio.sleep(0.05)
+            done = self.fleet.connected
+            if time.monotonic() - last_print >= 2 and done != last_done:
+                last_print, last_done = time.monotonic(), done
                 self.out(f"agents connected {done}/{len(self.agents)} ({done / max(1e-9, last_print - t):.0f}/s)")
-
-        await asyncio.gather(*(one(ag) for ag in self.agents))
         connect_s = time.monotonic() - t
         self.fig["connect_s"] = connect_s
-        self.fig["connect_bench_cpu_pct"] = 100 * (cpu_seconds(os.getpid()) - c0["bench (agents)"]) / connect_s
+        self.fig["connect_bench_cpu_pct"] = 100 * (self.cpu_all()["bench (agents)"] - c0["bench (agents)"]) / connect_s
         self.out(
-            f"{len(self.agents)} TLS connections (one per node certificate) in {connect_s:.1f}s: {len(self.agents) / connect_s:.0f} handshakes/s; this process used {self.fig['connect_bench_cpu_pct']:.0f}% of a core meanwhile"
+            f"{len(self.agents)} TLS connections (one per node certificate) in {connect_s:.1f}s: {len(self.agents) / connect_s:.0f} handshakes/s; "
+            f"the bench and its {a.agent_procs} agent worker(s) used {self.fig['connect_bench_cpu_pct']:.0f}% of a core meanwhile"
         )
         want = {ag.node_id for ag in self.agents}
         deadline = time.monotonic() + max(120.0, a.nodes * 0.1)
         last, republished = None, time.monotonic()
         while True:
-            self.cluster.check_alive()
+            self.check_alive()
             registered = len(want & set(nodes.items))
             ready = len({k for k, lease in leases.items.items() if lease.state == "ready"} & want)
             if (registered, ready) != last:
@@ -581,17 +826,16 @@ class Bench:
                 raise BenchError(f"bring-up incomplete: {registered} registered, {ready} ready of {len(want)}")
             if registered < len(want) and time.monotonic() - republished > 15:
                 # A real agent re-sends its inventory periodically; do so for the missing ones.
-                missing = [ag for ag in self.agents if ag.node_id not in nodes.items]
+                missing = [ag.node_id for ag in self.agents if ag.node_id not in nodes.items]
                 self.out(f"re-sending the inventory of {len(missing)} unregistered nodes")
-                for ag in missing:
-                    await ag.publish_inventory()
+                await self.fleet.publish_inventory(missing)
                 republished = time.monotonic()
             await asyncio.sleep(0.2)
         self.fig["bringup_s"] = time.monotonic() - t_start
         c1 = self.cpu_all()
         self.fig["bringup_cpu_s"] = {k: c1[k] - c0[k] for k in c0}
         self.out(
-            f"bring-up complete in {self.fig['bringup_s']:.1f}s; this process holds {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB at most so far"
+            f"bring-up complete in {self.fig['bringup_s']:.1f}s; the agent workers hold {sum(map(peak_mib, self.fleet.pids)):.0f} MiB together at most so far"
         )
         self.out("CPU seconds from the first agent connect: " + ", ".join(f"{k} {v:.1f}" for k, v in self.fig["bringup_cpu_s"].items()))
         await self.unmirror(nodes)
@@ -610,7 +854,7 @@ class Bench:
         step = min(a.steady, 10.0)
         while time.monotonic() - w0 < a.steady - 1e-3:
             await asyncio.sleep(min(step, a.steady - (time.monotonic() - w0)))
-            self.cluster.check_alive()
+            self.check_alive()
             c = self.cpu_all()
             el = time.monotonic() - w0
             so_far = sum(c[k] - c0[k] for k in CONTROL_PLANE)
@@ -661,7 +905,7 @@ class Bench:
         deadline = time.monotonic() + max(60.0, want * 0.2)
         last = -1
         while len(self.board.launches) - n_launch0 < expected:
-            self.cluster.check_alive()
+            self.check_alive()
             got = len(self.board.launches) - n_launch0
             if got != last:
                 self.out(f"launch commands at agents {got}/{expected}")
@@ -678,7 +922,7 @@ class Bench:
         self.out(f"all {expected} launch commands arrived: first {1000 * (first - t_apply):.0f} ms, last {1000 * (lastl - t_apply):.0f} ms after the apply")
         last = -1
         while len(ready_at) < want:
-            self.cluster.check_alive()
+            self.check_alive()
             if len(ready_at) != last:
                 self.out(f"replicas ready {len(ready_at)}/{want}")
                 last = len(ready_at)
@@ -719,10 +963,9 @@ class Bench:
         victim_id = live[0].members[-1].node_id  # a worker of the oldest replica
         hosted = [r.id for r in live if any(m.node_id == victim_id for m in r.members)]
         max_gen = max(r.generation for r in live)
-        victim = next(ag for ag in self.agents if ag.node_id == victim_id)
         lost_sub = await self.nc.subscribe(S.event("node", victim_id, "lost"))
         n_launch0 = len(self.board.launches)
-        victim.stop_heartbeats()
+        victim = await self.fleet.silence(victim_id)
         self.out(f"stopped the heartbeats of {victim_id} (member of {', '.join(hosted)}); its connection stays up")
         try:
             msg = await lost_sub.next_msg(timeout=a.node_lost_after + 30)
@@ -774,16 +1017,10 @@ class Bench:
         for m in list(self.mirrors):
             with contextlib.suppress(Exception):
                 await m.stop()
-        for ag in self.agents:
-            ag.stop_heartbeats()
-        conns = [ag.nc for ag in self.agents if ag.nc is not None] + ([self.nc] if self.nc else [])
-
-        async def close(nc):
+        await self.fleet.close()
+        if self.nc is not None:
             with contextlib.suppress(Exception):
-                await nc.close()
-
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.gather(*(close(nc) for nc in conns)), 15)
+                await asyncio.wait_for(self.nc.close(), 15)
 
     # -- phase 5 (one server) --------------------------------------------------
     def lease_ages(self) -> tuple[float, dict[str, float]]:
@@ -884,7 +1121,7 @@ class Bench:
         self.fig["restart_renewed_after_ready_s"] = max(renewed.values()) - t_ready
         self.fig["restart_renewed_heartbeats"] = self.fig["restart_renewed_after_ready_s"] / hb
         # The control plane's own share: from the last agent's return (the herd is paced by
-        # this one process's TLS handshakes, ~160/s, not by nats-server or the monitor).
+        # the agent workers' TLS handshakes on the same cores, not by the monitor).
         # Clamped at 0: a renewal's time is estimated from the monitor's gauge (asked - age)
         # and an agent's return is stamped when nats-py runs its reconnected callback, which
         # can be after the monitor already accepted that agent's first heartbeat: a negative
@@ -899,7 +1136,7 @@ class Bench:
             f"every live lease renewed by the monitor {self.fig['restart_renewed_s']:.2f}s after the server's start, "
             f"{self.fig['restart_renewed_after_ready_s']:.2f}s after it was healthy ({self.fig['restart_renewed_heartbeats']:.1f} heartbeats), "
             f"{self.fig['restart_renewed_after_last_agent_s']:.2f}s after the last agent was back (the control plane's own time: the herd "
-            "before it is paced by this one process's TLS handshakes)"
+            "before it is paced by the simulated agents' TLS handshakes on these same cores)"
         )
         # Lost declarations would have come before those renewals; give the events
         # in flight a heartbeat to be stored, then count.
@@ -924,9 +1161,9 @@ class Bench:
         if self.fig["reconnect_first_s"] - self.fig["restart_ready_s"] > 2 * AGENT_RECONNECT_MAX:
             self.out(
                 "note: no agent was back within two reconnect_max of a healthy server. Every simulated agent's TLS handshake is made "
-                "by this one process: when thousands are in flight at once each takes longer than the 5 s connect timeout (and the "
-                "server's TLS timeout), so whole waves fail and back off together (congestion collapse). The figures then say how the "
-                "herd behaves against this process's handshake capacity, not against nats-server's."
+                f"by the bench's {self.args.agent_procs} agent worker(s) on this machine's cores: when thousands are in flight at once "
+                "each takes longer than the 5 s connect timeout (and the server's TLS timeout), so whole waves fail and back off together "
+                "(congestion collapse). The figures then say how the herd behaves against the workers' handshake capacity, not against nats-server's."
             )  # fmt: skip
 
     # -- phase 5 ---------------------------------------------------------------
@@ -1176,8 +1413,8 @@ def stop_processes(cluster: Cluster) -> None:
 
 def raise_fd_limit(nodes: int) -> str:
     """Raise this process's RLIMIT_NOFILE soft limit to what ``nodes`` TLS
-    connections need (nats-server, started by this process, inherits it: it holds
-    the other end of each). Returns what was done, for the log; raises BenchError
+    connections need (the agent workers and nats-server, started by this process,
+    inherit it: nats-server holds the other end of each). Returns what was done, for the log; raises BenchError
     when the hard limit is too low for it."""
     # Per process: this one holds one socket per agent, nats-server the other end of
     # each (its own table, same limit), plus JetStream files, services, margin.
@@ -1200,7 +1437,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--heartbeat", default="5s")
     p.add_argument("--node-lost-after", default="15s")
     p.add_argument("--steady", default="30s", help="CPU measuring window")
-    p.add_argument("--connect-concurrency", type=int, default=64, help="TLS handshakes in flight at once")
+    p.add_argument("--connect-concurrency", type=int, default=64, help="TLS handshakes in flight at once, over all agent workers")
+    p.add_argument(
+        "--agent-procs", type=int, default=None,
+        help="processes the simulated agents run in (default: one per 2,500 nodes, at most one per core): one loop's TLS handshakes would pace a herd of thousands",
+    )  # fmt: skip
     p.add_argument("--dir", help="work directory, kept (default: a fresh temporary one, removed after a successful run)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, configs)")
     p.add_argument("--json", help="also write the figures to this file")
@@ -1234,11 +1475,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"{args.replicas} replicas x 2 nodes x 4 GPUs (and room for a rebuild) do not fit {args.nodes} nodes x {args.gpus} GPUs")
     if args.replicas < 1:
         p.error("--replicas: at least 1")
+    if args.agent_procs is None:
+        args.agent_procs = max(1, min(os.cpu_count() or 1, -(-args.nodes // 2500)))
+    if not 1 <= args.agent_procs <= args.nodes:
+        p.error(f"--agent-procs {args.agent_procs}: between 1 and --nodes")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv_full = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    if argv_full[1:2] == ["--agents-worker"]:  # a process of simulated agents, started by the bench
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s[agents]: %(message)s", datefmt="%H:%M:%S")
+        logging.getLogger("asyncio").setLevel(logging.ERROR)
+        return asyncio.run(agents_worker(json.loads(Path(argv_full[2]).read_text())))
     args = parse_args(argv_full[1:])
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("asyncio").setLevel(logging.ERROR)

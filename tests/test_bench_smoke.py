@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 # --steady 1s: the CPU windows (two of them) only have to be measured here, not to be long enough to mean anything
-SMOKE = ["--nodes", "20", "--replicas", "5", "--steady", "1s", "--node-lost-after", "3s", "--heartbeat", "0.5s"]
+# --agent-procs 2: the agents split over two worker processes, as at 10,000 nodes (one would be the default at 20)
+SMOKE = ["--nodes", "20", "--replicas", "5", "--steady", "1s", "--node-lost-after", "3s", "--heartbeat", "0.5s", "--agent-procs", "2"]
 
 
 def _alive(pid: int) -> bool:
@@ -82,7 +83,8 @@ def test_smoke_mode_runs_every_phase_and_cleans_up(tmp_path):
     # Everything it started is gone.
     pids = [int(p) for p in re.findall(r"(?:registry|health|scheduler) (\d+)", out.split("started registry, health, scheduler", 1)[1].split("\n", 1)[0])]
     assert len(pids) == 3
-    assert not any(_alive(p) for p in pids)
+    workers = [int(p) for p in re.search(r"2 agent worker process\(es\) \(pids (\d+), (\d+)\)", out).groups()]
+    assert not any(_alive(p) for p in pids + workers)
     assert not (work / "pids.json").exists()
     assert not (work / "nats-server.pid").exists() or not _alive(int((work / "nats-server.pid").read_text().strip() or 0))
 
