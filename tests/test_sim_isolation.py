@@ -14,6 +14,8 @@ import sys
 
 from llmgw.services.devcluster import simcluster
 
+from .waiting import eventually_sync
+
 
 def spawn(env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, **env}, start_new_session=True)
@@ -23,6 +25,14 @@ def test_kill_node_of_one_cluster_leaves_the_other_clusters_node_alone(tmp_path)
     mine = spawn(simcluster.cluster_env(tmp_path / "a", "node01"))
     theirs = spawn(simcluster.cluster_env(tmp_path / "b", "node01"))
     try:
+        # Popen returns when exec closes its close-on-exec pipe, which the kernel does
+        # before it lays out the new process's environment: for a moment after,
+        # /proc/<pid>/environ is empty, and a kill-node then finds nothing (a hunt run
+        # under load did: [] == [pid]). Both must carry their markers first.
+        for p, d in ((mine, "a"), (theirs, "b")):
+            eventually_sync(
+                lambda d=d: simcluster.processes_of("node01", str((tmp_path / d).resolve())), [p.pid], what=f"cluster {d}'s node01 visible by its markers"
+            )
         killed = simcluster.kill_node("node01", str((tmp_path / "a").resolve()))
         assert killed == [mine.pid]
         assert mine.wait(10) == -9
