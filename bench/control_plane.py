@@ -62,7 +62,12 @@ Phases:
    lost event -> the replacement launches. That node is then shut down for good.
 5. nats-server restart (one server; ``--restart-signal``, SIGTERM by default):
    the server is stopped under full load and started again on the same port
-   and JetStream store. Reported: the reconnect spread (first and last agent
+   and JetStream store. The agents come back as nats-py retries, through
+   ``shared/bus.py``'s backoff and jitter; their TCP + TLS steps wait for one
+   of ``--reconnect-slots`` (64) over all workers first, outside the connect
+   timeout, as each real agent's handshake runs on its own node's CPU
+   (``--reconnect-slots 0``: unpaced, thousands in flight on one loop, which
+   collapses under its own connect timeouts). Reported: the reconnect spread (first and last agent
    reconnected after the server's return, connections/s), the time until the
    health monitor has renewed every live node's lease again — read from its
    own ``llmgw_health_lease_age_seconds{node}`` (metrics_listen), a node
@@ -238,6 +243,7 @@ class SimAgent:
     reconnected_at: list = field(default_factory=list)  # wall clock of each reconnect
     errors: int = 0  # connection errors nats-py reported (a failed reconnect attempt is one)
     emit: object = None  # in an agents worker: tells the bench what happened (a dict a line)
+    handshake_slots: asyncio.Semaphore | None = None  # shared by a worker's agents: reconnect handshakes in flight
 
     def inventory(self) -> Inventory:
         return Inventory(
@@ -269,6 +275,21 @@ class SimAgent:
             connect_timeout=BENCH_FIRST_CONNECT_TIMEOUT, on_reconnect=self.on_reconnect, on_error=self.on_error, logger=AGENT_LOG,
         )  # fmt: skip
         self.nc.options["connect_timeout"] = AGENT_CONNECT_TIMEOUT  # reconnects: as the real agent
+        if self.handshake_slots is not None:
+            # A real agent makes its handshake on its own node's CPU, whatever the others
+            # do; here thousands share one loop, which gives each a fair slice: with all
+            # of them in flight each takes longer than the 5 s connect timeout and whole
+            # waves fail together (congestion collapse of the load generator, not of the
+            # cluster). So a reconnect's TCP + TLS step waits for a slot first, outside
+            # its timeout; nats-py has no hook for that, hence the wrapped method.
+            # --reconnect-slots 0 leaves the herd as nats-py makes it.
+            slots, dial = self.handshake_slots, self.nc._connect_to_server
+
+            async def paced(server) -> None:
+                async with slots:
+                    await dial(server)
+
+            self.nc._connect_to_server = paced  # type: ignore[method-assign]
         await self.nc.subscribe(S.cmd_launch(self.node_id), cb=self.on_launch)
         await self.nc.subscribe(S.cmd_stop(self.node_id), cb=self.on_stop)
         await self.nc.subscribe(S.cmd_list(self.node_id), cb=self.on_list)
@@ -438,8 +459,11 @@ async def agents_worker(job: dict) -> int:
         out.flush()
 
     board = WorkerBoard(emit, job["pid_base"])
+    slots = asyncio.Semaphore(job["reconnect_slots"]) if job["reconnect_slots"] else None
     agents = {
-        a["node_id"]: SimAgent(a["node_id"], a["fabric"], a["mgmt_addr"], a["gpus"], bus.TlsFiles(a["ca"], a["cert"], a["key"]), board, emit=emit)
+        a["node_id"]: SimAgent(
+            a["node_id"], a["fabric"], a["mgmt_addr"], a["gpus"], bus.TlsFiles(a["ca"], a["cert"], a["key"]), board, emit=emit, handshake_slots=slots
+        )
         for a in job["agents"]
     }
     reader = asyncio.StreamReader()
@@ -787,6 +811,7 @@ class Bench:
             "heartbeat": a.heartbeat,
             "gpus": a.gpus,
             "concurrency": max(1, -(-a.connect_concurrency // a.agent_procs)),
+            "reconnect_slots": a.reconnect_slots and max(1, -(-a.reconnect_slots // a.agent_procs)),
         }
         await self.fleet.start(self.root, self.agents, a.agent_procs, job)
         self.out(
@@ -1448,6 +1473,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steady", default="30s", help="CPU measuring window")
     p.add_argument("--connect-concurrency", type=int, default=64, help="TLS handshakes in flight at once, over all agent workers")
     p.add_argument(
+        "--reconnect-slots", type=int, default=64,
+        help="reconnect handshakes in flight at once, over all agent workers (default 64; 0: unpaced, every agent at once as nats-py retries)",
+    )  # fmt: skip
+    p.add_argument(
         "--agent-procs", type=int, default=None,
         help="processes the simulated agents run in (default: one per 2,500 nodes, at most one per core): one loop's TLS handshakes would pace a herd of thousands",
     )  # fmt: skip
@@ -1486,6 +1515,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--replicas: at least 1")
     if args.agent_procs is None:
         args.agent_procs = max(1, min(os.cpu_count() or 1, -(-args.nodes // 2500)))
+    if args.reconnect_slots < 0:
+        p.error("--reconnect-slots: 0 (unpaced) or more")
     if not 1 <= args.agent_procs <= args.nodes:
         p.error(f"--agent-procs {args.agent_procs}: between 1 and --nodes")
     return args
