@@ -73,14 +73,18 @@ def measure(identities: int, connects: int) -> list[tuple[str, float, float]]:
     with one_ledger_write(srv.pki_dir):
         tls = {n: srv.issue(n, "node") for n in names}
     san = san_twin(srv, tls[names[0]], names[0], root / "san.pem")
-    srv.start()
+    # The user renamed in the rendered configuration before the server starts. (Renaming it
+    # by a reload of a running server did not change the cost in a first try: the
+    # SAN-named node then still cost as much as the others. Not investigated.)
+    srv.render()
+    conf = srv.conf_path.read_text()
+    old, new = f'"{pki.subject_dn("node", names[0])}"', f'"urn:llmgw:node:{names[0]}"'
+    if conf.count(old) != 1:
+        raise SystemExit(f"expected one user named {old} in {srv.conf_path}")
+    srv.conf_path.write_text(conf.replace(old, new))
+    srv.launch()
     try:
-        conf = srv.conf_path.read_text()
-        old, new = f'"{pki.subject_dn("node", names[0])}"', f'"urn:llmgw:node:{names[0]}"'
-        if conf.count(old) != 1:
-            raise SystemExit(f"expected one user named {old} in {srv.conf_path}")
-        srv.conf_path.write_text(conf.replace(old, new))
-        srv.reload()
+        srv.wait_ready()
         rows = []
         for label, files in (
             ("user named by subject, no SAN", tls[names[1 % identities]]),
