@@ -73,9 +73,8 @@ def measure(identities: int, connects: int) -> list[tuple[str, float, float]]:
     with one_ledger_write(srv.pki_dir):
         tls = {n: srv.issue(n, "node") for n in names}
     san = san_twin(srv, tls[names[0]], names[0], root / "san.pem")
-    # The user renamed in the rendered configuration before the server starts. (Renaming it
-    # by a reload of a running server did not change the cost in a first try: the
-    # SAN-named node then still cost as much as the others. Not investigated.)
+    # The user renamed in the rendered configuration before the server starts: not through
+    # NatsServer.reload(), which re-renders from the ledger first and so undoes the edit.
     srv.render()
     conf = srv.conf_path.read_text()
     old, new = f'"{pki.subject_dn("node", names[0])}"', f'"urn:llmgw:node:{names[0]}"'
