@@ -35,7 +35,6 @@ from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.schemas import (
     MAX_ENGINES,
-    DeploymentSpec,
     EngineFact,
     Event,
     FabricMembership,
@@ -50,7 +49,7 @@ from llmgw.shared.schemas import (
     encode,
 )
 
-from .cluster_helpers import CLUSTER_ENV, Cluster
+from .cluster_helpers import CLUSTER_ENV, Cluster, sim_spec
 from .waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -87,19 +86,6 @@ async def events_of(nc, kind: str, what: str) -> list[Event]:
 
     await nc.subscribe(f"llmgw.event.{kind}.*.{what}", cb=on)
     return seen
-
-
-def spec(name: str, replicas: int, nodes: int, gpus: int) -> DeploymentSpec:
-    return DeploymentSpec(
-        name=name,
-        model="sim-7b",
-        engine="sim",
-        replicas=replicas,
-        nodes_per_replica=nodes,
-        gpus_per_node=gpus,
-        engine_args=["--load-time", "0.2s"],
-        startup_timeout=30,
-    )
 
 
 async def bring_up(cluster: Cluster, connector, nodes: int, record: bool = True):
@@ -153,7 +139,7 @@ async def test_an_inventory_claiming_another_address_is_refused_and_never_routed
         rec = cluster.node_records.items["node01"]
         assert (rec.mgmt_addr, rec.recorded_addr) == (recorded, recorded)
 
-        await cluster.apply(spec("demo", 1, 1, 2))
+        await cluster.apply(sim_spec("demo", 1, 1, 2))
         (rep,) = await cluster.wait(lambda: cluster.ready("demo"), what="replica ready")
         assert rep.endpoint.startswith(f"http://{recorded}:")
         # once more, now that a replica is there to be hijacked
@@ -210,7 +196,7 @@ def start_clone(cluster: Cluster, node: str, tmp_path) -> subprocess.Popen:
 async def test_a_clone_is_quarantined_and_tears_nothing_down(cluster, connector, tmp_path):
     _sched, ops = await bring_up(cluster, connector, nodes=2)
     try:
-        await cluster.apply(spec("demo", 1, 2, 2))
+        await cluster.apply(sim_spec("demo", 1, 2, 2))
         (demo,) = await cluster.wait(lambda: cluster.ready("demo"), what="demo ready")
         quarantined = await events_of(ops, "node", "quarantined")
 
@@ -228,7 +214,7 @@ async def test_a_clone_is_quarantined_and_tears_nothing_down(cluster, connector,
         )
 
         # Nothing new goes to node02: of two single-node replicas, one fits on node01, the other waits.
-        await cluster.apply(spec("more", 2, 1, 2))
+        await cluster.apply(sim_spec("more", 2, 1, 2))
         await cluster.wait(
             lambda: len(cluster.ready("more")) == 1 and any("quarantined" in r.reason for r in cluster.live("more") if r.state == "pending"),
             what="one 'more' replica ready on node01, the other pending: node02 quarantined",
