@@ -240,8 +240,6 @@ class SimAgent:
     beating: asyncio.Task | None = None
     heartbeat_interval: float = 0.0
     silent: bool = False  # heartbeats stopped for good (the failover's victim)
-    reconnected_at: list = field(default_factory=list)  # wall clock of each reconnect
-    errors: int = 0  # connection errors nats-py reported (a failed reconnect attempt is one)
     emit: object = None  # in an agents worker: tells the bench what happened (a dict a line)
     handshake_slots: asyncio.Semaphore | None = None  # shared by a worker's agents: reconnect handshakes in flight
 
@@ -307,14 +305,13 @@ class SimAgent:
         await self.heartbeat()
 
     async def on_error(self, _e: Exception) -> None:
-        self.errors += 1
+        # a failed reconnect attempt is one; the bench counts them (AgentView.errors)
         if self.emit:
             self.emit({"ev": "error", "node": self.node_id})
 
     async def on_reconnect(self) -> None:
-        self.reconnected_at.append(time.time())
         if self.emit:
-            self.emit({"ev": "reconnected", "node": self.node_id, "at": self.reconnected_at[-1]})
+            self.emit({"ev": "reconnected", "node": self.node_id, "at": time.time()})
         if self.silent:
             return  # a node whose heartbeats were stopped (phase 4) stays silent
         try:
@@ -438,6 +435,9 @@ class Board:
 # any figure.
 
 
+WORKER_JOB_KEYS = frozenset({"urls", "heartbeat", "concurrency", "reconnect_slots", "pid_base", "agents"})  # what Fleet.start writes
+
+
 class WorkerBoard(Board):
     """A worker's board: every launch is also told to the bench."""
 
@@ -484,8 +484,13 @@ async def agents_worker(job: dict) -> int:
 
     running: set[asyncio.Task] = set()
     while line := await reader.readline():
-        cmd = json.loads(line)
-        op = cmd["op"]
+        try:
+            cmd = json.loads(line)
+            op = cmd["op"]
+        except (ValueError, TypeError, KeyError):
+            # the bench writes these lines; one it did not mean is said, not fatal
+            emit({"ev": "failed", "error": f"agents worker: not a command: {line[:200]!r}"})
+            continue
         if op == "connect":
             for agent in agents.values():
                 t = asyncio.create_task(connect(agent))
@@ -527,21 +532,19 @@ class AgentView:
     worker: int = 0
     silent: bool = False
     last_beat: float = 0.0
-    reconnected_at: list = field(default_factory=list)
-    errors: int = 0
+    reconnected_at: list = field(default_factory=list)  # wall clock of each reconnect, as its worker stamped it
+    errors: int = 0  # connection errors nats-py reported (a failed reconnect attempt is one)
 
 
 class Fleet:
     """The agent workers, and what their agents did as the bench sees it."""
 
-    def __init__(self, board: Board, out):
+    def __init__(self, board: Board):
         self.board = board
-        self.out = out
         self.views: dict[str, AgentView] = {}
         self.procs: list[asyncio.subprocess.Process] = []
         self.readers: list[asyncio.Task] = []
         self.connected = 0
-        self.closed = 0
         self.failed = ""  # a worker that ended before it was told to
         self.silenced: dict[str, asyncio.Future] = {}
 
@@ -556,8 +559,11 @@ class Fleet:
                 v.worker = k
                 self.views[v.node_id] = v
             path = root / f"agents-worker-{k}.json"
-            agents = [{"node_id": v.node_id, "fabric": v.fabric, "mgmt_addr": v.mgmt_addr, "ca": v.tls.ca, "cert": v.tls.cert, "key": v.tls.key} for v in mine]
-            path.write_text(json.dumps({**job, "agents": [{**a, "gpus": job["gpus"]} for a in agents], "pid_base": 100_000 + k * 1_000_000}))
+            agents = [
+                {"node_id": v.node_id, "fabric": v.fabric, "mgmt_addr": v.mgmt_addr, "gpus": job["gpus"], "ca": v.tls.ca, "cert": v.tls.cert, "key": v.tls.key}
+                for v in mine
+            ]
+            path.write_text(json.dumps({**job, "agents": agents, "pid_base": 100_000 + k * 1_000_000}))
             p = await asyncio.create_subprocess_exec(
                 sys.executable, str(THIS_FILE), "--agents-worker", str(path), stdin=subprocess.PIPE, stdout=subprocess.PIPE, limit=1 << 20
             )
@@ -586,7 +592,6 @@ class Fleet:
             elif kind == "failed":
                 self.failed = self.failed or ev["error"]
             elif kind == "closed":
-                self.closed += 1
                 return
         self.failed = self.failed or f"agents worker {k} (pid {p.pid}) ended unasked, exit code {await p.wait()}"
 
@@ -665,7 +670,7 @@ class Bench:
         self.t0 = time.monotonic()
         self.board = Board()
         self.agents: list[AgentView] = []
-        self.fleet = Fleet(self.board, self.out)
+        self.fleet = Fleet(self.board)
         self.fig = Figures()
         self.nc = None
         self.js = None
@@ -1527,7 +1532,18 @@ def main(argv: list[str] | None = None) -> int:
     if argv_full[1:2] == ["--agents-worker"]:  # a process of simulated agents, started by the bench
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s[agents]: %(message)s", datefmt="%H:%M:%S")
         logging.getLogger("asyncio").setLevel(logging.ERROR)
-        return asyncio.run(agents_worker(json.loads(Path(argv_full[2]).read_text())))
+        try:
+            job = json.loads(Path(argv_full[2]).read_text()) if len(argv_full) > 2 else None
+        except (OSError, ValueError) as e:
+            job, why = None, f"{type(e).__name__}: {e}"
+        else:
+            why = "usage: control_plane.py --agents-worker JOB.json (started by the bench, not by hand)"
+        missing = sorted(WORKER_JOB_KEYS - job.keys()) if isinstance(job, dict) else []
+        if not isinstance(job, dict) or missing:
+            why = f"missing {', '.join(missing)}" if missing else why
+            print(f"agents worker: cannot read its job: {why}", file=sys.stderr)
+            return 2
+        return asyncio.run(agents_worker(job))
     args = parse_args(argv_full[1:])
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("asyncio").setLevel(logging.ERROR)
