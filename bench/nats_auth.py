@@ -6,14 +6,18 @@ Not a test: it prints figures. Run from the repository root::
     .venv/bin/python bench/nats_auth.py --identities 2000 --connects 500
 
 For each size: a real nats-server configured as llmgw configures it (one user per
-identity, named by the certificate subject, ``verify_and_map``, every key pinned),
-then ``--connects`` sequential TLS connects and closes by one node, and the
-server's CPU (``/proc/<pid>/stat``) per connect. The same is measured for a node
-whose certificate carries a URI SAN (``urn:llmgw:node:<id>``) and whose user is
-named by it: nats-server tries SANs as literal user names before it walks every
-user comparing DNs, so if that walk were the cost, this row would not grow with
-the identities. Issue #17's restart phase found the per-connection cost growing
-with the cluster (docs/performance.md); this isolates it from the herd.
+identity, ``verify_and_map``, every key pinned), then ``--connects`` sequential
+TLS connects and closes by one node, and the server's CPU (``/proc/<pid>/stat``)
+per connect. Rows:
+
+- a node as issued now: its certificate carries a URI SAN
+  (``urn:llmgw:node:<id>``) and its user is named by it, which nats-server finds
+  by map look-up;
+- a node issued before client certificates carried the SAN: no SAN, its user
+  named by the subject (``natsconf.user_name``), which nats-server finds by
+  walking every configured user and parsing each name as a DN — the cost that
+  grows with the identities. Issue #17's restart phase found the per-connection
+  cost growing with the cluster (docs/performance.md); this isolates it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import json
 import logging
 import sys
 import tempfile
@@ -40,17 +45,17 @@ from llmgw.shared.bus import TlsFiles
 from llmgw.shared.natsserver import NatsServer
 
 
-def san_twin(srv: NatsServer, plain: TlsFiles, node: str, out: Path) -> TlsFiles:
-    """``node``'s certificate again, same key (so the same pin), with a URI SAN."""
-    key = serialization.load_pem_private_key(Path(plain.key).read_bytes(), None)
+def without_san(srv: NatsServer, issued: TlsFiles, node: str, out: Path) -> TlsFiles:
+    """``node``'s certificate as issued before URI SANs: same key (so the same pin), no SAN."""
+    key = serialization.load_pem_private_key(Path(issued.key).read_bytes(), None)
     now = dt.datetime.now(dt.UTC)
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "node"), x509.NameAttribute(NameOID.COMMON_NAME, node)])
     cert = pki._sign(
         srv.pki_dir, subject=subject, public_key=key.public_key(), usage=ExtendedKeyUsageOID.CLIENT_AUTH,
-        sans=[x509.UniformResourceIdentifier(f"urn:llmgw:node:{node}")], not_before=now - dt.timedelta(minutes=5), not_after=now + dt.timedelta(days=1),
+        sans=[], not_before=now - dt.timedelta(minutes=5), not_after=now + dt.timedelta(days=1),
     )  # fmt: skip
     out.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return TlsFiles(plain.ca, str(out), plain.key)
+    return TlsFiles(issued.ca, str(out), issued.key)
 
 
 async def per_connect(srv: NatsServer, files: TlsFiles, connects: int) -> tuple[float, float]:
@@ -72,23 +77,22 @@ def measure(identities: int, connects: int) -> list[tuple[str, float, float]]:
     names = [f"node{i:0{width}d}" for i in range(1, identities + 1)]
     with one_ledger_write(srv.pki_dir):
         tls = {n: srv.issue(n, "node") for n in names}
-    san = san_twin(srv, tls[names[0]], names[0], root / "san.pem")
-    # The user renamed in the rendered configuration before the server starts: not through
-    # NatsServer.reload(), which re-renders from the ledger first and so undoes the edit.
+    legacy = without_san(srv, tls[names[0]], names[0], root / "legacy.pem")
+    # Its ledger entry as one from before: rendered as a subject-named user.
+    ledger = json.loads((srv.pki_dir / pki.LEDGER).read_text())
+    ledger["entries"][f"node/{names[0]}"]["sans"] = []
+    (srv.pki_dir / pki.LEDGER).write_text(json.dumps(ledger))
     srv.render()
-    conf = srv.conf_path.read_text()
-    old, new = f'"{pki.subject_dn("node", names[0])}"', f'"urn:llmgw:node:{names[0]}"'
-    if conf.count(old) != 1:
-        raise SystemExit(f"expected one user named {old} in {srv.conf_path}")
-    srv.conf_path.write_text(conf.replace(old, new))
+    if f'"{pki.subject_dn("node", names[0])}"' not in srv.conf_path.read_text():
+        raise SystemExit(f"expected a user named by {names[0]}'s subject in {srv.conf_path}")
     srv.launch()
     try:
         srv.wait_ready()
         rows = []
         for label, files in (
-            ("user named by subject, no SAN", tls[names[1 % identities]]),
-            ("user named by a URI SAN", san),
-            ("user named by subject, no SAN (again)", tls[names[2 % identities]]),
+            ("as issued now: user named by its URI SAN", tls[names[1 % identities]]),
+            ("issued before: no SAN, user named by subject", legacy),
+            ("as issued now (again)", tls[names[2 % identities]]),
         ):
             cpu, wall = asyncio.run(per_connect(srv, files, connects))
             rows.append((label, cpu, wall))

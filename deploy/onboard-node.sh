@@ -9,11 +9,12 @@
 # What it does, in the order it matters:
 # 0. check everything it can before changing anything: the node id, the URL,
 #    the fabrics, ssh to the machine, llmgw there
-# 1. issue a client certificate whose subject is CN=<node id>,OU=node, which
-#    adds the node to the authority's ledger
+# 1. issue a client certificate whose subject is CN=<node id>,OU=node (and
+#    whose URI SAN is urn:llmgw:node:<node id>), which adds the node to the
+#    authority's ledger
 # 2. re-render the NATS server's configuration from the ledger and reload the
 #    server, so the server knows the new identity before the agent first
-#    connects (the server maps a certificate to a user by its subject; a node
+#    connects (the server maps a certificate to a user by that SAN; a node
 #    not in the rendered config is refused at connect); then record the node's
 #    management address with the registry ('llmgw ctl node set-addr'): clients'
 #    requests go to that address, so it is the operator's word, not the node's

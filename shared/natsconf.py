@@ -3,8 +3,9 @@
 The output is JSON, which nats-server's configuration parser accepts as-is;
 rendering JSON means no hand-rolled quoting of subjects such as ``$JS.API.>``.
 Each identity in the ledger that is neither revoked nor expired becomes one
-user named by its certificate subject (``verify_and_map``); nothing else can
-connect. After re-rendering, ``nats-server --signal reload`` applies the new
+user (``verify_and_map``), named by its certificate's URI SAN
+(``pki.identity_uri``), or by its subject for a certificate issued before
+client certificates carried one (``user_name``); nothing else can connect. After re-rendering, ``nats-server --signal reload`` applies the new
 user list to open connections too, which is how a revoke takes effect.
 """
 
@@ -192,6 +193,17 @@ def _cluster_block(pki_path: Path, opts: ServerOptions) -> dict:
     }
 
 
+def user_name(entry: pki.LedgerEntry) -> str:
+    """The nats-server user an issued identity maps to.
+
+    Its URI SAN when the certificate carries one: nats-server looks SANs up as
+    user names in a map, where a subject is matched by parsing every
+    configured user's name as a DN, on every connection. A certificate without
+    it (issued before) keeps its subject-named user until it is re-issued."""
+    uri = pki.identity_uri(entry.role, entry.name)
+    return uri if uri in entry.sans else entry.subject
+
+
 def render(pki_dir: str | os.PathLike, opts: ServerOptions) -> str:
     pki_path = Path(pki_dir).resolve()
     if not pki.has_ca(pki_path):
@@ -206,7 +218,7 @@ def render(pki_dir: str | os.PathLike, opts: ServerOptions) -> str:
     for entry in pki.active_identities(pki_path):
         if not entry.spki_sha256:
             raise ConfigError(f"ledger entry {entry.key} has no key fingerprint; re-issue it with 'llmgw ctl cert issue-…'")
-        users.append({"user": entry.subject, "permissions": _perm_block(for_identity(entry.role, entry.name))})
+        users.append({"user": user_name(entry), "permissions": _perm_block(for_identity(entry.role, entry.name))})
         pins.append(entry.spki_sha256)
     conf: dict = {
         "server_name": opts.server_name,
@@ -253,4 +265,4 @@ def render_cluster(pki_dir: str | os.PathLike, opts: list[ServerOptions]) -> dic
     return {o.server_name: render(pki_dir, o) for o in opts}
 
 
-__all__ = ["Peer", "ServerOptions", "check_cluster_size", "cluster_options", "parse_peer", "render", "render_cluster"]
+__all__ = ["Peer", "ServerOptions", "check_cluster_size", "cluster_options", "parse_peer", "render", "render_cluster", "user_name"]

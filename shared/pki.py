@@ -3,8 +3,16 @@
 A node is who its client certificate says it is. The subject carries both the
 name and the role (``CN=node01,OU=node``), so a node called ``scheduler`` is
 ``CN=scheduler,OU=node`` and can never be mistaken for the service
-``CN=scheduler,OU=scheduler``. The NATS server maps that subject string to a
+``CN=scheduler,OU=scheduler``. The NATS server maps each certificate to a
 user (``verify_and_map``), so what is written here *is* the authorisation.
+
+Client certificates also carry the same identity as a URI SAN,
+``urn:llmgw:<role>:<name>`` (``identity_uri``), and the server's users are
+named by it: nats-server tries a certificate's SANs as user names by map
+look-up, and only when none matches walks every configured user parsing each
+name as a DN — ~1 µs per identity on every connection, 12.8 ms per connect at
+10,000 nodes (``bench/nats_auth.py``). Certificates issued before carry no SAN
+and keep a subject-named user until they are re-issued.
 
 Layout of a PKI directory (mode 0700)::
 
@@ -57,6 +65,14 @@ _UTC = dt.UTC
 def subject_dn(role: str, name: str) -> str:
     """The RFC 2253 string nats-server's verify_and_map matches users against."""
     return f"CN={name},OU={role}"
+
+
+def identity_uri(role: str, name: str) -> str:
+    """The URI SAN every client certificate carries, and its nats-server user name.
+
+    A different namespace from the server's and routes' DNS/IP SANs, and roles
+    and names admit no colon, so no other certificate's SAN can equal it."""
+    return f"urn:llmgw:{role}:{name}"
 
 
 @dataclass
@@ -339,9 +355,11 @@ def issue(
             x509.NameAttribute(NameOID.COMMON_NAME, name),
         ]
     )
+    uri = identity_uri(role, name)
     return _sign_and_record(
         pki, name=name, role=role, subject=subject, key=key, usage=ExtendedKeyUsageOID.CLIENT_AUTH,
-        sans=[], not_before=nb, not_after=na, now=now, paths=(out / f"{name}.pem", out / f"{name}-key.pem"),
+        sans=[x509.UniformResourceIdentifier(uri)], not_before=nb, not_after=na, now=now,
+        paths=(out / f"{name}.pem", out / f"{name}-key.pem"), ledger_sans=[uri],
     )  # fmt: skip
 
 
@@ -376,13 +394,14 @@ def _sign_and_record(
 
 def _host_sans(hosts: list[str], kind: str) -> list[x509.GeneralName]:
     """Subject alternative names for ``hosts``: an IP address as one, anything else
-    as a DNS name (refused when empty, with spaces or a slash)."""
+    as a DNS name (refused when empty, with spaces, a slash or a colon: no DNS
+    name has one, and a colon would let it read as a client's URI user name)."""
     sans: list[x509.GeneralName] = []
     for h in hosts:
         try:
             sans.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
-            if not h or any(c.isspace() for c in h) or "/" in h:
+            if not h or any(c.isspace() for c in h) or "/" in h or ":" in h:
                 raise PkiError(f"invalid host name {h!r} for the {kind} certificate") from None
             sans.append(x509.DNSName(h))
     return sans
@@ -524,6 +543,7 @@ __all__ = [
     "active_identities",
     "has_ca",
     "identity_of",
+    "identity_uri",
     "init_ca",
     "issue",
     "issue_server",

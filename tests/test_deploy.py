@@ -560,7 +560,7 @@ def test_compose_init_creates_what_compose_mounts(tmp_path, llmgw_cmd):
     text = (nats_dir / "nats.conf").read_text()
     conf_json = json.loads(text[text.index("{") :])
     users = {u["user"] for u in conf_json["authorization"]["users"]}
-    assert users == {f"CN={n},OU={r}" for n, r in [*[(s, s) for s in SERVICES], ("operator", "operator"), *[(n, "node") for n in SEED_NODES]]}
+    assert users == {f"urn:llmgw:{r}:{n}" for n, r in [*[(s, s) for s in SERVICES], ("operator", "operator"), *[(n, "node") for n in SEED_NODES]]}
     for k in ("cert_file", "key_file", "ca_file"):
         assert Path(conf_json["tls"][k]).parent == pki_dir.resolve()
     # The container sees nats-conf at the PKI path; here, rewrite the paths to
@@ -685,7 +685,7 @@ class Onboarding:
             "--nats-store-dir",
             str(self.tmp / "jetstream"),
             "--reload-cmd",
-            f"grep -q 'CN=node07,OU=node' {shlex.quote(str(self.nats_conf))} && echo reloaded >>{shlex.quote(str(self.logs / 'reload.log'))}",
+            f"grep -q 'urn:llmgw:node:node07' {shlex.quote(str(self.nats_conf))} && echo reloaded >>{shlex.quote(str(self.logs / 'reload.log'))}",
         ]
         return run(["bash", str(DEPLOY / "onboard-node.sh"), *args, *base], env=env)
 
@@ -733,7 +733,7 @@ def test_onboard_node_installs_identity_config_and_unit(onboarding):
     assert "node/node07" in ob.ledger()
     conf = json.loads(ob.nats_conf.read_text().split("\n", 2)[2])
     users = [u["user"] for u in conf["authorization"]["users"]]
-    assert "CN=node07,OU=node" in users
+    assert "urn:llmgw:node:node07" in users
     assert (conf["host"], conf["port"]) == ("0.0.0.0", 4222)
     assert conf["jetstream"]["store_dir"] == str((ob.tmp / "jetstream").resolve())
     # … and the server was reloaded after that render (the reload command checks).

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import shutil
 import ssl
+from pathlib import Path
 
 import pytest
 from nats.errors import TimeoutError as NatsTimeout
@@ -402,3 +404,40 @@ async def test_reissued_identity_refuses_the_old_certificate(connector, tmp_path
     await fresh.publish(S.heartbeat("node05"), b"new")
     await settle(fresh, tap.nc)
     await eventually(lambda: tap.saw(S.heartbeat("node05")), what="the new certificate's heartbeat delivered", timeout=5)
+
+
+def as_issued_before_uri_sans(server, issued: bus.TlsFiles, node: str, out: Path) -> bus.TlsFiles:
+    """``node``'s identity as issued before client certificates carried a URI SAN:
+    its ledger entry without one (so its user is named by subject) and its
+    certificate re-signed without one, same key (so the same pin)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.x509 import load_pem_x509_certificate
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    body = json.loads((server.pki_dir / pki.LEDGER).read_text())
+    body["entries"][f"node/{node}"]["sans"] = []
+    (server.pki_dir / pki.LEDGER).write_text(json.dumps(body))
+    cert = load_pem_x509_certificate(Path(issued.cert).read_bytes())
+    key = serialization.load_pem_private_key(Path(issued.key).read_bytes(), None)
+    old = pki._sign(server.pki_dir, subject=cert.subject, public_key=key.public_key(), usage=ExtendedKeyUsageOID.CLIENT_AUTH, sans=[],
+                    not_before=cert.not_valid_before_utc, not_after=cert.not_valid_after_utc)  # fmt: skip
+    out.write_bytes(old.public_bytes(serialization.Encoding.PEM))
+    return bus.TlsFiles(ca=issued.ca, cert=str(out), key=issued.key)
+
+
+async def test_certificate_issued_before_uri_sans_still_maps_by_subject(connector, tmp_path):
+    """An identity from before URI SANs connects as that node, with only that node's rights."""
+    tap = await Tap().start(connector)
+    issued = connector.identity("node06", "node", reload=False)
+    old = as_issued_before_uri_sans(connector.server, issued, "node06", tmp_path / "old.pem")
+    connector.server.reload()
+    nc = await connector.connect(old, label="old-node06")
+
+    async def send():
+        await nc.publish(S.heartbeat("node01"), b"forged")
+        await nc.publish(S.heartbeat("node06"), b"own")
+        await settle(nc, tap.nc)
+
+    await delivered(send, lambda: tap.saw(S.heartbeat("node06")), "the old certificate's own heartbeat")
+    assert not tap.saw(S.heartbeat("node01"))  # sent before its own, every round
+    await violated(connector, "old-node06", lambda v: "node01" in v, "old node06's violation for node01's subject")

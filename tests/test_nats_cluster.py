@@ -79,7 +79,7 @@ def test_rendered_cluster_configs_pass_nats_server_t(tmp_path):
     assert {c["server_name"] for c in confs.values()} == {"nats1", "nats2", "nats3"}
     users = [c["authorization"] for c in confs.values()]
     assert users[0] == users[1] == users[2]  # same accounts and permissions everywhere
-    assert "CN=node01,OU=node" in {u["user"] for u in users[0]["users"]}
+    assert "urn:llmgw:node:node01" in {u["user"] for u in users[0]["users"]}
     for c in confs.values():
         cl = c["cluster"]
         assert cl["tls"]["verify"] is True

@@ -59,16 +59,30 @@ def test_nats_server_accepts_rendered_config(populated, tmp_path):
 def test_one_user_per_active_identity(populated, tmp_path):
     conf = _body(render(populated, ServerOptions(store_dir=str(tmp_path / "js"))))
     users = [u["user"] for u in conf["authorization"]["users"]]
-    assert "CN=node03,OU=node" not in users  # revoked
-    assert "CN=node01,OU=node" in users and "CN=scheduler,OU=scheduler" in users
+    assert "urn:llmgw:node:node03" not in users  # revoked
+    assert "urn:llmgw:node:node01" in users and "urn:llmgw:scheduler:scheduler" in users
     assert len(users) == len(set(users)) == 7
     assert conf["tls"]["verify_and_map"] is True
     assert "jetstream" in conf and "http" in conf
 
 
+def test_certificate_issued_without_uri_san_keeps_a_subject_named_user(populated, tmp_path):
+    """A ledger entry from before client certificates carried a URI SAN maps by its
+    subject until it is re-issued; re-issuing names its user by the URI."""
+    entries = json.loads((populated / pki.LEDGER).read_text())
+    entries["entries"]["node/node02"]["sans"] = []
+    (populated / pki.LEDGER).write_text(json.dumps(entries))
+    users = {u["user"]: u for u in _body(render(populated, ServerOptions(store_dir=str(tmp_path / "js"))))["authorization"]["users"]}
+    assert "CN=node02,OU=node" in users and "urn:llmgw:node:node02" not in users
+    assert users["CN=node02,OU=node"]["permissions"]["publish"] == {"allow": ["llmgw.node.node02.>"]}
+    pki.issue(populated, "node02", "node", tmp_path / "o")
+    users = {u["user"] for u in _body(render(populated, ServerOptions(store_dir=str(tmp_path / "js"))))["authorization"]["users"]}
+    assert "urn:llmgw:node:node02" in users and "CN=node02,OU=node" not in users
+
+
 def test_node_permissions_are_its_own_space_only(populated, tmp_path):
     conf = _body(render(populated, ServerOptions(store_dir=str(tmp_path / "js"))))
-    node01 = next(u for u in conf["authorization"]["users"] if u["user"] == "CN=node01,OU=node")
+    node01 = next(u for u in conf["authorization"]["users"] if u["user"] == "urn:llmgw:node:node01")
     p = node01["permissions"]
     assert p["publish"] == {"allow": ["llmgw.node.node01.>"]}
     assert p["subscribe"] == {"allow": ["llmgw.cmd.node01.>", "_INBOX_node_node01.>"]}

@@ -55,9 +55,11 @@ def test_subject_carries_role_and_matches_server_mapping(ca, tmp_path):
     assert cert.subject.rfc4514_string() == "CN=node01,OU=node" == pki.subject_dn("node", "node01")
     assert issued.entry.subject == "CN=node01,OU=node"
     assert pki.identity_of(issued.cert_path) == ("node", "node01")
-    # No SANs on client certificates: verify_and_map would try them before the DN.
-    with pytest.raises(x509.ExtensionNotFound):
-        cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    # One SAN, the identity as a URI: verify_and_map looks it up as the user's name
+    # (a map look-up) before it would walk every user comparing DNs.
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert list(san) == [x509.UniformResourceIdentifier("urn:llmgw:node:node01")]
+    assert issued.entry.sans == ["urn:llmgw:node:node01"] == [pki.identity_uri("node", "node01")]
 
 
 def test_ledger_records_issue_and_revoke(ca, tmp_path):
@@ -102,6 +104,13 @@ def test_server_certificate_has_sans(ca):
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert [str(i) for i in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1", "::1"]
     assert san.get_values_for_type(x509.DNSName) == ["nats.example"]
+
+
+@pytest.mark.parametrize("host", ["urn:llmgw:node:node01", "a:b"])
+def test_server_dns_name_with_a_colon_is_refused(ca, host):
+    # No DNS name has one; refusing it keeps server SANs apart from client user names.
+    with pytest.raises(PkiError, match="invalid host name"):
+        pki.issue_server(ca, [host])
 
 
 def test_cli_seed_onboarding_command(tmp_path):
