@@ -95,9 +95,17 @@ class UnknownLease(LlmgwError):
     code = "unknown_lease"
 
 
+# Lease writes in flight at once (their acks awaited together).
+WRITES_AT_ONCE = 256
+
+
 class HealthMonitor(ServiceRuntime):
     role = "health"
     buckets = (S.BUCKET_LEASES, S.BUCKET_LEADERS)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.io_coalesce = cfg.health.io_coalesce
 
     async def setup(self) -> None:
         h = self.cfg.health
@@ -110,11 +118,15 @@ class HealthMonitor(ServiceRuntime):
         # from a bucket holding values).
         self.stored_leases: KvMirror[Lease] = await KvMirror(self.leases_kv, Lease).start()
         self.heard: dict[str, tuple[Heartbeat, float]] = {}
+        # Transitions heartbeats made, for transition_writer.
+        self._unwritten: list[Transition] = []
+        self._unwritten_added = asyncio.Event()
         _ACTING.add(self)
         self.lead(h.leader_ttl)
         await self.nc.subscribe(S.ALL_HEARTBEATS, cb=self.on_heartbeat)
         await self.add_api({"release": self.api_release, "lease": self.api_lease})
         self.spawn(self.tick_loop())
+        self.spawn(self.transition_writer())
 
     async def _load(self) -> None:
         leases = await self._stored()
@@ -179,21 +191,27 @@ class HealthMonitor(ServiceRuntime):
         else:
             ACCEPTED.inc()
         if tr:
-            # nats-py runs this subscription's callbacks one at a time: while this
-            # write waits (a KV without quorum answers only at its timeout), every
-            # later heartbeat queues behind it unheard. The tick judges nothing
-            # meanwhile — silence it cannot hear is not the nodes' (the outage rule).
-            self._hearing_blocked += 1
-            try:
-                await self._apply([tr])
-            except Exception:
-                pass  # counted and logged by _store; the lease is written again
-            finally:
-                self._hearing_blocked -= 1
+            # Written by transition_writer, never here: nats-py runs this
+            # subscription's callbacks one at a time, so a write awaited here (a KV
+            # without quorum answers only at its timeout) would leave every later
+            # heartbeat queued unheard — and 10,000 nodes' first heartbeats would be
+            # written one round trip after another.
+            self._unwritten.append(tr)
+            self._unwritten_added.set()
         # A boot change or a settled boot (book.dirty) goes out with the next tick's flush.
 
     _refusing = False
-    _hearing_blocked = 0  # heartbeat handlers waiting on a lease write (see on_heartbeat)
+
+    async def transition_writer(self) -> None:
+        """Write the heartbeats' transitions as they come, every node's at once."""
+        while True:
+            await self._unwritten_added.wait()
+            self._unwritten_added.clear()
+            batch, self._unwritten = self._unwritten, []
+            try:
+                await self._apply(batch)
+            except Exception:
+                pass  # counted and logged by _store; those leases are written again
 
     def _refused(self, node: str, reason: str, detail: str) -> None:
         HEARTBEATS.labels(reason).inc()
@@ -255,11 +273,6 @@ class HealthMonitor(ServiceRuntime):
                         self.book.reconnected(time.time())
                         self.log.info("lease writes work again: every node has %.1fs to be heard before anything expires", self.book.grace())
                     continue
-                if self._hearing_blocked:
-                    # Heartbeats are queued behind a lease write: judging now would read
-                    # their delay as the nodes' silence. A grace follows, as after an outage.
-                    self.book.disconnected(time.time())
-                    continue
                 if self.book.outage_since is not None and not self.write_blocked and self.nc.is_connected:
                     self.book.reconnected(time.time())
                 await self._apply(self.book.expire(time.time()))
@@ -271,14 +284,31 @@ class HealthMonitor(ServiceRuntime):
                     self._gauge()
 
     async def _apply(self, transitions: list[Transition]) -> None:
-        for i, tr in enumerate(transitions):
+        """Write each transition's lease, then announce it: a node's transitions in
+        order, up to WRITES_AT_ONCE nodes at once (10,000 first heartbeats are not
+        10,000 round trips one after another). On a failed write the transitions
+        not yet written wait for the next flush (no write each, which would wait
+        out a timeout each), and the first failure is raised once all settled."""
+        chains: dict[str, list[Transition]] = {}
+        for tr in transitions:
+            chains.setdefault(tr.node_id, []).append(tr)
+        queue = list(chains.values())
+        for i in range(0, len(queue), WRITES_AT_ONCE):
+            results = await asyncio.gather(*(self._apply_node(chain) for chain in queue[i : i + WRITES_AT_ONCE]), return_exceptions=True)
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                for chain in queue[i + WRITES_AT_ONCE :]:
+                    for tr in chain:
+                        self.book.unstored(tr.node_id, "transition")
+                raise failed
+
+    async def _apply_node(self, chain: list[Transition]) -> None:
+        for i, tr in enumerate(chain):
             try:
                 with WRITE_SECONDS.time():
                     await self._store(tr.lease, "transition")
             except Exception:
-                # The bus refuses writes: the rest wait with this one for the next
-                # flush (no write each, which would wait out a timeout each).
-                for rest in transitions[i + 1 :]:
+                for rest in chain[i + 1 :]:
                     self.book.unstored(rest.node_id, "transition")
                 raise
             TRANSITIONS.labels(tr.new).inc()
@@ -311,8 +341,8 @@ class HealthMonitor(ServiceRuntime):
             return
         with WRITE_SECONDS.time():
             # Bounded concurrency: acks are awaited in parallel, not one round trip each.
-            for i in range(0, len(due), 256):
-                await asyncio.gather(*(self._store(lease, cause) for lease, cause in due[i : i + 256]))
+            for i in range(0, len(due), WRITES_AT_ONCE):
+                await asyncio.gather(*(self._store(lease, cause) for lease, cause in due[i : i + WRITES_AT_ONCE]))
 
     async def stop(self) -> None:
         if getattr(self, "stored_leases", None) is not None:

@@ -21,6 +21,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, start_http_s
 
 from llmgw.shared import bus
 from llmgw.shared import subjects as S
+from llmgw.shared.coalesce import loop_factory as coalesce_loop_factory
 from llmgw.shared.config import ServiceConfig, load_service_config
 from llmgw.shared.errors import BusError, ConfigError, LlmgwError, WireError
 from llmgw.shared.events import EventPublisher
@@ -56,6 +57,9 @@ class ServiceRuntime:
     bus_pending_size: int = 0
     # What metrics_listen serves.
     metrics_registry: CollectorRegistry = REGISTRY
+    # Seconds the loop lets input gather before reading it (shared/coalesce.py):
+    # 0, except where a service's own section sets it (health.io_coalesce).
+    io_coalesce: float = 0.0
     log: logging.Logger
 
     def __init__(self, cfg: ServiceConfig):
@@ -297,9 +301,11 @@ class _CountedWrites:
 LOOP_ENV = "LLMGW_EVENT_LOOP"  # asyncio | uvloop: overrides a service's choice (A/B benchmarks)
 
 
-def event_loop_runner(preferred: str):
+def event_loop_runner(preferred: str, coalesce: float = 0.0):
     """``asyncio.run`` or ``uvloop.run``: the service's preference, unless
-    LLMGW_EVENT_LOOP says otherwise; asyncio where uvloop is not installed."""
+    LLMGW_EVENT_LOOP says otherwise; asyncio where uvloop is not installed.
+    ``coalesce`` > 0: asyncio's loop over a ``CoalescingSelector`` of that window
+    (uvloop has no selector to wrap: there it is left out, and said)."""
     choice = os.environ.get(LOOP_ENV) or preferred
     if choice not in ("asyncio", "uvloop"):
         raise ConfigError(f"{LOOP_ENV}={choice!r}: use asyncio or uvloop")
@@ -310,12 +316,22 @@ def event_loop_runner(preferred: str):
             if os.environ.get(LOOP_ENV) == "uvloop":
                 raise ConfigError(f"{LOOP_ENV}=uvloop, but uvloop is not installed (pip install uvloop)") from None
         else:
+            if coalesce > 0:
+                logging.getLogger("llmgw").warning("%s=uvloop: reads are not coalesced (%.0f ms asked); that needs asyncio's loop", LOOP_ENV, coalesce * 1000)
             return uvloop.run
+    if coalesce > 0:
+        factory = coalesce_loop_factory(coalesce)
+
+        def run(coro):
+            with asyncio.Runner(loop_factory=factory) as runner:
+                return runner.run(coro)
+
+        return run
     return asyncio.run
 
 
 def run_service(cls, args) -> int:
     cfg = load_service_config(args.config)
     svc = cls(cfg)
-    event_loop_runner(cls.event_loop)(svc.serve())
+    event_loop_runner(cls.event_loop, svc.io_coalesce)(svc.serve())
     return 0

