@@ -84,6 +84,7 @@ RECONCILE_WORK = Counter("llmgw_scheduler_reconcile_work_total", "Replicas advan
 # every replica and deployment looked at) this often; between them each wake and
 # each reconcile_interval tick is an incremental step (``incremental.py``).
 FULL_PASS_INTERVAL = 60.0
+SLOW_FULL_PASS = 0.5  # seconds: a full pass this long is logged
 # Replica records written at once while applying a plan (each launch follows its
 # own record's write, so the first launches need not wait for the last write).
 APPLY_CONCURRENCY = 512
@@ -502,9 +503,14 @@ class Scheduler(ServiceRuntime):
         full = time.monotonic() - self._full_at >= FULL_PASS_INTERVAL or self.reconciler.fresh
         if full:
             self._full_at = time.monotonic()
-        plan = self.reconciler.step(
-            self._deployments(), current, self._nodes(), await self._heard(self.leases.items), now(), failures=self.node_failures, full=full
-        )
+        heard = await self._heard(self.leases.items)
+        started = time.monotonic()
+        plan = self.reconciler.step(self._deployments(), current, self._nodes(), heard, now(), failures=self.node_failures, full=full)
+        took = time.monotonic() - started
+        if full and took >= SLOW_FULL_PASS:
+            # The loop hears nothing while a step runs: a lease going lost meanwhile
+            # waits for it. Said, so a slow failover can be put down to it.
+            self.log.info("full reconcile pass (the periodic safety net) took %.2fs: %d replicas, %d nodes", took, len(current), len(self.nodes.items))
         RECONCILES.labels("full" if full else "incremental").inc()
         RECONCILE_WORK.labels("replicas_advanced").inc(self.reconciler.advanced)
         RECONCILE_WORK.labels("deployments_converged").inc(self.reconciler.converged)
