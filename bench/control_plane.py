@@ -40,7 +40,7 @@ What runs where:
   core), each one asyncio loop, told what to do and telling what they saw
   over their stdin/stdout (one loop's handshakes alone would pace a herd of
   thousands: ~160/s here): one TLS connection per node under that node's own certificate (the server only lets
-  ``CN=nodeNNNN,OU=node`` publish ``llmgw.node.nodeNNNN.>``). Each connects the
+  ``urn:llmgw:node:nodeNNNN`` publish ``llmgw.node.nodeNNNN.>``). Each connects the
   way the real agent does (``shared/bus.py``: a first connect delayed by a draw
   in [0, reconnect_base), reconnects backing off with jitter, and on every
   reconnect its inventory, a full status report and a heartbeat), publishes a
