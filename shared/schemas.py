@@ -53,7 +53,9 @@ Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 Host = Annotated[str, msgspec.Meta(max_length=253)]  # and shared.names.check_host where it is used
 GpuIndex = Annotated[int, msgspec.Meta(ge=0, le=MAX_GPUS - 1)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-HcaName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+# \Z, not $: msgspec matches with Python's re.search, where $ also matches
+# before a final newline, so "mlx5_0\n" passed (hypothesis found "0\n").
+HcaName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,64}\Z")]
 Seq = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
 
 
