@@ -53,6 +53,11 @@ REFUSALS = [
     ("unknown-key-lists-known", S + "{tls}colour: blue\n", f"colour: unknown key (known keys here: {TOP_KEYS})"),
     ("unknown-key-not-a-string", S + "{tls}1: x\n", f"1: unknown key (known keys here: {TOP_KEYS})"),
     ("internal-field-is-unknown", S + "{tls}source: other.yaml\n", f"source: unknown key (known keys here: {TOP_KEYS})"),
+    (
+        "full-pass-below-step",
+        S + "{tls}scheduler: {{full_pass_interval: 500ms}}\n",
+        "scheduler.full_pass_interval: 0.5s is below reconcile_interval (1s): a full pass is at most one a step",
+    ),
     ("coalesce-too-long", S + "{tls}health: {{io_coalesce: 500ms}}\n", "health.io_coalesce: must be between 0 and 100ms, not 0.5s"),
     ("bad-duration", S + "{tls}health: {{node_lost_after: soon}}\n", "health.node_lost_after: 'soon' is not a duration; write e.g. 500ms, 5s, 1m or 1h30m"),
     ("bad-duration-type", S + "{tls}gateway: {{cooldown: [1s]}}\n", "gateway.cooldown: expected a duration such as 5s or 1m, got list"),

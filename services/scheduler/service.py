@@ -5,7 +5,7 @@ watches, folds agents' status reports into the replicas' member engine states,
 reconciles when something changed (or every ``reconcile_interval``, for
 timeouts) — an incremental step (``incremental.Reconciler``: the plan
 ``reconcile`` would give, for the work of what changed), and a full one every
-``FULL_PASS_INTERVAL`` as the safety net — and applies the plan in the order
+``scheduler.full_pass_interval`` as the safety net — and applies the plan in the order
 ``plan.py`` prescribes. Wakes coalesce: however many reports arrive during a
 step, one step follows. A lease renewal that keeps the state wakes nothing. It keeps
 the per-node failure history auto-cordon judges (in memory: a new leader
@@ -36,6 +36,7 @@ import gc
 import time
 import weakref
 from collections import defaultdict
+from collections.abc import Mapping
 
 import msgspec
 from nats.errors import NoRespondersError
@@ -71,6 +72,7 @@ from llmgw.shared.tasks import cancel_and_wait
 from ..leases import BOOT_SETTLED_HEARTBEATS as SETTLE_HEARTBEATS
 from ..runtime import ServiceRuntime, Turn, run_service
 from . import ReconcileConfig, explain, fence
+from .fullpass import FullPass, Snapshot
 from .incremental import Reconciler
 from .plan import Backoff, Cordon, Launch, NodeFailure, Plan, Stop
 from .reconcile import SPEC_CHANGED, backoff_text, launches_for, remember_failures
@@ -80,11 +82,19 @@ from .view import ClusterView
 RECONCILE_SECONDS = Histogram("llmgw_scheduler_reconcile_seconds", "Time to compute and apply one plan")
 RECONCILES = Counter("llmgw_scheduler_reconciles_total", "Reconcile steps, by kind (incremental: what changed; full: the periodic safety net)", ["kind"])
 RECONCILE_WORK = Counter("llmgw_scheduler_reconcile_work_total", "Replicas advanced and deployments converged by reconcile steps", ["what"])
-# The periodic safety net: a full step (the view rebuilt from every record,
-# every replica and deployment looked at) this often; between them each wake and
-# each reconcile_interval tick is an incremental step (``incremental.py``).
-FULL_PASS_INTERVAL = 60.0
+# The periodic safety net, a full step (the view rebuilt from every record, every
+# replica and deployment looked at), runs every ``scheduler.full_pass_interval``
+# (60 s); between them each wake and each reconcile_interval tick is an
+# incremental step (``incremental.py``).
 SLOW_FULL_PASS = 0.5  # seconds: a full pass this long is logged
+FULL_PASSES = Counter(
+    "llmgw_scheduler_full_passes_total",
+    "Full passes (the safety net), by outcome: adopted (computed beside the loop, nothing applied meanwhile), "
+    "dropped (a plan was applied while it ran: it starts again), on_loop (at takeover, after a plan not applied in full, "
+    "or after passes were dropped too often)",
+    ["outcome"],
+)
+FULL_PASS_SECONDS = Gauge("llmgw_scheduler_full_pass_seconds", "Wall time of the last full pass (beside the loop: on its worker thread)")
 # Replica records written at once while applying a plan (each launch follows its
 # own record's write, so the first launches need not wait for the last write).
 APPLY_CONCURRENCY = 512
@@ -272,7 +282,12 @@ class Scheduler(ServiceRuntime):
         self.stops_in_flight: set[tuple[str, str, int]] = set()
         self.rebuilds = RebuildClock()  # the rebuild and apply-to-ready metrics
         self.reconciler = Reconciler(self.rconfig)
-        self._full_at = -FULL_PASS_INTERVAL  # monotonic time of the last full step
+        self._full_at = float("-inf")  # monotonic time the last full pass started
+        self.full_pass_interval = sc.full_pass_interval
+        # The periodic full pass runs beside the loop (fullpass.py); ``epoch`` counts
+        # the plans applied and takeovers, which outdate a pass's snapshot.
+        self.full_pass = FullPass(self.rconfig, self.log)
+        self.epoch = 0
         # replica ids whose records changed since their outbox was last looked at
         self.outbox_dirty: set[str] = set()
         # ids of outbox events (Replica.pending_events) known to be in the stream
@@ -387,6 +402,7 @@ class Scheduler(ServiceRuntime):
         """
         self.log.info("acting as the scheduler; asking %d nodes what they run", len(self.nodes.items))
         self.reconciler.reset()  # its first step as leader is a full one
+        self.epoch += 1  # and a full pass left from an earlier term is dropped
         sent = await self.flush_outbox(everything=True)
         if sent:
             self.log.info("published %d events a previous leader wrote into replica records but did not publish", sent)
@@ -498,19 +514,51 @@ class Scheduler(ServiceRuntime):
             return None
 
     async def reconcile_once(self) -> Plan:
+        if self.full_pass.ended:
+            outcome = self.full_pass.collect(self.epoch)
+            if outcome is None:
+                FULL_PASSES.labels("dropped").inc()
+                self._full_at = float("-inf")  # again, at once: it is still due
+            else:
+                # The full pass's plan is this cycle's; the next step (woken at once)
+                # catches up with what changed since its snapshot.
+                FULL_PASSES.labels("adopted").inc()
+                self._slow_full_pass(outcome.took, len(outcome.snapshot.replicas), len(outcome.snapshot.nodes), "beside the loop")
+                self.reconciler = outcome.reconciler
+                self.wake.set()
+                snap = outcome.snapshot
+                return await self._conclude(outcome.plan, snap.base, snap.replicas, full=True)
         base = dict(self.replicas.items)
         current = self.book.with_reports(base)
-        full = time.monotonic() - self._full_at >= FULL_PASS_INTERVAL or self.reconciler.fresh
+        due = time.monotonic() - self._full_at >= self.full_pass_interval
+        # On the loop: a reconciler with nothing to step from (takeover, a plan not
+        # applied in full), or a pass dropped too often while the cluster kept changing.
+        full = self.reconciler.fresh or (due and self.full_pass.must_run_on_loop)
+        heard = await self._heard(self.leases.items)
+        deployments, nodes = self._deployments(), self._nodes()
         if full:
             self._full_at = time.monotonic()
-        heard = await self._heard(self.leases.items)
+            self.full_pass.dropped = 0
+            FULL_PASSES.labels("on_loop").inc()
+        elif due and not self.full_pass.running:
+            self._full_at = time.monotonic()
+            snapshot = Snapshot.copy(deployments, base, current, nodes, heard, now(), self.node_failures)
+            self.full_pass.start(snapshot, self.epoch, self.wake.set)
         started = time.monotonic()
-        plan = self.reconciler.step(self._deployments(), current, self._nodes(), heard, now(), failures=self.node_failures, full=full)
-        took = time.monotonic() - started
-        if full and took >= SLOW_FULL_PASS:
-            # The loop hears nothing while a step runs: a lease going lost meanwhile
-            # waits for it. Said, so a slow failover can be put down to it.
-            self.log.info("full reconcile pass (the periodic safety net) took %.2fs: %d replicas, %d nodes", took, len(current), len(self.nodes.items))
+        plan = self.reconciler.step(deployments, current, nodes, heard, now(), failures=self.node_failures, full=full)
+        if full:
+            self._slow_full_pass(time.monotonic() - started, len(current), len(nodes), "on the loop")
+        return await self._conclude(plan, base, current, full=full)
+
+    def _slow_full_pass(self, took: float, replicas: int, nodes: int, where: str) -> None:
+        FULL_PASS_SECONDS.set(took)
+        if took >= SLOW_FULL_PASS:
+            # On the loop, nothing is heard while it runs: a lease going lost
+            # meanwhile waits for it. Said, so a slow failover can be put down to it.
+            self.log.info("full reconcile pass (the periodic safety net) took %.2fs %s: %d replicas, %d nodes", took, where, replicas, nodes)
+
+    async def _conclude(self, plan: Plan, base: Mapping[str, Replica], current: Mapping[str, Replica], *, full: bool) -> Plan:
+        """Apply a step's plan (the loop's, or an adopted full pass's) and do what follows it."""
         RECONCILES.labels("full" if full else "incremental").inc()
         RECONCILE_WORK.labels("replicas_advanced").inc(self.reconciler.advanced)
         RECONCILE_WORK.labels("deployments_converged").inc(self.reconciler.converged)
@@ -520,6 +568,9 @@ class Scheduler(ServiceRuntime):
             if rep is not base[rid] and rid not in plan.writes and rid not in plan.deletes:
                 plan.writes[rid] = rep
         if plan:
+            # A full pass running beside the loop saw the records before this plan:
+            # it is dropped when it ends (fullpass.py).
+            self.epoch += 1
             try:
                 await self.apply(plan)
             except BaseException:
@@ -820,6 +871,8 @@ class Scheduler(ServiceRuntime):
 
     async def stop(self) -> None:
         await cancel_and_wait(list(getattr(self, "background", ())))
+        if getattr(self, "full_pass", None) is not None:
+            await self.full_pass.stop()
         for m in ("nodes", "leases", "deployments", "replicas"):
             mirror = getattr(self, m, None)
             if mirror is not None:
