@@ -725,10 +725,20 @@ class Bench:
                     },
                 },
             ),
-            "scheduler": self.cluster._service_config("scheduler", {**common, "metrics_listen": self.metrics["scheduler"]}),
+            "scheduler": self.cluster._service_config(
+                "scheduler",
+                {
+                    **common,
+                    "metrics_listen": self.metrics["scheduler"],
+                    **({"scheduler": {"full_pass_interval": format_duration(a.full_pass_interval)}} if a.full_pass_interval else {}),
+                },
+            ),
         }
         self.cluster._service_config("operator", {})
-        self.out(f"health: heartbeat {format_duration(hb)}, suspect after {self.suspect_after} missed, lost after {format_duration(lost)}; scheduler: defaults")
+        self.out(
+            f"health: heartbeat {format_duration(hb)}, suspect after {self.suspect_after} missed, lost after {format_duration(lost)}; scheduler: "
+            + (f"a full pass every {format_duration(a.full_pass_interval)}" if a.full_pass_interval else "defaults")
+        )
 
     def start_processes(self) -> None:
         self.cluster.start_nats()
@@ -780,6 +790,11 @@ class Bench:
                 with contextlib.suppress(ValueError):
                     out[k] = float(v)
         return out
+
+    def full_passes(self) -> dict[str, float]:
+        """The scheduler's full passes so far, by outcome (adopted, dropped, on_loop)."""
+        m = self.scrape("scheduler")
+        return {k: m.get(f'llmgw_scheduler_full_passes_total{{outcome="{k}"}}', 0.0) for k in ("adopted", "dropped", "on_loop")}
 
     def pids(self) -> dict[str, int]:
         p = {r: self.cluster.procs[r].pid for r in ("registry", "health", "scheduler")}
@@ -995,6 +1010,7 @@ class Bench:
         max_gen = max(r.generation for r in live)
         lost_sub = await self.nc.subscribe(S.event("node", victim_id, "lost"))
         n_launch0 = len(self.board.launches)
+        passes0 = await asyncio.to_thread(self.full_passes)
         victim = await self.fleet.silence(victim_id)
         self.out(f"stopped the heartbeats of {victim_id} (member of {', '.join(hosted)}); its connection stays up")
         try:
@@ -1020,6 +1036,11 @@ class Bench:
         if abs(ev.time - decode(msg.data, Event).time) > 1e-6:
             raise BenchError("the lost event in the stream differs from the one published")
         first, lastl = min(s.at for s in new), max(s.at for s in new)
+        passes1 = await asyncio.to_thread(self.full_passes)
+        # The scheduler's full passes from the silence to the last launch: one that
+        # ran across the lost event ran beside the loop (dropped: the rebuild's plan
+        # outdated it) unless it had to run on it.
+        self.fig["failover_full_passes"] = {k: passes1.get(k, 0) - passes0.get(k, 0) for k in ("adopted", "dropped", "on_loop")}
         self.fig["lost_after_beat_s"] = ev.time - victim.last_beat
         self.fig["failover_first_s"] = first - ev.time
         self.fig["failover_last_s"] = lastl - ev.time
@@ -1030,6 +1051,11 @@ class Bench:
         )
         self.out(
             f"replacement launch commands ({len(new)} for {len(hosted)} replicas) arrived {1000 * (first - ev.time):.0f} .. {1000 * (lastl - ev.time):.0f} ms after the lost event"
+        )
+        fp = self.fig["failover_full_passes"]
+        self.out(
+            f"the scheduler's full passes from the silence to the last launch: {fp['adopted']} adopted, {fp['dropped']} dropped (outdated by a plan "
+            f"applied while they ran), {fp['on_loop']} on its loop (the last one took {self.scrape('scheduler').get('llmgw_scheduler_full_pass_seconds', 0.0):.2f}s)"
         )
         new_ids = {s.replica_id for s in new}
         t_wait = time.monotonic()
@@ -1367,6 +1393,9 @@ def summary(args, fig: Figures, argv: list[str]) -> str:
         )
         if "failover_ready_s" in v:
             lines.append(row("failover", "lost -> replacements ready", f"{1000 * v['failover_ready_s']:.0f} ms"))
+        if "failover_full_passes" in v:
+            fp = v["failover_full_passes"]
+            lines.append(row("failover", "  full passes meanwhile: adopted/dropped/loop", f"{fp['adopted']:.0f}/{fp['dropped']:.0f}/{fp['on_loop']:.0f}"))
     if "meta_kill_blocked_s" in v:
         led = " (it led the deployments stream)" if v.get("meta_kill_victim_led_deployments") else ""
         lines.append(row("meta kill", f"writes blocked, meta leader SIGKILLed{led}"[:44], f"{v['meta_kill_blocked_s']:.2f} s"))
@@ -1494,6 +1523,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--until", choices=PHASES, default=PHASES[-1],
         help="stop after this phase (default: all five); e.g. --until steady --steady 5m leaves time to attach a profiler to one service",
     )  # fmt: skip
+    p.add_argument(
+        "--full-pass-interval", default="0s",
+        help="scheduler.full_pass_interval (default 0s: the scheduler's own, 60s); e.g. 3s keeps a full pass running through the failover phase",
+    )  # fmt: skip
     p.add_argument("--restart-signal", choices=("TERM", "KILL"), default="TERM", help="how phase 5 stops nats-server (default TERM; KILL as a crash)")
     p.add_argument("--restart-down", default="0s", help="how long nats-server stays down in phase 5 (default 0s: started again at once)")
     p.add_argument(
@@ -1503,7 +1536,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.nats_servers < 1 or (args.nats_servers > 1 and args.nats_servers % 2 == 0):
         p.error(f"--nats-servers {args.nats_servers}: use 1, or an odd number of 3 or more")
-    for name in ("heartbeat", "node_lost_after", "steady", "restart_down", "reconnect_grace"):
+    for name in ("heartbeat", "node_lost_after", "steady", "restart_down", "reconnect_grace", "full_pass_interval"):
         setattr(args, name, parse_duration(getattr(args, name), "--" + name.replace("_", "-")))
     if args.fabrics is None:
         args.fabrics = max(1, min(20, args.nodes // 10))
