@@ -18,6 +18,7 @@ store), the registry, health monitor and scheduler in the test's loop with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import urllib.request
@@ -37,12 +38,22 @@ from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.natsserver import NatsCluster
 from llmgw.shared.schemas import Lease, Replica
 
+from . import cluster_helpers
 from .cluster_helpers import HEALTH, SCHED, Cluster
 from .test_control_plane import alive, spec
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+
+# Heartbeats of 0.1 s (agents and monitor alike) for the two-of-three test: it waits
+# until every lease's renewal after the outage is in KV, and renewals are written once
+# per checkpoint interval (services/leases.py: 40 heartbeat intervals, 12 s at the
+# suite's 0.3 s, 4 s at 0.1 s). It checks that nothing is lost and that writes
+# resume, not how fast a silent node is suspected: node_lost_after stays 1.5 s, and
+# suspect needs 5 missed heartbeats (0.5 s) instead of 3 × 0.3 s.
+FAST_HB = 0.1
+FAST_HEALTH = {**HEALTH, "heartbeat_interval": FAST_HB, "suspect_after_missed": 5}
 
 
 class ServerView:
@@ -110,9 +121,9 @@ async def c3(tmp_path):
     nats.stop()
 
 
-async def bring_up(c: ClusterOn3, nodes=4, fabrics=2):
+async def bring_up(c: ClusterOn3, nodes=4, fabrics=2, health=HEALTH):
     await c.start_service(Registry, "registry")
-    await c.start_service(HealthMonitor, "health", health=HEALTH)
+    await c.start_service(HealthMonitor, "health", health=health)
     await c.start_service(Scheduler, "scheduler", scheduler=SCHED)
     c.add_nodes(simcluster.layout(nodes, fabrics, 4))
     for n in c.nodes:
@@ -169,9 +180,10 @@ async def test_one_server_of_three_dies_while_a_node_dies(c3):
     await c3.wait(lambda: (stream_last_seq(nats.members[victim], stream) or 0) >= want, timeout=30, what="the restarted server caught up")
 
 
-async def test_two_of_three_die_writes_stop_nothing_is_lost_and_quorum_resumes_it(c3):
+async def test_two_of_three_die_writes_stop_nothing_is_lost_and_quorum_resumes_it(c3, monkeypatch):
     nats = c3.server.nats
-    await bring_up(c3, nodes=2, fabrics=1)
+    monkeypatch.setattr(cluster_helpers, "TIMINGS", dataclasses.replace(cluster_helpers.TIMINGS, heartbeat_interval=FAST_HB))
+    await bring_up(c3, nodes=2, fabrics=1, health=FAST_HEALTH)
     await c3.apply(spec(load="0.3s"))
     (rep,) = await c3.wait(lambda: c3.ready("demo"), timeout=30, what="replica ready")
     pids = [m.pid for m in rep.members]
