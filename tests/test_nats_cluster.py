@@ -30,6 +30,11 @@ pytestmark = pytest.mark.timeout(90)
 
 HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 
+# A KV try made while a server is dead is bounded by this (seconds), where the waits
+# around it allow 30 s in all: a try that meets a stream still electing a leader
+# times out, and the next follows at most this long after the election.
+QUICK_TRY = 1.0
+
 
 def nats_t(conf) -> subprocess.CompletedProcess:
     return subprocess.run([natsbin.find(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30)
@@ -247,12 +252,14 @@ async def test_an_acknowledged_write_survives_a_kill_and_the_restarted_server_ca
         js = sched.jetstream(timeout=3)
         kv = (await bus.provision(js, (S.BUCKET_REPLICAS,), events=False, replicas=3))[S.BUCKET_REPLICAS]
         await kv.put("r1", b"v1")
+        # tries while a server is dead: QUICK_TRY each, not the context's 3 s
+        quick = await sched.jetstream(timeout=QUICK_TRY).key_value(S.BUCKET_REPLICAS)
         victim = 2
         cluster.kill(victim)
 
         async def put():
             try:
-                return await kv.put("r1", b"v2")
+                return await quick.put("r1", b"v2")
             except Exception:
                 return None
 
@@ -277,7 +284,7 @@ async def test_an_acknowledged_write_survives_a_kill_and_the_restarted_server_ca
 
         async def read():
             try:
-                return (await kv.get("r1")).value
+                return (await quick.get("r1")).value
             except Exception:
                 return None
 
@@ -322,11 +329,13 @@ async def test_raising_replicas_from_one_to_three_keeps_the_data_and_survives_it
         again: list[str] = []
         await bus.provision(js, (S.BUCKET_REPLICAS,), events=True, replicas=3, adjust=True, changes=again)
         assert again == []  # idempotent
+        # reads once its first host is dead: QUICK_TRY each, not the context's 5 s
+        quick = await nc.jetstream(timeout=QUICK_TRY).key_value(S.BUCKET_REPLICAS)
         cluster.kill(only_copy)
 
         async def read():
             try:
-                return (await kv.get("r1")).value
+                return (await quick.get("r1")).value
             except Exception:
                 return None
 
