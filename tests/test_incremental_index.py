@@ -98,15 +98,17 @@ def test_incremental_steps_equal_full_reconciles(cluster, specs, rounds, data):
         replicas = report_engines(data.draw, replicas)
         if replicas and data.draw(st.integers(0, 6)) == 0:  # a record deleted behind the scheduler's back
             del replicas[data.draw(st.sampled_from(sorted(replicas)))]
-        if data.draw(st.integers(0, 4)) == 0:  # an operator rescales, re-templates or deletes a deployment
+        if data.draw(st.integers(0, 4)) == 0:  # an operator rescales, re-templates, re-times or deletes a deployment
             name = data.draw(st.sampled_from(sorted(deployments)))
-            what = data.draw(st.sampled_from(["scale", "template", "delete"]))
+            what = data.draw(st.sampled_from(["scale", "template", "timeout", "delete"]))
             if what == "delete":
                 deployments.pop(name)
                 if not deployments:
                     deployments[name] = make_deployment(name, replicas=1, gpus_per_node=1, nodes_per_replica=1)
             elif what == "template":
                 deployments[name] = msgspec.structs.replace(deployments[name], engine_args=[f"--rev={now}"])
+            elif what == "timeout":  # the one field of a spec advancing a replica reads
+                deployments[name] = msgspec.structs.replace(deployments[name], startup_timeout=data.draw(st.sampled_from([1.0, 60.0, 900.0])))
             else:
                 deployments[name] = msgspec.structs.replace(deployments[name], replicas=data.draw(st.integers(0, 4)))
 
@@ -157,6 +159,35 @@ def test_nothing_changed_advances_nothing():
     replicas, deps = placed(rec, {"d": make_deployment("d", replicas=6)}, nodes, leases, 10.0)
     plan = rec.step(deps, replicas, nodes, leases, 20.0)
     assert not plan and (rec.advanced, rec.converged) == (0, 0)
+
+
+def test_the_schedulers_own_write_of_a_spec_converges_its_deployment_and_advances_no_replica():
+    nodes, leases = big_cluster()
+    rec = Reconciler()
+    replicas, deps = placed(rec, {"d": make_deployment("d", replicas=6)}, nodes, leases, 10.0)
+    # A new generation counter and a backoff: what apply() writes back into a spec.
+    written = {"d": msgspec.structs.replace(deps["d"], last_generation=deps["d"].last_generation + 3, failures=1, last_failure="x")}
+    plan = rec.step(written, replicas, nodes, leases, 20.0)
+    assert plan == reconcile(written, replicas, nodes, leases, 20.0)
+    assert (rec.advanced, rec.converged) == (0, 1)
+    # A new startup timeout is read by every replica's clock: all of them are looked at.
+    retimed = {"d": msgspec.structs.replace(written["d"], startup_timeout=5.0)}
+    plan = rec.step(retimed, replicas, nodes, leases, 21.0)
+    assert plan == reconcile(retimed, replicas, nodes, leases, 21.0)
+    assert (rec.advanced, rec.converged) == (6, 1)
+
+
+def test_a_shorter_startup_timeout_fails_the_replicas_it_makes_late_at_once():
+    nodes, leases = big_cluster()
+    rec = Reconciler()
+    deps = {"d": make_deployment("d", replicas=2, startup_timeout=900.0)}
+    plan = rec.step(deps, {}, nodes, leases, 10.0)
+    launching, deps = apply_plan(plan, {}, deps)
+    rec.step(deps, launching, nodes, leases, 11.0)  # the writes echoed; no engine is up
+    retimed = {"d": msgspec.structs.replace(deps["d"], startup_timeout=5.0)}
+    plan = rec.step(retimed, launching, nodes, leases, 20.0)
+    assert plan == reconcile(retimed, launching, nodes, leases, 20.0)
+    assert {e.subject for e in plan.events if e.what == "failed"} == set(launching)
 
 
 def test_a_renewal_that_keeps_the_state_advances_nothing():
