@@ -26,7 +26,13 @@ from .test_registry_health import FAST, Beater, events_of, start_health, wait_fo
 
 pytestmark = pytest.mark.timeout(90)
 
-CHECKPOINT = CHECKPOINT_HEARTBEATS * FAST["heartbeat_interval"]  # Timings.checkpoint_interval
+
+# The standby test waits for two checkpoints of node01 (one before the crash, one by
+# the new monitor), each up to a checkpoint interval away: 40 heartbeats, 8 s at FAST's
+# 0.2 s, 4 s at 0.1 s. Suspect still after 0.6 s of silence (6 × 0.1 s, as 3 × 0.2 s),
+# lost after FAST's 1.5 s: only the checkpoints come sooner.
+TAKEOVER = {**FAST, "heartbeat_interval": 0.1, "suspect_after_missed": 6}
+TAKEOVER_CHECKPOINT = CHECKPOINT_HEARTBEATS * TAKEOVER["heartbeat_interval"]  # Timings.checkpoint_interval
 
 
 async def crash(svc: health_mod.HealthMonitor) -> None:
@@ -95,19 +101,20 @@ async def test_a_standby_takes_over_from_checkpoints_and_what_it_heard(nats_serv
     standby held a live copy of the stored leases (no bulk read at takeover) and
     the heartbeats it heard: node01 is never lost, node02 is lost no later than its
     own countdown ends — and not before the grace."""
-    a = await start_health(nats_server, "health-a")
+    a = await start_health(nats_server, "health-a", health=TAKEOVER)
     await wait_for(lambda: a.acting, what="health-a acting")
     n1, n2 = await connector.as_new("node01", "node"), await connector.as_new("node02", "node")
     ops = await connector.as_new("ops", "operator")
     leases = await KvMirror(await ops.jetstream(timeout=5).key_value(S.BUCKET_LEASES), Lease).start()
-    b1, b2 = Beater(n1, "node01").start(), Beater(n2, "node02").start()
+    beat = TAKEOVER["heartbeat_interval"]
+    b1, b2 = Beater(n1, "node01", interval=beat).start(), Beater(n2, "node02", interval=beat).start()
     b = None
     try:
         await wait_for(lambda: {n: lease.state for n, lease in leases.items.items()}, {"node01": "ready", "node02": "ready"}, what="both ready")
         first = dict(leases.items)
         # A checkpoint of node01's renewals: what a standby started now would resume from.
-        await wait_for(lambda: leases.items["node01"].last_renew > first["node01"].last_renew, timeout=CHECKPOINT + 5, what="a checkpoint of node01")
-        b = await start_health(nats_server, "health-b")
+        await wait_for(lambda: leases.items["node01"].last_renew > first["node01"].last_renew, timeout=TAKEOVER_CHECKPOINT + 5, what="a checkpoint of node01")
+        b = await start_health(nats_server, "health-b", health=TAKEOVER)
         await wait_for(lambda: b.heard.keys() >= {"node01", "node02"}, what="the standby hearing both nodes")
         assert not b.acting
         await b2.stop()  # node02 dies …
@@ -122,7 +129,7 @@ async def test_a_standby_takes_over_from_checkpoints_and_what_it_heard(nats_serv
         assert lost.since >= b.book.not_before
         assert stored.last_renew <= b.book.leases["node02"].last_renew == pytest.approx(b2.last, abs=0.5)
         # node01 beat on: renewed by the new monitor's checkpoints, the same lease (since unchanged).
-        await wait_for(lambda: leases.items["node01"].last_renew > took_over, timeout=CHECKPOINT + 5, what="node01 checkpointed by health-b")
+        await wait_for(lambda: leases.items["node01"].last_renew > took_over, timeout=TAKEOVER_CHECKPOINT + 5, what="node01 checkpointed by health-b")
         assert (leases.items["node01"].state, leases.items["node01"].since) == ("ready", first["node01"].since)
         await b1.stop()
         assert await events_of(ops, "node01") == ["ready"]

@@ -130,8 +130,9 @@ CHECKPOINT = CHECKPOINT_HEARTBEATS * FAST["heartbeat_interval"]
 
 
 class Beater:
-    def __init__(self, nc, node, boot="boot-1"):
+    def __init__(self, nc, node, boot="boot-1", interval=FAST["heartbeat_interval"]):
         self.nc, self.node, self.boot, self.seq = nc, node, boot, 0
+        self.interval = interval
         self.task = None
 
     async def _run(self):
@@ -139,7 +140,7 @@ class Beater:
             self.seq += 1
             self.last = time.time()  # when the last heartbeat was sent (not when the beater was stopped)
             await self.nc.publish(S.heartbeat(self.node), encode(Heartbeat(node_id=self.node, boot_id=self.boot, seq=self.seq)))
-            await asyncio.sleep(FAST["heartbeat_interval"])  # the beat itself: a node's heartbeat interval
+            await asyncio.sleep(self.interval)  # the beat itself: a node's heartbeat interval
 
     def start(self):
         self.task = asyncio.create_task(self._run())
@@ -149,8 +150,8 @@ class Beater:
         await cancel_and_wait([self.task])
 
 
-async def start_health(nats_server, name="health"):
-    svc = health_mod.HealthMonitor(service_config(nats_server, "health", name, health=FAST))
+async def start_health(nats_server, name="health", health=FAST):
+    svc = health_mod.HealthMonitor(service_config(nats_server, "health", name, health=health))
     nats_server.reload()
     await svc.start()
     return svc
