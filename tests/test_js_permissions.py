@@ -81,12 +81,15 @@ async def test_operator_cannot_shrink_the_event_history(connector, idents):
 async def test_operator_cannot_create_or_delete_streams(connector, idents):
     ops = idents["ops"]
     evil = StreamConfig(name="EVIL", subjects=[f"{S.API_SPACE}.evil.>"])
-    await refused(connector, ops, "ops", "$JS.API.STREAM.CREATE.EVIL", json.dumps(evil.as_dict()).encode())
-    await refused(connector, ops, "ops", f"$JS.API.STREAM.PURGE.{S.EVENT_STREAM}", b"")
-    await refused(connector, ops, "ops", f"$JS.API.STREAM.DELETE.{S.kv_stream(S.BUCKET_REPLICAS)}", b"")
     # a durable consumer is state the operator would leave behind in the server
     durable = json.dumps({"stream_name": S.EVENT_STREAM, "config": {"durable_name": "mine", "ack_policy": "explicit"}}).encode()
-    await refused(connector, ops, "ops", f"$JS.API.CONSUMER.DURABLE.CREATE.{S.EVENT_STREAM}.mine", durable)
+    # All at once: each waits out its own request's timeout (no answer), on its own subject.
+    await asyncio.gather(
+        refused(connector, ops, "ops", "$JS.API.STREAM.CREATE.EVIL", json.dumps(evil.as_dict()).encode()),
+        refused(connector, ops, "ops", f"$JS.API.STREAM.PURGE.{S.EVENT_STREAM}", b""),
+        refused(connector, ops, "ops", f"$JS.API.STREAM.DELETE.{S.kv_stream(S.BUCKET_REPLICAS)}", b""),
+        refused(connector, ops, "ops", f"$JS.API.CONSUMER.DURABLE.CREATE.{S.EVENT_STREAM}.mine", durable),
+    )
     names = [s.config.name for s in await ops.jetstream().streams_info()]
     assert "EVIL" not in names and S.EVENT_STREAM in names
 
@@ -94,8 +97,10 @@ async def test_operator_cannot_create_or_delete_streams(connector, idents):
 async def test_gateway_cannot_touch_streams(connector, idents):
     gw = idents["gw1"]
     cfg = StreamConfig(name=S.EVENT_STREAM, subjects=[S.ALL_EVENTS], max_msgs=1)
-    await refused(connector, gw, "gw1", f"$JS.API.STREAM.UPDATE.{S.EVENT_STREAM}", json.dumps(cfg.as_dict()).encode())
-    await refused(connector, gw, "gw1", "$JS.API.STREAM.CREATE.EVIL", json.dumps(StreamConfig(name="EVIL", subjects=["x.>"]).as_dict()).encode())
+    await asyncio.gather(  # at once, as above
+        refused(connector, gw, "gw1", f"$JS.API.STREAM.UPDATE.{S.EVENT_STREAM}", json.dumps(cfg.as_dict()).encode()),
+        refused(connector, gw, "gw1", "$JS.API.STREAM.CREATE.EVIL", json.dumps(StreamConfig(name="EVIL", subjects=["x.>"]).as_dict()).encode()),
+    )
 
 
 async def test_operator_read_paths_work(idents):
