@@ -249,6 +249,7 @@ class _Cycle:
         # ids deleted this cycle: a new replica must not take one (the plan would
         # write its record and then delete it, after launching it)
         self.deleted: set[str] = set()
+        self._draining: frozenset[str] | None = None  # nodes draining, once asked (``draining``)
 
     # -- recording ----------------------------------------------------------
 
@@ -293,7 +294,13 @@ class _Cycle:
         return ""
 
     def draining(self, replica: Replica) -> list[str]:
-        return [m.node_id for m in replica.members if (rec := self.nodes.get(m.node_id)) is not None and rec.admin == "draining"]
+        # The draining nodes are looked up once a cycle: converge asks this of
+        # every replica of a deployment, thousands, and mostly none is draining.
+        if self._draining is None:
+            self._draining = frozenset(n for n, rec in self.nodes.items() if rec.admin == "draining")
+        if not self._draining:
+            return []
+        return [m.node_id for m in replica.members if m.node_id in self._draining]
 
     # -- phase 1: each replica's own facts (cases 2, 3, 4, 8) ---------------
 
@@ -451,12 +458,22 @@ class _Cycle:
 
     def converge(self, name: str, spec: DeploymentSpec | None, mine: list[Replica]) -> None:
         want = spec.replicas if spec is not None else 0
-        wanted = [r for r in mine if r.state in WANTED_REPLICA]
         digest = template_digest(spec) if spec is not None else ""
-        outdated = [r for r in wanted if is_outdated(r, digest)]
-        stale = {r.id for r in outdated}
-        draining = [r for r in wanted if r.id not in stale and self.draining(r)]
-        counted = [r for r in wanted if r.id not in stale and not self.draining(r)]
+        # One pass, each replica in the first list it belongs to (in ``mine``'s
+        # order): a deployment of thousands is partitioned on every step that
+        # touches it.
+        outdated: list[Replica] = []
+        draining: list[Replica] = []
+        counted: list[Replica] = []
+        for r in mine:
+            if r.state not in WANTED_REPLICA:
+                continue
+            if is_outdated(r, digest):
+                outdated.append(r)
+            elif self.draining(r):
+                draining.append(r)
+            else:
+                counted.append(r)
 
         # case 5: too many — pending first, then not ready, then the newest.
         extra = len(counted) - want
@@ -548,6 +565,7 @@ class _Cycle:
             cordoned.add(node_id)
         if self.plan.cordons:
             self.nodes = dict(self.nodes)
+            self._draining = None  # asked again of the nodes as judged
             for c in self.plan.cordons:
                 self.nodes[c.node_id] = msgspec.structs.replace(self.nodes[c.node_id], admin="cordoned", admin_by="auto", admin_reason=c.reason)
 
