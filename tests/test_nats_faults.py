@@ -54,6 +54,8 @@ HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 # suspect needs 5 missed heartbeats (0.5 s) instead of 3 × 0.3 s.
 FAST_HB = 0.1
 FAST_HEALTH = {**HEALTH, "heartbeat_interval": FAST_HB, "suspect_after_missed": 5}
+# How long quorum stays lost there: longer than node_lost_after (1.5 s), 20 heartbeats.
+OUTAGE = 2.0
 
 
 class ServerView:
@@ -198,14 +200,14 @@ async def test_two_of_three_die_writes_stop_nothing_is_lost_and_quorum_resumes_i
     assert sched.replicas.items[rep.id].state == "ready"
     assert all(alive(p) for p in pids)
     down_at = time.time()
-    await asyncio.sleep(3.0)  # the fault lasts longer than node_lost_after (1.5 s)
+    await asyncio.sleep(OUTAGE)  # the fault lasts longer than node_lost_after (1.5 s)
     # Both together and off the loop (each restart waits until its server is current; the
     # services under test run on this loop meanwhile and must not be frozen by the wait).
     await asyncio.gather(asyncio.to_thread(nats.restart, 1), asyncio.to_thread(nats.restart, 2))
     # Quorum back: leases are written again (renewed after the outage), nobody lost, same replica.
     await c3.wait(
         lambda: (
-            health.acting and not health.write_blocked and all(lease.last_renew > down_at + 3 and lease.state == "ready" for lease in c3.leases.items.values())
+            health.acting and not health.write_blocked and all(lease.last_renew > down_at + OUTAGE and lease.state == "ready" for lease in c3.leases.items.values())
         ),
         timeout=60,
         what="leases written again",
