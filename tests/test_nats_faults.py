@@ -207,7 +207,9 @@ async def test_two_of_three_die_writes_stop_nothing_is_lost_and_quorum_resumes_i
     # Quorum back: leases are written again (renewed after the outage), nobody lost, same replica.
     await c3.wait(
         lambda: (
-            health.acting and not health.write_blocked and all(lease.last_renew > down_at + OUTAGE and lease.state == "ready" for lease in c3.leases.items.values())
+            health.acting
+            and not health.write_blocked
+            and all(lease.last_renew > down_at + OUTAGE and lease.state == "ready" for lease in c3.leases.items.values())
         ),
         timeout=60,
         what="leases written again",
