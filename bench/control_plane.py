@@ -1054,8 +1054,8 @@ class Bench:
         )
         fp = self.fig["failover_full_passes"]
         self.out(
-            f"the scheduler's full passes from the silence to the last launch: {fp['adopted']} adopted, {fp['dropped']} dropped (outdated by a plan "
-            f"applied while they ran), {fp['on_loop']} on its loop (the last one took {self.scrape('scheduler').get('llmgw_scheduler_full_pass_seconds', 0.0):.2f}s)"
+            f"the scheduler's full passes from the silence to the last launch: {fp['adopted']:.0f} adopted, {fp['dropped']:.0f} dropped (outdated by a plan "
+            f"applied while they ran), {fp['on_loop']:.0f} on its loop (the last one took {self.scrape('scheduler').get('llmgw_scheduler_full_pass_seconds', 0.0):.2f}s)"
         )
         new_ids = {s.replica_id for s in new}
         t_wait = time.monotonic()
