@@ -159,6 +159,9 @@ AGENT_RECONNECT_BASE, AGENT_RECONNECT_MAX = 0.5, 5.0
 # reconnect attempt too; the bench's first connects get longer (they queue
 # for a handshake slot in their worker).
 AGENT_CONNECT_TIMEOUT, BENCH_FIRST_CONNECT_TIMEOUT = 5.0, 20.0
+# No agent said it connected (or why not) for this long while some still had not:
+# one is stuck in a step with no bound; the bench says which and where, and stops.
+CONNECT_STALL = 120.0
 # Thousands of agents losing the bus at once would print thousands of warnings;
 # the phase reports what they did instead.
 AGENT_LOG = logging.getLogger("llmgw.bench.agents")
@@ -483,6 +486,18 @@ async def agents_worker(job: dict) -> int:
         emit({"ev": "connected", "node": agent.node_id})
 
     running: set[asyncio.Task] = set()
+
+    def dump_connecting() -> None:
+        # SIGUSR1 (the bench sends it when connects stall): where each agent still
+        # connecting waits, on stderr, which the bench's own output carries.
+        stuck = [t for t in running if not t.done()]
+        print(f"agents worker {os.getpid()}: {len(stuck)} agents still connecting", file=sys.stderr)
+        for t in stuck[:20]:
+            print(f"--- {t.get_name()}", file=sys.stderr)
+            t.print_stack(limit=30, file=sys.stderr)
+        sys.stderr.flush()
+
+    loop.add_signal_handler(signal.SIGUSR1, dump_connecting)
     while line := await reader.readline():
         try:
             cmd = json.loads(line)
@@ -493,7 +508,7 @@ async def agents_worker(job: dict) -> int:
             continue
         if op == "connect":
             for agent in agents.values():
-                t = asyncio.create_task(connect(agent))
+                t = asyncio.create_task(connect(agent), name=f"connect {agent.node_id}")
                 running.add(t)
                 t.add_done_callback(running.discard)
         elif op == "inventory":
@@ -545,6 +560,7 @@ class Fleet:
         self.procs: list[asyncio.subprocess.Process] = []
         self.readers: list[asyncio.Task] = []
         self.connected = 0
+        self.connected_nodes: set[str] = set()
         self.failed = ""  # a worker that ended before it was told to
         self.silenced: dict[str, asyncio.Future] = {}
 
@@ -583,6 +599,7 @@ class Fleet:
                 self.views[ev["node"]].errors += 1
             elif kind == "connected":
                 self.connected += 1
+                self.connected_nodes.add(ev["node"])
             elif kind == "silenced":
                 view = self.views[ev["node"]]
                 view.silent, view.last_beat = True, ev["last_beat"]
@@ -841,10 +858,25 @@ class Bench:
         t = time.monotonic()
         await self.fleet.connect_all()
         last_print, last_done = t, -1
+        progress_at, progress_n = time.monotonic(), 0
         while self.fleet.connected < len(self.agents):
             self.check_alive()
             await asyncio.sleep(0.05)
             done = self.fleet.connected
+            if done != progress_n:
+                progress_at, progress_n = time.monotonic(), done
+            elif time.monotonic() - progress_at > CONNECT_STALL:
+                # Every agent either says it connected or why not; one that does
+                # neither is stuck in a step with no bound. Ask the workers where.
+                missing = sorted(ag.node_id for ag in self.agents if ag.node_id not in self.fleet.connected_nodes)
+                for pid in self.fleet.pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGUSR1)
+                await asyncio.sleep(1.0)
+                raise BenchError(
+                    f"{len(missing)} agents neither connected nor failed within {CONNECT_STALL:.0f}s of the last that did "
+                    f"({', '.join(missing[:10])}{' …' if len(missing) > 10 else ''}); the agent workers printed where each waits"
+                )
             if time.monotonic() - last_print >= 2 and done != last_done:
                 last_print, last_done = time.monotonic(), done
                 self.out(f"agents connected {done}/{len(self.agents)} ({done / max(1e-9, last_print - t):.0f}/s)")
@@ -1395,7 +1427,8 @@ def summary(args, fig: Figures, argv: list[str]) -> str:
             lines.append(row("failover", "lost -> replacements ready", f"{1000 * v['failover_ready_s']:.0f} ms"))
         if "failover_full_passes" in v:
             fp = v["failover_full_passes"]
-            lines.append(row("failover", "  full passes meanwhile: adopted/dropped/loop", f"{fp['adopted']:.0f}/{fp['dropped']:.0f}/{fp['on_loop']:.0f}"))
+            lines.append(row("failover", "  full passes beside the loop meanwhile", f"{fp['adopted'] + fp['dropped']:.0f} passes"))
+            lines.append(row("failover", "  full passes on the loop meanwhile", f"{fp['on_loop']:.0f} passes"))
     if "meta_kill_blocked_s" in v:
         led = " (it led the deployments stream)" if v.get("meta_kill_victim_led_deployments") else ""
         lines.append(row("meta kill", f"writes blocked, meta leader SIGKILLed{led}"[:44], f"{v['meta_kill_blocked_s']:.2f} s"))

@@ -58,7 +58,7 @@ def test_smoke_mode_runs_every_phase_and_cleans_up(tmp_path):
     assert all(len(c) == 5 for c in cells), body
     assert {c[0] for c in cells} == {"bring-up", "steady", "placement", "failover", "restart"}
     for _phase, what, value, target, check in cells:
-        assert re.fullmatch(r"\d+(\.\d+)? (s|ms|%|/s|nodes|errors)", value), (what, value)
+        assert re.fullmatch(r"\d+(\.\d+)? (s|ms|%|/s|nodes|errors|passes)", value), (what, value)
         assert (target == "") == (check == ""), (what, target, check)
         assert check in ("", "ok", "MISSED")
     targeted = {c[1] for c in cells if c[3]}

@@ -346,8 +346,8 @@ class Reconciler:
                 # new generation counter, a backoff) change neither, and dirtying
                 # 4,000 replicas for them cost ~100 ms a step; converge, which reads
                 # all of the spec, runs for the deployment either way.
-                old, new = self._deployments.get(d), deployments.get(d)
-                if old is None or new is None or old.startup_timeout != new.startup_timeout:
+                was, spec_now = self._deployments.get(d), deployments.get(d)
+                if was is None or spec_now is None or was.startup_timeout != spec_now.startup_timeout:
                     dirty_reps.update(self._by_deployment.get(d, ()))
             while self._deadlines and self._deadlines[0][0] <= now + DEADLINE_SLACK:
                 at, rid = heapq.heappop(self._deadlines)
