@@ -493,8 +493,14 @@ async def agents_worker(job: dict) -> int:
         stuck = [t for t in running if not t.done()]
         print(f"agents worker {os.getpid()}: {len(stuck)} agents still connecting", file=sys.stderr)
         for t in stuck[:20]:
-            print(f"--- {t.get_name()}", file=sys.stderr)
-            t.print_stack(limit=30, file=sys.stderr)
+            # A suspended task's stack is its outermost frame only: follow the awaits.
+            where, coro = [], t.get_coro()
+            while coro is not None and len(where) < 40:
+                frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                if frame is not None:
+                    where.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+                coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+            print(f"--- {t.get_name()}:\n    " + "\n    ".join(where) + f"\n    awaiting {coro!r}", file=sys.stderr)
         sys.stderr.flush()
 
     loop.add_signal_handler(signal.SIGUSR1, dump_connecting)
