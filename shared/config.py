@@ -233,7 +233,10 @@ class SchedulerSection(Section, frozen=True):
 
     def __post_init__(self):
         if self.full_pass_interval <= 0 or self.full_pass_interval < self.reconcile_interval:
-            raise Invalid("full_pass_interval", f"{self.full_pass_interval:g}s is below reconcile_interval ({self.reconcile_interval:g}s): a full pass is at most one a step")
+            raise Invalid(
+                "full_pass_interval",
+                f"{self.full_pass_interval:g}s is below reconcile_interval ({self.reconcile_interval:g}s): a full pass is at most one a step",
+            )
         if not (1024 <= self.port_base and self.port_base + self.port_count <= 65536 and self.port_count >= 2):
             raise Invalid("", "port_base..port_base+port_count must lie within 1024..65535")
         if self.hang_timeout <= 0:
