@@ -1592,6 +1592,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--replicas: at least 1")
     if args.agent_procs is None:
         args.agent_procs = max(1, min(os.cpu_count() or 1, -(-args.nodes // 2500)))
+    if 0 < args.full_pass_interval < 1.0:
+        p.error(f"--full-pass-interval {args.full_pass_interval:g}s: 0 (the scheduler's own) or at least its reconcile_interval, 1s")
     if args.reconnect_slots < 0:
         p.error("--reconnect-slots: 0 (unpaced) or more")
     if not 1 <= args.agent_procs <= args.nodes:
