@@ -146,6 +146,10 @@ class FullPass:
     def must_run_on_loop(self) -> bool:
         return self.dropped >= MAX_DROPPED
 
+    def ran_on_loop(self) -> None:
+        """The shell ran a full step on the loop: the drops in a row start afresh."""
+        self.dropped = 0
+
     async def stop(self) -> None:
         """Forget a running pass. Its thread cannot be interrupted: it ends on its
         own (a second or two), and the loop's executor waits for it at close."""

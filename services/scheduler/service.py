@@ -538,7 +538,7 @@ class Scheduler(ServiceRuntime):
         deployments, nodes = self._deployments(), self._nodes()
         if full:
             self._full_at = time.monotonic()
-            self.full_pass.dropped = 0
+            self.full_pass.ran_on_loop()
             FULL_PASSES.labels("on_loop").inc()
         elif due and not self.full_pass.running:
             self._full_at = time.monotonic()
