@@ -87,6 +87,17 @@ Phases:
    deployment every 100 ms: how long control-plane writes are blocked (the gap
    between the last apply acknowledged before the kill and the first after).
 
+``--floor`` runs no control plane: nats-server and the agents alone. Phase 1
+connects the agents; phase 2 sends the placement's 2 x ``--replicas`` launches
+as the scheduler sends them (one request each, all in flight at once, under the
+scheduler's own certificate) and reports send -> last launch at the agents;
+phase 3 (unless ``--no-restart``) restarts nats-server and reports when every
+agent is back. Each is what any control plane's figure includes at least on
+this machine: the placement target is measured from the apply to the last
+launch, and no lease is renewed before its agent is back. With the CPU each
+side spends per launch and per returning agent, this says whether a target can
+be met on these cores with the agents simulated on them.
+
 ``--until PHASE`` stops after that phase (e.g. ``--until steady --steady 5m``
 to attach a profiler to one service in steady state).
 
@@ -162,6 +173,9 @@ AGENT_CONNECT_TIMEOUT, BENCH_FIRST_CONNECT_TIMEOUT = 5.0, 20.0
 # No agent said it connected (or why not) for this long while some still had not:
 # one is stuck in a step with no bound; the bench says which and where, and stops.
 CONNECT_STALL = 120.0
+# --floor: how long a launch waits for its acknowledgement (longer than the
+# scheduler's 5 s command_timeout, so that a late answer is counted, not lost).
+FLOOR_COMMAND_TIMEOUT = 60.0
 # Thousands of agents losing the bus at once would print thousands of warnings;
 # the phase reports what they did instead.
 AGENT_LOG = logging.getLogger("llmgw.bench.agents")
@@ -457,9 +471,21 @@ async def agents_worker(job: dict) -> int:
     loop = asyncio.get_running_loop()
     out = sys.stdout
 
-    def emit(event: dict) -> None:
-        out.write(json.dumps(event) + "\n")
+    pending: list[str] = []
+
+    def flush() -> None:
+        out.write("".join(pending))
         out.flush()
+        pending.clear()
+
+    def emit(event: dict) -> None:
+        # One write per loop iteration, not per event: thousands of launches arrive
+        # together, and a write and flush each was this load generator's CPU taken
+        # from the cores it shares with the control plane. (Times are stamped where
+        # events happen; the pipe's delay is in no figure.)
+        if not pending:
+            loop.call_soon(flush)
+        pending.append(json.dumps(event) + "\n")
 
     board = WorkerBoard(emit, job["pid_base"])
     slots = asyncio.Semaphore(job["reconnect_slots"]) if job["reconnect_slots"] else None
@@ -539,6 +565,7 @@ async def agents_worker(job: dict) -> int:
     with contextlib.suppress(Exception):
         await asyncio.wait_for(asyncio.gather(*(close(ag.nc) for ag in agents.values() if ag.nc is not None)), 15)
     emit({"ev": "closed"})
+    flush()  # now: the loop ends with this coroutine
     return 0
 
 
@@ -820,7 +847,7 @@ class Bench:
         return {k: m.get(f'llmgw_scheduler_full_passes_total{{outcome="{k}"}}', 0.0) for k in ("adopted", "dropped", "on_loop")}
 
     def pids(self) -> dict[str, int]:
-        p = {r: self.cluster.procs[r].pid for r in ("registry", "health", "scheduler")}
+        p = {r: self.cluster.procs[r].pid for r in CONTROL_PLANE if r in self.cluster.procs}  # none with --floor
         servers = [n for n in self.cluster.procs if n.startswith("nats-server")]
         p["nats-server"] = self.cluster.procs[servers[0]].pid  # the first (of a cluster: its CPU stands for each)
         return p
@@ -835,18 +862,10 @@ class Bench:
         self.cluster.check_alive()
         self.fleet.check_alive()
 
-    # -- phase 1 ---------------------------------------------------------------
-    async def bring_up(self) -> None:
+    async def connect_agents(self) -> dict[str, float]:
+        """Start the agent workers and connect every simulated agent; returns the CPU
+        readings taken just before the first connect."""
         a = self.args
-        self.phase(1, "bring-up")
-        t_start = time.monotonic()
-        self.prepare()
-        self.start_processes()
-        await self.connect_operator()
-        await self.wait_services()
-        self.out("services answer; connecting agents")
-        nodes = await self.mirror(S.BUCKET_NODES, NodeRecord)
-        leases = await self.mirror(S.BUCKET_LEASES, Lease)
         # Thousands of TLS handshakes: spread over the agent workers, bounded concurrency
         # in each, with progress.
         job = {
@@ -893,6 +912,21 @@ class Bench:
             f"{len(self.agents)} TLS connections (one per node certificate) in {connect_s:.1f}s: {len(self.agents) / connect_s:.0f} handshakes/s; "
             f"the bench and its {a.agent_procs} agent worker(s) used {self.fig['connect_bench_cpu_pct']:.0f}% of a core meanwhile"
         )
+        return c0
+
+    # -- phase 1 ---------------------------------------------------------------
+    async def bring_up(self) -> None:
+        a = self.args
+        self.phase(1, "bring-up")
+        t_start = time.monotonic()
+        self.prepare()
+        self.start_processes()
+        await self.connect_operator()
+        await self.wait_services()
+        self.out("services answer; connecting agents")
+        nodes = await self.mirror(S.BUCKET_NODES, NodeRecord)
+        leases = await self.mirror(S.BUCKET_LEASES, Lease)
+        c0 = await self.connect_agents()
         want = {ag.node_id for ag in self.agents}
         deadline = time.monotonic() + max(120.0, a.nodes * 0.1)
         last, republished = None, time.monotonic()
@@ -1340,7 +1374,152 @@ class Bench:
             f"first ack {self.fig['meta_kill_first_ack_s']:.2f}s after the kill; the longest gap after it {self.fig['meta_kill_max_gap_s']:.2f}s)"
         )
 
+    # -- --floor ----------------------------------------------------------------
+    async def floor(self) -> None:
+        """The placement's launches with no control plane: nats-server and the simulated
+        agents alone, the launches sent as the scheduler sends them (one request each,
+        all in flight at once, under the scheduler's own certificate). What this
+        takes is what any control plane's placement takes at least on this machine."""
+        a = self.args
+        self.phase(1, "bring-up: nats-server and the agents alone (--floor)")
+        self.prepare()
+        self.cluster.start_nats()
+        sender = await bus.connect(
+            self.cluster.nats_urls, self.cluster.nats.tls_for("scheduler", "scheduler"), name="bench-floor", initial_attempts=20, reconnect_base=0.2, reconnect_max=1.0
+        )  # fmt: skip
+        try:
+            await self.connect_agents()
+            # What the agents' heartbeats alone cost, for context: the floor's steady state.
+            await asyncio.sleep(min(a.heartbeat, 5.0))
+            window = min(a.steady, 10.0)
+            c0, w0 = self.floor_cpu(), time.monotonic()
+            await asyncio.sleep(window)
+            c1, el = self.floor_cpu(), time.monotonic() - w0
+            self.fig["floor_steady_cpu_pct"] = {k: 100.0 * (c1[k] - c0[k]) / el for k in c0}
+            self.out(f"steady state, heartbeats only, over {el:.0f}s: " + ", ".join(f"{k} {v:.1f}%" for k, v in self.fig["floor_steady_cpu_pct"].items()))
+
+            self.phase(2, f"the launch floor: {2 * a.replicas} launches, no control plane")
+            nodes = self.node_ids()
+            addr = {ag.node_id: ag.mgmt_addr for ag in self.agents}
+            commands = []
+            for r in range(a.replicas):
+                pair = [nodes[(2 * r) % len(nodes)], nodes[(2 * r + 1) % len(nodes)]]
+                rid = f"{DEPLOYMENT}-floor-{r:05d}"
+                for rank, node in enumerate(pair):
+                    cmd = LaunchCommand(
+                        replica_id=rid, generation=r + 1, deployment=DEPLOYMENT, model="bench-70b", engine="sim", nnodes=2, rank=rank,
+                        leader_addr=addr[pair[0]], rendezvous_port=29500,
+                        http_port=8000, gpus=[0, 1, 2, 3], fabric=fabric_name(0), hcas=list(HCAS_PER_NODE),
+                    )  # fmt: skip
+                    commands.append((S.cmd_launch(node), encode(cmd)))
+            acks: list[float] = []
+            errors: dict[str, int] = {}
+
+            async def one(subject: str, data: bytes) -> None:
+                try:
+                    reply = await sender.request(subject, data, timeout=FLOOR_COMMAND_TIMEOUT)
+                    decode(reply.data, CommandAck)
+                    acks.append(time.time())
+                except Exception as e:
+                    errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
+
+            n0 = len(self.board.launches)
+            c0 = self.floor_cpu()
+            t0 = time.time()
+            await asyncio.gather(*(one(subject, data) for subject, data in commands))
+            sent_s = time.time() - t0
+            deadline = time.monotonic() + 30.0
+            while len(self.board.launches) - n0 < len(acks) and time.monotonic() < deadline:
+                # the workers' lines for the last launches are on their way
+                self.board.changed.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.board.changed.wait(), 0.5)
+            c1 = self.floor_cpu()
+            seen = self.board.launches[n0:]
+            if not seen:
+                raise BenchError(f"no launch arrived at an agent ({errors})")
+            self.fig["floor_first_launch_s"] = min(x.at for x in seen) - t0
+            self.fig["floor_last_launch_s"] = max(x.at for x in seen) - t0
+            self.fig["floor_last_ack_s"] = (max(acks) - t0) if acks else sent_s
+            self.fig["floor_launches"] = len(seen)
+            self.fig["floor_errors"] = errors
+            self.fig["floor_cpu_s"] = {k: c1[k] - c0[k] for k in c0}
+            self.out(
+                f"{len(seen)} of {len(commands)} launches arrived: first {1000 * self.fig['floor_first_launch_s']:.0f} ms, "
+                f"last {1000 * self.fig['floor_last_launch_s']:.0f} ms after the first was sent; {len(acks)} acknowledged, "
+                f"the last after {1000 * self.fig['floor_last_ack_s']:.0f} ms" + (f"; not acknowledged: {errors}" if errors else "")
+            )
+            self.out("CPU seconds meanwhile: " + ", ".join(f"{k} {v:.2f}" for k, v in self.fig["floor_cpu_s"].items()))
+            self.out("per launch: " + ", ".join(f"{k} {1000 * v / len(commands):.2f} ms" for k, v in self.fig["floor_cpu_s"].items()))
+            await sender.close()
+            if a.restart:
+                await self.floor_restart()
+        finally:
+            with contextlib.suppress(Exception):
+                await sender.close()
+
+    async def floor_restart(self) -> None:
+        """--floor, then: nats-server restarted under the agents alone. A lease cannot be
+        renewed before its agent is back and has sent a heartbeat (it sends one as it
+        reconnects): the last agent's return bounds phase 5's figure from below."""
+        a = self.args
+        self.phase(3, "the restart floor: nats-server restarted under the agents alone")
+        for ag in self.agents:
+            ag.reconnected_at.clear()
+            ag.errors = 0
+        nats, proc = self.cluster.nats, self.cluster.procs["nats-server"]
+        c0 = {k: v for k, v in self.floor_cpu().items() if k != "nats-server"}
+        t_kill = time.time()
+        os.killpg(proc.pid, getattr(signal, f"SIG{a.restart_signal}"))
+        await asyncio.to_thread(proc.wait, 120)
+        if a.restart_down > 0:
+            await asyncio.sleep(a.restart_down)
+        t_start = time.time()
+        self.cluster._spawn("nats-server", self.cluster.llmgw("nats", "--config", str(nats.conf_path)))
+        nats.proc = self.cluster.procs["nats-server"]
+        await asyncio.to_thread(nats.wait_ready, 120)
+        t_ready = time.time()
+        self.out(
+            f"nats-server stopped by SIG{a.restart_signal} and started again {t_start - t_kill:.2f}s later; healthy {t_ready - t_start:.2f}s after its start"
+        )
+        deadline = time.time() + max(120.0, a.nodes * 0.05)
+        last_print = 0.0
+        while (back := sum(1 for ag in self.agents if ag.reconnected_at)) < len(self.agents):
+            self.fleet.check_alive()
+            if time.time() - last_print >= 2:
+                last_print = time.time()
+                self.out(f"  {time.time() - t_start:5.1f}s after the start: agents reconnected {back}/{len(self.agents)}")
+            if time.time() > deadline:
+                raise BenchError(f"after the restart only {back} of {len(self.agents)} agents reconnected within {deadline - t_start:.0f}s")
+            await asyncio.sleep(0.2)
+        server_cpu = cpu_seconds(nats.proc.pid)
+        c1 = {k: v for k, v in self.floor_cpu().items() if k != "nats-server"}
+        firsts = sorted(ag.reconnected_at[0] for ag in self.agents)
+        self.fig["floor_reconnect_last_s"] = firsts[-1] - t_start
+        self.fig["floor_reconnect_after_ready_s"] = firsts[-1] - t_ready
+        self.fig["floor_restart_server_ms_per_agent"] = 1000.0 * server_cpu / len(self.agents)
+        self.fig["floor_restart_agents_ms_per_agent"] = 1000.0 * (c1["agent workers"] - c0["agent workers"]) / len(self.agents)
+        self.fig["floor_reconnect_errors"] = sum(ag.errors for ag in self.agents)
+        self.out(
+            f"every agent back {self.fig['floor_reconnect_last_s']:.2f}s after the server's start, {self.fig['floor_reconnect_after_ready_s']:.2f}s after it was healthy "
+            f"({self.fig['floor_reconnect_errors']} connection errors on the way); CPU per returning agent: nats-server "
+            f"{self.fig['floor_restart_server_ms_per_agent']:.2f} ms (from its start), agent workers {self.fig['floor_restart_agents_ms_per_agent']:.2f} ms"
+        )
+
+    def floor_cpu(self) -> dict[str, float]:
+        return {
+            "nats-server": cpu_seconds(self.pids()["nats-server"]),
+            "agent workers": sum(cpu_seconds(pid) for pid in self.fleet.pids),
+            "sender (the bench)": cpu_seconds(os.getpid()),
+        }
+
     async def run(self) -> None:
+        if self.args.floor:
+            try:
+                await self.floor()
+            finally:
+                await self.close()
+            return
         until = PHASES.index(self.args.until)
         try:
             await self.bring_up()
@@ -1468,6 +1647,27 @@ def summary(args, fig: Figures, argv: list[str]) -> str:
         if "restart_server_ms_per_agent" in v:
             lines.append(row("restart", "  nats-server CPU per returning agent", f"{v['restart_server_ms_per_agent']:.2f} ms"))
             lines.append(row("restart", "  bench + workers CPU per returning agent", f"{v['restart_agents_ms_per_agent']:.2f} ms"))
+    if "floor_last_launch_s" in v:
+        n = 2 * args.replicas
+        for k, pct in v["floor_steady_cpu_pct"].items():
+            lines.append(row("floor", f"steady, heartbeats only: {k}", f"{pct:.1f} %"))
+        lines.append(row("floor", "send -> first launch at an agent", f"{v['floor_first_launch_s']:.2f} s"))
+        lines.append(row("floor", f"send -> last of {n} launches at agents", f"{v['floor_last_launch_s']:.2f} s"))
+        lines.append(row("floor", f"send -> last of {n} acks", f"{v['floor_last_ack_s']:.2f} s"))
+        for k, cpu in v["floor_cpu_s"].items():
+            lines.append(row("floor", f"  CPU per launch: {k}", f"{1000 * cpu / n:.2f} ms"))
+        if v["floor_errors"]:
+            lines.append(row("floor", "  not acknowledged", f"{sum(v['floor_errors'].values())} launches"))
+    if "floor_reconnect_last_s" in v:
+        lines.append(row("floor", "restart: started -> every agent back", f"{v['floor_reconnect_last_s']:.2f} s"))
+        lines.append(row("floor", "restart: healthy -> every agent back", f"{v['floor_reconnect_after_ready_s']:.2f} s"))
+        lines.append(row("floor", "  nats-server CPU per returning agent", f"{v['floor_restart_server_ms_per_agent']:.2f} ms"))
+        lines.append(row("floor", "  agent workers CPU per returning agent", f"{v['floor_restart_agents_ms_per_agent']:.2f} ms"))
+    if args.floor:
+        lines.append("")
+        done = [k for k in ("floor_last_launch_s", "floor_reconnect_last_s") if k in v]
+        lines.append(f"phases completed: {len(done)}/{2 if args.restart else 1}")
+        return "\n".join(lines)
     wanted = (("bring-up", "bringup_s"), ("steady", "steady_cpu_rh"), ("placement", "place_ready_s"), ("failover", "failover_last_s"))
     if args.nats_servers > 1:
         wanted += (("meta kill", "meta_kill_blocked_s"),)
@@ -1565,6 +1765,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--full-pass-interval", default="0s",
         help="scheduler.full_pass_interval (default 0s: the scheduler's own, 60s); e.g. 3s keeps a full pass running through the failover phase",
+    )  # fmt: skip
+    p.add_argument(
+        "--floor", action="store_true",
+        help="no control plane: nats-server and the agents alone, the placement's 2 x --replicas launches sent as the scheduler sends them; "
+        "what any placement costs at least on this machine",
     )  # fmt: skip
     p.add_argument("--restart-signal", choices=("TERM", "KILL"), default="TERM", help="how phase 5 stops nats-server (default TERM; KILL as a crash)")
     p.add_argument("--restart-down", default="0s", help="how long nats-server stays down in phase 5 (default 0s: started again at once)")

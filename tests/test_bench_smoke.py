@@ -89,6 +89,39 @@ def test_smoke_mode_runs_every_phase_and_cleans_up(tmp_path):
     assert not (work / "nats-server.pid").exists() or not _alive(int((work / "nats-server.pid").read_text().strip() or 0))
 
 
+def test_floor_mode_sends_every_launch_and_restarts_with_no_control_plane(tmp_path):
+    """--floor: nats-server and the agents alone; every launch arrives and is acknowledged,
+    every agent is back after the restart, and nothing it started is left running."""
+    figures = tmp_path / "figures.json"
+    work = tmp_path / "work"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "control_plane.py"), "--floor", *SMOKE, "--dir", str(work), "--json", str(figures)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    out = r.stdout
+    assert r.returncode == 0, out[-4000:] + r.stderr[-4000:]
+    assert "started registry" not in out  # no control plane
+    summary = out.split("== SUMMARY ==", 1)[1]
+    assert "phases completed: 2/2" in summary
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in summary.splitlines()[1:] if row.startswith("| ")][1:]
+    assert {c[0] for c in cells} == {"floor"}
+    for _phase, what, value, target, check in cells:
+        assert re.fullmatch(r"\d+(\.\d+)? (s|ms|%)", value), (what, value)
+        assert target == check == "", what  # a floor has no target: it is what any control plane adds to
+    data = json.loads(figures.read_text())
+    assert data["rc"] == 0
+    assert data["floor_launches"] == 10 and data["floor_errors"] == {}, data
+    assert 0 < data["floor_first_launch_s"] <= data["floor_last_launch_s"] <= data["floor_last_ack_s"] < 60, data
+    assert set(data["floor_cpu_s"]) == {"nats-server", "agent workers", "sender (the bench)"}
+    assert 0 <= data["floor_reconnect_last_s"] < 60, data
+    workers = [int(p) for p in re.search(r"2 agent worker process\(es\) \(pids (\d+), (\d+)\)", out).groups()]
+    assert not any(_alive(p) for p in workers)
+    assert not (work / "nats-server.pid").exists() or not _alive(int((work / "nats-server.pid").read_text().strip() or 0))
+
+
 @pytest.mark.parametrize("client", ["lean", "aiohttp"])
 def test_gateway_bench_measures_both_targets_without_errors(tmp_path, client):
     """bench/gateway.py in a tiny run: every cell measured, no failed request, CPU accounted."""
