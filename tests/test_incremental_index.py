@@ -7,7 +7,9 @@ down; replicas placed, reported on, deleted behind the scheduler's back;
 deployments rescaled, re-templated and deleted; plans applied, not yet visible,
 or lost — the two give the same plan at every step (same placements, same
 events in the same order), and the live view equals ``ClusterView.build`` of
-the same state, index for index.
+the same state, index for index. A second reconciler is told which nodes
+changed (``touched``, as the shell's mirrors tell it) instead of comparing
+them all, and gives the same plans.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +32,36 @@ from .test_scheduler_properties import deployment_specs, nodes_and_leases, pertu
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Auto-cordon after two failures, so random histories reach it (and its breaker).
 CONFIG = ReconcileConfig(auto_cordon_after=2, auto_cordon_max_share=0.5, reap_timeout=600.0)
+
+
+class Recorded(dict):
+    """A dict that records the keys set or removed: what the shell's KV mirrors tell
+    their listeners, for ``Reconciler.step``'s ``touched``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.changed: set = set()
+
+    def __setitem__(self, key, value):
+        self.changed.add(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.changed.add(key)
+        super().__delitem__(key)
+
+    def pop(self, key, *default):
+        self.changed.add(key)
+        return super().pop(key, *default)
+
+    def _unrecorded(self, *_args, **_kwargs):
+        raise NotImplementedError("not recorded: use item assignment, del or pop")
+
+    update = setdefault = popitem = clear = _unrecorded  # type: ignore[assignment]
+
+    def take(self) -> set:
+        out, self.changed = self.changed, set()
+        return out
 
 
 def view_facts(view: ClusterView) -> dict:
@@ -72,11 +105,12 @@ def assert_view_is_full(rec: Reconciler, nodes, leases, replicas, suspects):
 @SETTINGS
 @given(cluster=nodes_and_leases(max_nodes=12), specs=deployment_specs, rounds=st.integers(1, 10), data=st.data())
 def test_incremental_steps_equal_full_reconciles(cluster, specs, rounds, data):
-    nodes, leases = cluster
+    nodes, leases = Recorded(cluster[0]), Recorded(cluster[1])
     deployments = {
         f"d{i}": make_deployment(f"d{i}", replicas=r, gpus_per_node=g, nodes_per_replica=n, startup_timeout=t) for i, (r, g, n, t) in enumerate(specs)
     }
     rec = Reconciler(CONFIG)
+    told = Reconciler(CONFIG)  # told which nodes changed, as the shell does
     replicas: dict = {}
     failures: dict = {}
     now = 1_000.0
@@ -113,14 +147,18 @@ def test_incremental_steps_equal_full_reconciles(cluster, specs, rounds, data):
                 deployments[name] = msgspec.structs.replace(deployments[name], replicas=data.draw(st.integers(0, 4)))
 
         full = reconcile(deployments, replicas, nodes, leases, now, config=CONFIG, failures=failures)
-        plan = rec.step(deployments, replicas, nodes, leases, now, failures=failures, full=data.draw(st.integers(0, 9)) == 0)
+        full_step = data.draw(st.integers(0, 9)) == 0
+        plan = rec.step(deployments, replicas, nodes, leases, now, failures=failures, full=full_step)
         assert plan == full
+        touched = nodes.take() | leases.take()
+        assert told.step(deployments, replicas, nodes, leases, now, failures=failures, full=full_step, touched=touched) == full
         assert set(plan.deletes).isdisjoint(plan.writes)  # else applying it would drop a record it launched
         assert [e.subject for e in plan.events] == [e.subject for e in full.events]
 
         fate = data.draw(st.sampled_from(["applied"] * 6 + ["not yet visible", "lost"]))
         if fate == "lost":  # the shell could not write it: it says so, and the next step is a full one
             rec.reset()
+            told.reset()
             continue
         if fate == "not yet visible":  # written, but the mirrors have not echoed it: the same input again
             continue
@@ -130,6 +168,7 @@ def test_incremental_steps_equal_full_reconciles(cluster, specs, rounds, data):
             nodes[c.node_id] = msgspec.structs.replace(nodes[c.node_id], admin="cordoned", admin_by="auto", admin_reason=c.reason)
         # The view the step left equals the full build of what it decided.
         assert_view_is_full(rec, nodes, leases, after, rec.suspects)
+        assert_view_is_full(told, nodes, leases, after, told.suspects)
         replicas = after
 
 
@@ -211,6 +250,32 @@ def test_a_lost_node_advances_only_its_replicas_and_replaces_them_as_the_full_pa
     assert rec.advanced == len(hosted) and rec.converged == 1
     assert plan == reconcile(deps, replicas, nodes, lost, 20.0)
     assert {launch.node_id for launch in plan.launches}.isdisjoint({victim}) and len(plan.launches) == 2 * len(hosted)
+
+
+@pytest.mark.parametrize("told", ["nothing", "the lost node", "None: compare all"])
+def test_told_which_nodes_changed_the_step_compares_only_those(told):
+    """``touched`` is trusted: a lost node not named is not looked at; named, it is,
+    and the plan is the full computation's; with None every node is compared."""
+    nodes, leases = big_cluster()
+    rec = Reconciler()
+    replicas, deps = placed(rec, {"d": make_deployment("d", replicas=6)}, nodes, leases, 10.0)
+    victim = next(iter(replicas.values())).members[1].node_id
+    lost = {**leases, victim: make_lease(victim, "lost", since=20.0)}
+    touched = {"nothing": set(), "the lost node": {victim}, "None: compare all": None}[told]
+    plan = rec.step(deps, replicas, nodes, lost, 20.0, touched=touched)
+    if told == "nothing":
+        assert not plan and (rec.advanced, rec.converged) == (0, 0)
+    else:
+        assert plan == reconcile(deps, replicas, nodes, lost, 20.0)
+        assert any(e.what == "failed" for e in plan.events)
+
+
+def test_a_node_named_but_unchanged_advances_nothing():
+    nodes, leases = big_cluster()
+    rec = Reconciler()
+    replicas, deps = placed(rec, {"d": make_deployment("d", replicas=6)}, nodes, leases, 10.0)
+    assert not rec.step(deps, replicas, nodes, leases, 20.0, touched=set(nodes) | {"node-gone"})
+    assert (rec.advanced, rec.converged) == (0, 0)
 
 
 def test_a_startup_timeout_fires_with_no_input_changing():

@@ -309,6 +309,13 @@ class Scheduler(ServiceRuntime):
             )
         )
         self.leases.listeners.append(self._on_lease)
+        # The nodes whose record or lease changed since the last step: the step compares
+        # only those (``Reconciler.step``'s ``touched``). ``walk_all``: compare every node
+        # instead, once, where the reconciler's last inputs were not the last step's.
+        self.touched: set[str] = set()
+        self.walk_all = True
+        self.nodes.listeners.append(lambda key, _old, _new: self.touched.add(key))
+        self.leases.listeners.append(lambda key, _old, _new: self.touched.add(key))
         await self.nc.subscribe(S.ALL_STATUS, cb=self.on_status)
         await self.add_api({"apply": self.api_apply, "delete": self.api_delete, "explain": self.api_explain})
         self.lead(sc.leader_ttl)
@@ -391,6 +398,7 @@ class Scheduler(ServiceRuntime):
                 with RECONCILE_SECONDS.time():
                     await self.reconcile_once()
             except Exception:
+                self.walk_all = True  # the step may have taken the changes without keeping them
                 self.log.exception("reconcile failed; retrying next cycle")
 
     async def take_over(self) -> None:
@@ -525,6 +533,7 @@ class Scheduler(ServiceRuntime):
                 FULL_PASSES.labels("adopted").inc()
                 self._slow_full_pass(outcome.took, len(outcome.snapshot.replicas), len(outcome.snapshot.nodes), "beside the loop")
                 self.reconciler = outcome.reconciler
+                self.walk_all = True  # it last saw the snapshot: changes since were taken by steps of the one it replaces
                 self.wake.set()
                 snap = outcome.snapshot
                 return await self._conclude(outcome.plan, snap.base, snap.replicas, full=True)
@@ -535,6 +544,7 @@ class Scheduler(ServiceRuntime):
         # applied in full), or a pass dropped too often while the cluster kept changing.
         full = self.reconciler.fresh or (due and self.full_pass.must_run_on_loop)
         heard = await self._heard(self.leases.items)
+        touched = self._take_touched()  # after the last await, before _nodes() drops ended cordons
         deployments, nodes = self._deployments(), self._nodes()
         if full:
             self._full_at = time.monotonic()
@@ -545,10 +555,21 @@ class Scheduler(ServiceRuntime):
             snapshot = Snapshot.copy(deployments, base, current, nodes, heard, now(), self.node_failures)
             self.full_pass.start(snapshot, self.epoch, self.wake.set)
         started = time.monotonic()
-        plan = self.reconciler.step(deployments, current, nodes, heard, now(), failures=self.node_failures, full=full)
+        plan = self.reconciler.step(deployments, current, nodes, heard, now(), failures=self.node_failures, full=full, touched=touched)
         if full:
             self._slow_full_pass(time.monotonic() - started, len(current), len(nodes), "on the loop")
         return await self._conclude(plan, base, current, full=full)
+
+    def _take_touched(self) -> set[str] | None:
+        """The nodes to compare this step (None: all of them), and start collecting anew.
+        A node with a cordon asked for is in it every step: ``_nodes`` gives it a new
+        record each time until the registry's own arrives (or the ask ends)."""
+        touched, self.touched = self.touched, set()
+        if self.walk_all:
+            self.walk_all = False
+            return None
+        touched.update(self.cordoning)
+        return touched
 
     def _slow_full_pass(self, took: float, replicas: int, nodes: int, where: str) -> None:
         FULL_PASS_SECONDS.set(took)
