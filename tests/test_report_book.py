@@ -7,10 +7,13 @@ test_control_plane.py.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmgw.services.scheduler.fence import fence
-from llmgw.services.scheduler.reports import OWN_WRITE_WINDOW, ReportBook
+from llmgw.services.scheduler.reports import OWN_WRITE_WINDOW, ReportBook, report_moves
 from llmgw.shared.schemas import EngineFact, Lease, Replica, ReplicaMember, StatusReport
 from llmgw.shared.states import EngineState, ReplicaState
 
@@ -222,3 +225,85 @@ def test_a_refused_launch_is_absent_until_its_record_is_forgotten():
     b.reported["node01"].clear()
     b.forget("r1")
     assert b.with_reports({"r1": rec})["r1"] is rec
+
+
+# -- which reports need a step (report_moves) ------------------------------------------------
+def held_on(replicas: dict, node: str = "node01") -> list[tuple[str, int, int]]:
+    return [(rid, m.rank, r.generation) for rid, r in replicas.items() for m in r.members if m.node_id == node]
+
+
+def fold_twice(replicas: dict, first: StatusReport, second: StatusReport, *, leases=None):
+    """Fold ``first`` then ``second``; what with_reports gave after each, and whether the
+    second moved anything by report_moves."""
+    b = book(replicas, leases if leases is not None else {"node01": lease()})
+    b.take(first, T0 + 10)
+    seen = b.with_reports(replicas)
+    before = b.reported.get("node01")
+    b.take(second, T0 + 20)
+    moved = report_moves(before, b.reported.get("node01", {}), held_on(replicas), full=second.full)
+    return seen, b.with_reports(replicas), moved
+
+
+@pytest.mark.parametrize(
+    "first, second, moves",
+    [
+        (report(fact(), full=True), report(fact(), full=True), False),  # said again: an agent reconnecting
+        (report(fact(), full=True), report(fact(), full=False), False),
+        (report(fact(state="starting"), full=True), report(fact(state="ready"), full=False), True),  # the engine moved
+        (report(fact(pid=100), full=True), report(fact(pid=101), full=True), True),  # restarted: a new pid
+        (report(fact(), full=True), report(full=True), True),  # a full report lacking a member the node holds
+        (report(fact(), full=True), report(full=False), False),  # a partial one lacking it says nothing of it
+        (report(fact(generation=0), full=True), report(fact(generation=0), full=True), True),  # only an older generation's engine
+        (report(full=True), report(fact("stray", generation=9), full=True), True),  # an engine appeared (to fence, and to fold)
+    ],
+)
+def test_a_report_moves_a_step_only_when_it_changes_what_the_fold_gives(first, second, moves):
+    replicas = {"r1": replica("r1", created_at=T0 - 100)}
+    seen, now_gives, moved = fold_twice(replicas, first, second)
+    assert moved is moves
+    if not moved:
+        assert now_gives == seen
+
+
+def test_an_empty_nodes_reports_move_nothing():
+    b = book({}, {"node01": lease()})
+    before = b.reported.get("node01")
+    b.take(report(full=True), T0)
+    assert report_moves(before, b.reported.get("node01", {}), [], full=True) is False
+
+
+FACT_STATES = ["starting", "joined", "ready", "stalled", "exited"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    gens=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+    created=st.lists(st.sampled_from([T0 - 100, T0 + 12, T0 + 30]), min_size=3, max_size=3),
+    reports=st.lists(
+        st.tuples(
+            st.booleans(),
+            st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.sampled_from(FACT_STATES), st.integers(100, 101)), max_size=4),
+        ),
+        min_size=2,
+        max_size=2,
+    ),
+    heartbeats=st.sampled_from([0, 10]),
+)
+def test_a_report_that_moves_nothing_leaves_the_fold_as_it_was(gens, created, reports, heartbeats):
+    """Whatever two reports a node sends, when report_moves says the second moved nothing,
+    with_reports gives exactly what it gave before it: no step was owed."""
+    replicas = {}
+    for i, g in enumerate(gens):
+        rep = replica(f"r{i}", generation=g, created_at=created[i])
+        if i == 1:  # a second member, on another node, to be left alone
+            rep = msgspec.structs.replace(rep, members=[*rep.members, ReplicaMember(node_id="node02", rank=1, role="worker", gpus=[0])])
+        replicas[rep.id] = rep
+
+    def as_report(full, engines):
+        facts = {(f"r{i}", 0): fact(f"r{i}", generation=g, state=s, pid=pid) for i, g, s, pid in engines}
+        return report(*facts.values(), full=full)
+
+    first, second = (as_report(full, engines) for full, engines in reports)
+    seen, now_gives, moved = fold_twice(replicas, first, second, leases={"node01": lease(heartbeats=heartbeats)})
+    if not moved:
+        assert now_gives == seen

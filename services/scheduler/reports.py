@@ -195,3 +195,35 @@ class ReportBook:
                 members.append(m)
             out[rid] = msgspec.structs.replace(rep, members=members) if changed else rep
         return out
+
+
+def report_moves(
+    before: Mapping[tuple[str, int], EngineFact] | None,
+    after: Mapping[tuple[str, int], EngineFact],
+    held: Iterable[tuple[str, int, int]],
+    *,
+    full: bool,
+) -> bool:
+    """Whether folding a node's report in (``before`` -> ``after``, its entries in
+    ``ReportBook.reported``) can change what ``with_reports`` gives.
+
+    ``with_reports`` reads, of a node's report, each engine's generation, state,
+    detail and pid, and — through ``missing`` — whether a full report lacks a
+    member the node holds (``held``: replica id, rank and the record's
+    generation of every member on the node). A report that changes neither (an
+    agent reconnecting and saying again what it runs, ten thousand of them after
+    a nats-server restart) needs no step of its own: the book keeps it, and the
+    next step, at the latest the next tick, reads it.
+    """
+    if _engine_facts(before or {}) != _engine_facts(after):
+        return True
+    if full:
+        for rid, rank, generation in held:
+            fact = after.get((rid, rank))
+            if fact is None or fact.generation != generation:
+                return True
+    return False
+
+
+def _engine_facts(facts: Mapping[tuple[str, int], EngineFact]) -> dict:
+    return {key: (f.generation, f.state, f.detail, f.pid) for key, f in facts.items()}

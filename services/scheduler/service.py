@@ -76,7 +76,7 @@ from .fullpass import FullPass, Snapshot
 from .incremental import Reconciler
 from .plan import Backoff, Cordon, Launch, NodeFailure, Plan, Stop
 from .reconcile import SPEC_CHANGED, backoff_text, launches_for, remember_failures
-from .reports import ReportBook
+from .reports import ReportBook, report_moves
 from .view import ClusterView
 
 RECONCILE_SECONDS = Histogram("llmgw_scheduler_reconcile_seconds", "Time to compute and apply one plan")
@@ -101,6 +101,9 @@ APPLY_CONCURRENCY = 512
 REPLICAS = Gauge("llmgw_scheduler_replicas", "Replicas, by state", ["state"])
 COMMANDS = Counter("llmgw_scheduler_commands_total", "Commands sent to agents", ["verb", "result"])
 STATUS = Counter("llmgw_scheduler_status_reports_total", "Agent status reports", ["result"])
+STATUS_UNMOVED = Counter(
+    "llmgw_scheduler_status_reports_unmoved_total", "Accepted status reports that changed nothing a step reads: no step was woken for them"
+)
 MEMBERS = Gauge("llmgw_scheduler_member_engines", "Replica members, by the engine state their agent reported", ["engine_state"])
 BACKING_OFF = Gauge("llmgw_scheduler_deployments_backing_off", "Deployments waiting out a crash-loop backoff")
 AUTO_CORDONS = Counter("llmgw_scheduler_auto_cordons_total", "Auto-cordon decisions", ["result"])
@@ -298,6 +301,12 @@ class Scheduler(ServiceRuntime):
         for m in (self.nodes, self.deployments, self.replicas):
             m.listeners.append(lambda *_: self.wake.set())
         self.replicas.listeners.append(lambda key, _old, _new: self.outbox_dirty.add(key))
+        # node -> ids of the replica records with a member on it: which members a
+        # node's full report must name for it to move nothing (``report_moves``)
+        self.members_on: dict[str, set[str]] = defaultdict(set)
+        for rid, rep in self.replicas.items.items():
+            self._index_members(rid, None, rep)
+        self.replicas.listeners.append(self._index_members)
         # A lease is rewritten for checkpoints and boot changes too; only a change of
         # state (or of the agent's boot, or a quarantine) can change a placement, so
         # only that wakes us.
@@ -346,8 +355,31 @@ class Scheduler(ServiceRuntime):
             self.log.debug("status from %s (boot %s) ignored: %s", node, report.boot_id[:8], why)
             return
         STATUS.labels("accepted").inc()
+        before = self.book.reported.get(node)  # replaced by the fold, never changed in place
         self._take_report(report)
-        self.wake.set()
+        if report_moves(before, self.book.reported.get(node, {}), self._held(node), full=report.full):
+            self.wake.set()
+        else:
+            STATUS_UNMOVED.inc()
+
+    def _held(self, node: str) -> list[tuple[str, int, int]]:
+        """Every member on ``node`` of a replica record: (replica id, rank, generation)."""
+        out = []
+        for rid in self.members_on.get(node, ()):
+            rep = self.replicas.items.get(rid)
+            if rep is not None:
+                out.extend((rid, m.rank, rep.generation) for m in rep.members if m.node_id == node)
+        return out
+
+    def _index_members(self, rid: str, old: Replica | None, new: Replica | None) -> None:
+        for m in old.members if old is not None else ():
+            held = self.members_on.get(m.node_id)
+            if held is not None:
+                held.discard(rid)
+                if not held:
+                    del self.members_on[m.node_id]
+        for m in new.members if new is not None else ():
+            self.members_on[m.node_id].add(rid)
 
     def _take_report(self, report: StatusReport) -> None:
         """Fold a believed report into ``reported`` and fence what it shows (leader only)."""
