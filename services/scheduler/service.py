@@ -364,7 +364,7 @@ class Scheduler(ServiceRuntime):
 
     def _held(self, node: str) -> list[tuple[str, int, int]]:
         """Every member on ``node`` of a replica record: (replica id, rank, generation)."""
-        out = []
+        out: list[tuple[str, int, int]] = []
         for rid in self.members_on.get(node, ()):
             rep = self.replicas.items.get(rid)
             if rep is not None:
