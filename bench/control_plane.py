@@ -1172,6 +1172,24 @@ class Bench:
         info = await self.js.stream_info(S.EVENT_STREAM, subjects_filter=S.event("node", "*", "lost"))
         return {subject.split(".")[-2]: n for subject, n in (info.state.subjects or {}).items()}
 
+    async def restart_nats(self) -> tuple[float, float, float]:
+        """Stop nats-server (--restart-signal), keep it down --restart-down, start it
+        again on the same port and JetStream store; wall clock of the stop, the new
+        process's start and its readiness."""
+        a, nats, proc = self.args, self.cluster.nats, self.cluster.procs["nats-server"]
+        t_kill = time.time()
+        os.killpg(proc.pid, getattr(signal, f"SIG{a.restart_signal}"))
+        await asyncio.to_thread(proc.wait, 120)
+        self.out(f"nats-server (pid {proc.pid}) stopped by SIG{a.restart_signal} in {time.time() - t_kill:.2f}s; every connection lost the bus")
+        if a.restart_down > 0:
+            await asyncio.sleep(a.restart_down)  # the outage itself is the scenario
+        t_start = time.time()
+        self.cluster._spawn("nats-server", self.cluster.llmgw("nats", "--config", str(nats.conf_path)))
+        nats.proc = self.cluster.procs["nats-server"]
+        # In a thread: this loop keeps running the agents' reconnects meanwhile.
+        await asyncio.to_thread(nats.wait_ready, 120)
+        return t_kill, t_start, time.time()
+
     async def nats_restart(self) -> None:
         """Stop nats-server under full load and start it again on the same port and store.
 
@@ -1195,21 +1213,9 @@ class Bench:
         for ag in self.agents:
             ag.reconnected_at.clear()
             ag.errors = 0
-        nats, proc = self.cluster.nats, self.cluster.procs["nats-server"]
-        sig = getattr(signal, f"SIG{a.restart_signal}")
+        nats = self.cluster.nats
         c0 = {k: v for k, v in self.cpu_all().items() if k != "nats-server"}
-        t_kill = time.time()
-        os.killpg(proc.pid, sig)
-        await asyncio.to_thread(proc.wait, 120)
-        self.out(f"nats-server (pid {proc.pid}) stopped by SIG{a.restart_signal} in {time.time() - t_kill:.2f}s; every agent and service lost the bus")
-        if a.restart_down > 0:
-            await asyncio.sleep(a.restart_down)  # the outage itself is the scenario
-        t_start = time.time()
-        self.cluster._spawn("nats-server", self.cluster.llmgw("nats", "--config", str(nats.conf_path)))
-        nats.proc = self.cluster.procs["nats-server"]
-        # In a thread: this loop keeps running the agents' reconnects meanwhile.
-        await asyncio.to_thread(nats.wait_ready, 120)
-        t_ready = time.time()
+        t_kill, t_start, t_ready = await self.restart_nats()
         self.fig["restart_down_s"] = t_start - t_kill
         self.fig["restart_ready_s"] = t_ready - t_start
         self.out(
@@ -1476,21 +1482,10 @@ class Bench:
         for ag in self.agents:
             ag.reconnected_at.clear()
             ag.errors = 0
-        nats, proc = self.cluster.nats, self.cluster.procs["nats-server"]
+        nats = self.cluster.nats
         c0 = {k: v for k, v in self.floor_cpu().items() if k != "nats-server"}
-        t_kill = time.time()
-        os.killpg(proc.pid, getattr(signal, f"SIG{a.restart_signal}"))
-        await asyncio.to_thread(proc.wait, 120)
-        if a.restart_down > 0:
-            await asyncio.sleep(a.restart_down)
-        t_start = time.time()
-        self.cluster._spawn("nats-server", self.cluster.llmgw("nats", "--config", str(nats.conf_path)))
-        nats.proc = self.cluster.procs["nats-server"]
-        await asyncio.to_thread(nats.wait_ready, 120)
-        t_ready = time.time()
-        self.out(
-            f"nats-server stopped by SIG{a.restart_signal} and started again {t_start - t_kill:.2f}s later; healthy {t_ready - t_start:.2f}s after its start"
-        )
+        t_kill, t_start, t_ready = await self.restart_nats()
+        self.out(f"nats-server started again {t_start - t_kill:.2f}s after the stop; healthy {t_ready - t_start:.2f}s after its start")
         deadline = time.time() + max(120.0, a.nodes * 0.05)
         last_print = 0.0
         while (back := sum(1 for ag in self.agents if ag.reconnected_at)) < len(self.agents):
@@ -1808,6 +1803,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.agent_procs = max(1, min(os.cpu_count() or 1, -(-args.nodes // 2500)))
     if 0 < args.full_pass_interval < 1.0:
         p.error(f"--full-pass-interval {args.full_pass_interval:g}s: 0 (the scheduler's own) or at least its reconcile_interval, 1s")
+    if args.floor and args.nats_servers > 1:
+        p.error("--floor runs one nats-server (its restart phase restarts that one); leave out --nats-servers")
+    if args.floor and args.until != PHASES[-1]:
+        p.error("--until names the full bench's phases; --floor has its own two (add --no-restart to stop after the launches)")
     if args.reconnect_slots < 0:
         p.error("--reconnect-slots: 0 (unpaced) or more")
     if not 1 <= args.agent_procs <= args.nodes:

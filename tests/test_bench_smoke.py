@@ -32,18 +32,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_smoke_mode_runs_every_phase_and_cleans_up(tmp_path):
-    figures = tmp_path / "figures.json"
-    work = tmp_path / "work"
+def run_bench(tmp_path, *extra: str) -> tuple[str, Path, Path]:
+    """The bench in smoke mode (plus ``extra``): its output, figures file and work dir; it must succeed."""
+    figures, work = tmp_path / "figures.json", tmp_path / "work"
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "control_plane.py"), *SMOKE, "--dir", str(work), "--json", str(figures)],
+        [sys.executable, str(ROOT / "bench" / "control_plane.py"), *extra, *SMOKE, "--dir", str(work), "--json", str(figures)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=110,
     )
-    out = r.stdout
-    assert r.returncode == 0, out[-4000:] + r.stderr[-4000:]
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return r.stdout, figures, work
+
+
+def test_smoke_mode_runs_every_phase_and_cleans_up(tmp_path):
+    out, figures, work = run_bench(tmp_path)
     for n, name in enumerate(("bring-up", "steady state", "placement", "failover", "nats-server restart"), 1):
         assert f"== phase {n}: {name} ==" in out
 
@@ -92,17 +96,7 @@ def test_smoke_mode_runs_every_phase_and_cleans_up(tmp_path):
 def test_floor_mode_sends_every_launch_and_restarts_with_no_control_plane(tmp_path):
     """--floor: nats-server and the agents alone; every launch arrives and is acknowledged,
     every agent is back after the restart, and nothing it started is left running."""
-    figures = tmp_path / "figures.json"
-    work = tmp_path / "work"
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "control_plane.py"), "--floor", *SMOKE, "--dir", str(work), "--json", str(figures)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
-    out = r.stdout
-    assert r.returncode == 0, out[-4000:] + r.stderr[-4000:]
+    out, figures, work = run_bench(tmp_path, "--floor")
     assert "started registry" not in out  # no control plane
     summary = out.split("== SUMMARY ==", 1)[1]
     assert "phases completed: 2/2" in summary
@@ -120,6 +114,25 @@ def test_floor_mode_sends_every_launch_and_restarts_with_no_control_plane(tmp_pa
     workers = [int(p) for p in re.search(r"2 agent worker process\(es\) \(pids (\d+), (\d+)\)", out).groups()]
     assert not any(_alive(p) for p in workers)
     assert not (work / "nats-server.pid").exists() or not _alive(int((work / "nats-server.pid").read_text().strip() or 0))
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--nats-servers", "3"], "--floor runs one nats-server"),
+        (["--until", "steady"], "--until names the full bench's phases"),
+    ],
+)
+def test_floor_mode_refuses_what_it_does_not_do(tmp_path, args, says):
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "control_plane.py"), "--floor", *args, "--dir", str(tmp_path / "work")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert not (tmp_path / "work").exists()  # refused before anything started
 
 
 @pytest.mark.parametrize("client", ["lean", "aiohttp"])

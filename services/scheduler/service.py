@@ -357,7 +357,7 @@ class Scheduler(ServiceRuntime):
         STATUS.labels("accepted").inc()
         before = self.book.reported.get(node)  # replaced by the fold, never changed in place
         self._take_report(report)
-        if report_moves(before, self.book.reported.get(node, {}), self._held(node), full=report.full):
+        if report_moves(before, self.book.reported.get(node, {}), self._held(node) if report.full else (), full=report.full):
             self.wake.set()
         else:
             STATUS_UNMOVED.inc()
