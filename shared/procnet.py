@@ -14,6 +14,7 @@ import ipaddress
 import os
 import socket
 import struct
+from collections.abc import Iterable
 from typing import NamedTuple
 
 TCP_LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN = 10
@@ -141,19 +142,29 @@ def _proc_listeners() -> list[Listener]:
     return found
 
 
-def answering(found: list[Listener], addr: str, port: int) -> list[Listener]:
+def _addresses(addr: str | Iterable[str]) -> frozenset[str]:
+    return frozenset((addr,) if isinstance(addr, str) else addr)
+
+
+def answering(found: list[Listener], addr: str | Iterable[str], port: int) -> list[Listener]:
     """The listeners a connection to ``addr:port`` may reach: on that very address or on a wildcard.
 
-    The kernel prefers the exact address, but any of these holding the port
-    means our engine does not hold it alone; an IPv4 address is reachable
-    through an IPv6 wildcard (dual stack) too.
+    ``addr`` is an IP address, or several (every address a node's name
+    resolves to: ``shared/addresses.py``); the kernel's table holds no names,
+    so a name here would match nothing but a wildcard. The kernel prefers the
+    exact address, but any of these holding the port means our engine does
+    not hold it alone; an IPv4 address is reachable through an IPv6 wildcard
+    (dual stack) too.
     """
-    try:
-        v6 = ipaddress.ip_address(addr).version == 6
-    except ValueError:
-        v6 = ":" in addr
-    wild = {"::"} if v6 else WILDCARDS
-    return [s for s in found if s.port == port and (s.addr == addr or s.addr in wild)]
+    addrs = _addresses(addr)
+    wild: set[str] = set()
+    for a in addrs:
+        try:
+            v6 = ipaddress.ip_address(a).version == 6
+        except ValueError:
+            v6 = ":" in a
+        wild |= {"::"} if v6 else WILDCARDS
+    return [s for s in found if s.port == port and (s.addr in addrs or s.addr in wild)]
 
 
 def listening_sockets() -> set[tuple[str, int]]:
@@ -166,18 +177,20 @@ def listening_on(addr: str) -> list[int]:
     return sorted(p for a, p in listening_sockets() if a == addr)
 
 
-def connected_to(addr: str, port: int) -> set[int]:
+def connected_to(addr: str | Iterable[str], port: int) -> set[int]:
     """Inodes of the ESTABLISHED TCP sockets on this machine whose far end is
-    ``addr:port`` (an IPv4-mapped address counts as IPv4).
+    ``addr:port`` (an IPv4-mapped address counts as IPv4); ``addr`` is an IP
+    address or several (a leader's name, resolved: never the name itself).
 
     How the agent sees a worker join its leader: a worker rank of vLLM or
     SGLang holds a connection to the leader's rendezvous (torch's TCPStore on
     ``--master-port`` / ``--dist-init-addr``), and so does the sim's. Read from
     ``/proc/net/tcp{,6}``: a look happens only while a worker is starting.
     """
+    addrs = _addresses(addr)
     found: set[int] = set()
     for fields in _tcp_rows(TCP_ESTABLISHED):
         raddr, rport = fields[2].split(":")
-        if int(rport, 16) == port and _decode_addr(raddr) == addr and (inode := _inode(fields)):
+        if int(rport, 16) == port and _decode_addr(raddr) in addrs and (inode := _inode(fields)):
             found.add(inode)
     return found

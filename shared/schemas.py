@@ -47,10 +47,12 @@ MAX_ENGINES = 1024  # engine facts in one status report
 MAX_SEQ = 2**53 - 1  # exact in a double: JSON readers elsewhere (jq, JS) keep it
 MAX_ID = 128  # node ids are 63 (shared/names.py); replica ids are deployment + "-g<N>"
 MAX_TEXT = 4096  # operator-facing words from a node (details, problems)
+MAX_ADDRS = 16  # addresses one management name resolves to
 
 Short = Annotated[str, msgspec.Meta(max_length=MAX_ID)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 Host = Annotated[str, msgspec.Meta(max_length=253)]  # and shared.names.check_host where it is used
+IpAddr = Annotated[str, msgspec.Meta(max_length=45)]  # and shared.addresses.is_ip where it is used
 GpuIndex = Annotated[int, msgspec.Meta(ge=0, le=MAX_GPUS - 1)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 # \Z, not $: msgspec matches with Python's re.search, where $ also matches
@@ -124,6 +126,11 @@ class Inventory(Base, kw_only=True, tag="inventory"):
     # (``NodeRecord.recorded_addr``) and refuses an inventory that claims another.
     mgmt_addr: Host
     mgmt_interface: Short = ""
+    # What mgmt_addr resolves to on the node and is the node's own (the first
+    # is where its engines bind), and why that is empty when it is ("does not
+    # resolve", "none of which is an address of this machine").
+    mgmt_ips: Annotated[list[IpAddr], msgspec.Meta(max_length=MAX_ADDRS)] = []
+    addr_problem: Text = ""
     gpus: Annotated[list[Gpu], msgspec.Meta(max_length=MAX_GPUS)] = []
     fabrics: Annotated[list[FabricMembership], msgspec.Meta(max_length=MAX_FABRICS)] = []
     hcas: Annotated[list[Hca], msgspec.Meta(max_length=MAX_HCAS)] = []
@@ -308,6 +315,12 @@ class NodeRecord(Base, kw_only=True):
     # inventory claiming another is refused); "" on a node onboarded before
     # addresses were recorded: its inventory's word is taken ("unverified").
     recorded_addr: str = ""
+    # Where the node's mgmt_addr resolves on the node, its own addresses (its
+    # inventory's ``mgmt_ips``), and why the node cannot be used at its
+    # address: the agent's own problem, or the registry's refusal of its
+    # latest address claim. Placement skips a node with a problem.
+    mgmt_ips: list[str] = []
+    addr_problem: str = ""
 
 
 LeaseState = Literal["ready", "suspect", "lost"]

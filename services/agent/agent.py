@@ -61,6 +61,7 @@ from nats.aio.msg import Msg
 
 from llmgw.shared import bus, procfs
 from llmgw.shared import subjects as S
+from llmgw.shared.addresses import Resolution
 from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import ConfigError, LlmgwError, WireError
 from llmgw.shared.schemas import (
@@ -157,6 +158,8 @@ class Agent:
         try:
             self.found = await asyncio.to_thread(discover, self.cfg)
             self.inventory = self._inventory(self.found)
+            if self.found.mgmt is not None:
+                self.supervisor.set_mgmt(self.found.mgmt)
             await self.supervisor.adopt()
             self._log_summary()
             self.supervisor.start()
@@ -319,6 +322,8 @@ class Agent:
             agent_version=_agent_version(),
             mgmt_addr=self.cfg.mgmt_addr,
             mgmt_interface=self.cfg.mgmt_interface,
+            mgmt_ips=list(found.mgmt.local) if found.mgmt else [],
+            addr_problem=found.mgmt.problem if found.mgmt else "",
             gpus=found.gpus,
             fabrics=found.fabrics,
             hcas=found.hcas,
@@ -361,7 +366,9 @@ class Agent:
             if found is not None:
                 last_error = ""
                 known = self.last_found
-                changed = (found.gpus, found.fabrics, found.hcas) != (known.gpus, known.fabrics, known.hcas)
+                if found.mgmt is not None and found.mgmt != known.mgmt:
+                    self._mgmt_changed(known.mgmt, found.mgmt)
+                changed = (found.gpus, found.fabrics, found.hcas, found.mgmt) != (known.gpus, known.fabrics, known.hcas, known.mgmt)
                 if changed:
                     log.warning("inventory changed: %s", self._describe(found))
                     for w in set(found.warnings) - set(known.warnings):
@@ -376,6 +383,15 @@ class Agent:
                 last_sent = time.monotonic()
             except Exception as e:
                 log.warning("inventory not sent: %s", e)
+
+    def _mgmt_changed(self, old: Resolution | None, new: Resolution) -> None:
+        """Say what a DNS change means here, and let the supervisor act on it."""
+        was = old.describe() if old is not None else "unknown"
+        if new.problem:
+            log.error("%s (was %s); launches are refused until it resolves here again, running engines keep their address", new.problem, was)
+        else:
+            log.warning("mgmt_addr now resolves to %s (was %s); engines launched from now on bind %s", ", ".join(new.addrs), was, new.bind)
+        self.supervisor.set_mgmt(new)
 
     def _engine_changed(self, fact: EngineFact) -> None:
         self._outbox.put_nowait(fact)
@@ -500,15 +516,22 @@ class Agent:
         )
         return f"GPUs: {len(found.gpus)} ({gpus}); fabrics: {fabrics}"
 
+    def _mgmt_words(self) -> str:
+        m = self.last_found.mgmt
+        return m.describe() if m is not None else self.cfg.mgmt_addr
+
     def _log_summary(self) -> None:
         c = self.cfg
         log.info(
-            "agent %s (boot %s) from %s: mgmt %s on %s; %s; heartbeat every %s; work dir %s; %d engine(s) on record",
-            self.node, self.boot_id, c.source, c.mgmt_addr, c.mgmt_interface, self._describe(self.last_found),
+            "agent %s (boot %s) from %s: mgmt %s on %s, engines bind %s; %s; heartbeat every %s; work dir %s; %d engine(s) on record",
+            self.node, self.boot_id, c.source, self._mgmt_words(), c.mgmt_interface, self.supervisor.mgmt.bind or "nothing", self._describe(self.last_found),
             format_duration(c.heartbeat_interval), c.supervisor.work_dir, len(self.supervisor.facts()),
         )  # fmt: skip
         for w in self.last_found.warnings:
             log.warning("discovery: %s", w)
+        m = self.last_found.mgmt
+        if m is not None and m.problem:
+            log.error("%s: launches are refused until it resolves to an address of this machine", m.problem)
 
 
 def _traffic_problem(report: TrafficReport, node: str) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import msgspec
 
+from llmgw.shared.addresses import Resolution, resolve_mgmt
 from llmgw.shared.errors import LlmgwError
 from llmgw.shared.schemas import FabricMembership, Gpu, Hca, HcaPort
 
@@ -96,6 +97,9 @@ class Discovery:
     hcas: list[Hca] = field(default_factory=list)
     fabrics: list[FabricMembership] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # What mgmt_addr resolves to, and which of those are this machine's:
+    # looked up at every discovery, so a DNS change is seen within one interval.
+    mgmt: Resolution | None = None
 
 
 # --------------------------------------------------------------------------
@@ -750,4 +754,4 @@ def discover(
                 problem="; ".join(problems),
             )
         )
-    return Discovery(gpus=gpus, hcas=list(hcas.values()), fabrics=fabrics, warnings=warnings)
+    return Discovery(gpus=gpus, hcas=list(hcas.values()), fabrics=fabrics, warnings=warnings, mgmt=resolve_mgmt(cfg.mgmt_addr))

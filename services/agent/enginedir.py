@@ -67,6 +67,15 @@ class EngineSpec(Base):
     serves_http: bool = False
     health_url: str = ""
     created_at: float = 0.0
+    # The address the engine was told to bind (--host): the first of the
+    # node's mgmt_addr addresses that is this machine's, at launch. A socket
+    # does not move when DNS changes, so the ownership and health checks of
+    # this engine look here for its life. "" in specs written before names
+    # were resolved: the agent's mgmt_addr, which then was an address.
+    bind_addr: str = ""
+    # What the member's leader address resolved to on this node at launch:
+    # where the kernel shows a worker's connection to its leader's rendezvous.
+    leader_addrs: list[str] = msgspec.field(default_factory=list)
 
 
 class PidRecord(Base):

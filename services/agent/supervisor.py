@@ -75,7 +75,7 @@ from typing import cast
 
 import aiohttp
 
-from llmgw.shared import procfs, procnet
+from llmgw.shared import addresses, procfs, procnet
 from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import LlmgwError, WireError
 from llmgw.shared.schemas import CommandAck, EngineFact, LaunchCommand, ReportedEngineState, TrafficReport
@@ -98,6 +98,7 @@ BAD_LAUNCH = "bad_launch"
 LAUNCH_CONFLICT = "launch_conflict"
 SPAWN_FAILED = "spawn_failed"
 PORT_BUSY = "port_busy"
+ADDR_UNUSABLE = "addr_unusable"  # mgmt_addr or the leader's address does not resolve (to an address of this machine)
 
 # How long the wrapper may take to start the engine and write its pid. Past it
 # the launch is acked without a pid and the watch loop picks the pid up later.
@@ -212,6 +213,17 @@ class Engine:
         return self.pids.pid if self.pids else 0
 
     @property
+    def bind_addr(self) -> str:
+        """Where this leader listens (see ``EngineSpec.bind_addr``)."""
+        return self.spec.bind_addr or self.cmd_host
+
+    @property
+    def cmd_host(self) -> str:
+        # Specs from before bind_addr: the --host the adapter was given.
+        argv = self.spec.argv
+        return argv[argv.index("--host") + 1] if "--host" in argv[:-1] else ""
+
+    @property
     def live(self) -> bool:
         return self.state != EngineState.EXITED
 
@@ -306,6 +318,9 @@ class Supervisor:
     ):
         self.cfg = cfg
         self.mgmt_addr = mgmt_addr
+        # What mgmt_addr resolves to here: the agent refreshes it at every
+        # discovery (set_mgmt); resolved once now for a supervisor used alone.
+        self.mgmt = addresses.resolve_mgmt(mgmt_addr)
         self.mgmt_interface = mgmt_interface
         self.on_change = on_change
         self.python = python
@@ -395,17 +410,61 @@ class Supervisor:
             if refusal is not None:
                 log.warning("launch of %s refused (%s): %s", dir_name(cmd.replica_id, cmd.generation, cmd.rank), refusal.code, refusal.reason)
                 return refusal
+            refusal, leader_addrs = await self._addresses(cmd)
+            if refusal is not None:
+                log.warning("launch of %s refused (%s): %s", dir_name(cmd.replica_id, cmd.generation, cmd.rank), refusal.code, refusal.reason)
+                return refusal
+            bind = self.mgmt.bind
             try:
-                built = adapters.build(cmd, mgmt_addr=self.mgmt_addr, mgmt_interface=self.mgmt_interface, python=self.python)
+                built = adapters.build(cmd, mgmt_addr=bind, mgmt_interface=self.mgmt_interface, python=self.python)
             except LlmgwError as e:
                 log.warning("launch of %s refused (%s): %s", dir_name(cmd.replica_id, cmd.generation, cmd.rank), e.code, e)
                 return _refuse(e.code if e.code != "error" else BAD_LAUNCH, str(e))
             if built.serves_http:
-                refusal = self._ports_taken(cmd)
+                refusal = self._ports_taken(cmd, bind, leader_addrs)
                 if refusal is not None:
                     log.warning("launch of %s refused (%s): %s", dir_name(cmd.replica_id, cmd.generation, cmd.rank), refusal.code, refusal.reason)
                     return refusal
-            return await self._spawn(cmd, built)
+            return await self._spawn(cmd, built, bind, leader_addrs)
+
+    async def _addresses(self, cmd: LaunchCommand) -> tuple[CommandAck | None, tuple[str, ...]]:
+        """Refuse a launch this node cannot place on the network; else the leader's addresses here.
+
+        The engine binds the first of mgmt_addr's addresses that is this
+        machine's, so a name that does not resolve, or resolves only to other
+        machines' addresses, can start nothing. A member's leader address is
+        resolved here too: the kernel shows a worker's link to it by address.
+        """
+        if self.mgmt.problem:
+            return _refuse(ADDR_UNUSABLE, f"{self.mgmt.problem}; nothing can be started on this node until it does"), ()
+        if not cmd.leader_addr:
+            return None, ()
+        if cmd.leader_addr == self.mgmt.name:
+            return None, self.mgmt.addrs
+        try:
+            # Blocking (the system resolver), so off the loop; quick from /etc/hosts or a cache.
+            return None, await asyncio.to_thread(addresses.resolve, cmd.leader_addr)
+        except addresses.Unresolved as e:
+            return _refuse(ADDR_UNUSABLE, f"the leader's address {e}, so this member could not find its rendezvous"), ()
+
+    def set_mgmt(self, res: addresses.Resolution) -> None:
+        """What mgmt_addr resolves to now (the agent's discovery). Launches use it from now on.
+
+        A leader already listening on an address the name no longer resolves
+        to serves where clients, who reach the node by its name, no longer go:
+        it is ended and reported, and the scheduler rebuilds its replica. A
+        name that stops resolving changes nothing that runs (a resolver outage
+        must not take down serving engines); launches are refused until it
+        resolves again.
+        """
+        old, self.mgmt = self.mgmt, res
+        if res.problem or res.addrs == old.addrs:
+            return
+        for e in self._engines.values():
+            if e.live and e.spec.serves_http and e.stopping is None and not e.squatted and e.bind_addr and e.bind_addr not in res.addrs:
+                self._squatted(
+                    e, f"mgmt_addr {res.name} now resolves to {', '.join(res.addrs)}; this leader listens on {e.bind_addr}, where clients no longer reach it"
+                )
 
     def _relaunch(self, e: Engine, cmd: LaunchCommand) -> CommandAck:
         if e.cmd != cmd:
@@ -458,11 +517,11 @@ class Supervisor:
                 )
         return None
 
-    def _ports_taken(self, cmd: LaunchCommand) -> CommandAck | None:
+    def _ports_taken(self, cmd: LaunchCommand, bind: str, leader_addrs: tuple[str, ...]) -> CommandAck | None:
         """Refuse a leader whose ports someone already listens on: it could only fail, or worse, look ready."""
-        ports = [("HTTP", self.mgmt_addr, cmd.http_port)]
+        ports: list[tuple[str, str | tuple[str, ...], int]] = [("HTTP", bind, cmd.http_port)]
         if cmd.nnodes > 1 or cmd.engine == "sim":  # the sim leader binds its rendezvous port even alone
-            ports.append(("rendezvous", cmd.leader_addr, cmd.rendezvous_port))
+            ports.append(("rendezvous", leader_addrs or bind, cmd.rendezvous_port))
         found = procnet.listeners()
         for what, addr, port in ports:
             there = procnet.answering(found, addr, port) if port > 0 else []
@@ -495,7 +554,7 @@ class Supervisor:
         listens; ("unknown", why) when the engine's own fds cannot be read.
         """
         port = e.cmd.http_port
-        there = procnet.answering(found, self.mgmt_addr, port)
+        there = procnet.answering(found, e.bind_addr or self.mgmt.addrs, port)
         if not there:
             return "none", ""
         if e.pids is None:
@@ -518,7 +577,7 @@ class Supervisor:
         s = others[0]
         return "foreign", f"port {port} on {s.addr} is held by {self._holder(others)}, not by the engine we launched (pid {e.pid})"
 
-    async def _spawn(self, cmd: LaunchCommand, built: adapters.EngineCommand) -> CommandAck:
+    async def _spawn(self, cmd: LaunchCommand, built: adapters.EngineCommand, bind: str, leader_addrs: tuple[str, ...]) -> CommandAck:
         d = EngineDir(self.root / dir_name(cmd.replica_id, cmd.generation, cmd.rank))
         if d.path.exists():
             # Only a directory adopt() could not read gets here; keep it for a person.
@@ -526,7 +585,7 @@ class Supervisor:
             log.warning("%s exists but could not be read at start; moved aside to %s", d.path, aside)
             d.path.rename(aside)
         d.path.mkdir(parents=True)
-        host = f"[{self.mgmt_addr}]" if ":" in self.mgmt_addr else self.mgmt_addr
+        host = f"[{bind}]" if ":" in bind else bind
         spec = EngineSpec(
             command=cmd,
             argv=built.argv,
@@ -534,6 +593,8 @@ class Supervisor:
             serves_http=built.serves_http,
             health_url=f"http://{host}:{cmd.http_port}/health" if built.serves_http else "",
             created_at=time.time(),
+            bind_addr=bind,
+            leader_addrs=list(leader_addrs),
         )
         d.write_spec(spec)
         e = Engine(dir=d, spec=spec)
@@ -734,7 +795,9 @@ class Supervisor:
             and e.cmd.nnodes > 1 and e.cmd.leader_addr and e.cmd.rendezvous_port
         ]  # fmt: skip
         for e in starting:
-            links = procnet.connected_to(e.cmd.leader_addr, e.cmd.rendezvous_port)
+            # Where the leader's name resolved at launch (the kernel's table holds
+            # addresses); a spec from before that recorded the name, an address then.
+            links = procnet.connected_to(e.spec.leader_addrs or (e.cmd.leader_addr,), e.cmd.rendezvous_port)
             if not links:
                 continue
             mine = procfs.socket_inodes(e.pid)
@@ -766,7 +829,7 @@ class Supervisor:
                 self._squatted(e, words)
             return
         if problem is None and who == "none":
-            problem = f"it answered, but the kernel shows nothing listening on {self.mgmt_addr}:{e.cmd.http_port} now"
+            problem = f"it answered, but the kernel shows nothing listening on {e.bind_addr or self.mgmt.describe()}:{e.cmd.http_port} now"
         elif problem is None and who == "unknown":
             if e.pids is None:
                 problem = "it answered, but the engine's pid is not known yet, so the answer cannot be proved ours"
