@@ -40,11 +40,13 @@ unless a newer inventory of the node arrived meanwhile.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from prometheus_client import Counter, Gauge
 
+from llmgw.shared import addresses
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import LlmgwError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
@@ -74,6 +76,8 @@ MAX_REASON = 500
 BATCH_WRITES = 64
 # A batch write the bus refused is tried again after this long (the bus is away).
 RETRY_AFTER = 1.0
+# How long the registry keeps what a recorded DNS name resolved to.
+RESOLVE_TTL = 10.0
 
 
 class Registry(ServiceRuntime):
@@ -88,7 +92,9 @@ class Registry(ServiceRuntime):
         # nodes warned about (once per run) for having no recorded address;
         # (node, claimed, recorded, boot) already announced as refused (one event, not one per re-send)
         self.unverified_warned: set[str] = set()
-        self.refusals_told: set[tuple[str, str, str, str]] = set()
+        self.refusals_told: set[tuple[str, str, str, str, str]] = set()
+        # recorded name -> (monotonic time looked up, its addresses or the resolver's error)
+        self.resolved_here: dict[str, tuple[float, tuple[str, ...] | str]] = {}
         self.leases: KvMirror | None = None
         # What the bucket holds, from a watch; and what this registry wrote that
         # the watch may not have reported yet: node -> (record, revision).
@@ -152,7 +158,7 @@ class Registry(ServiceRuntime):
                 return
             self.log.info("asked %s for the inventory it sent before we listened", node)
             self.heard_boot[node] = inv.boot_id
-            if await self._acceptable(inv):
+            if await self._acceptable(inv, pulled=True):
                 self._queue(inv, "pulled")
         except Exception as e:
             self.log.warning("could not get the inventory of %s: %s", node, e or type(e).__name__)
@@ -239,7 +245,7 @@ class Registry(ServiceRuntime):
             return None, 0
         return decode(entry.value, NodeRecord), entry.revision
 
-    async def _acceptable(self, inv: Inventory) -> bool:
+    async def _acceptable(self, inv: Inventory, *, pulled: bool = False) -> bool:
         """Whether ``inv`` may become the node's record: sane, not quarantined, and
         at the address recorded for the node. Each refusal is counted and logged;
         an address claim also becomes one event per (claim, agent incarnation)."""
@@ -260,17 +266,27 @@ class Registry(ServiceRuntime):
             return False
         stored, _ = self._record(node)
         recorded = stored.recorded_addr if stored is not None else ""
-        if recorded and inv.mgmt_addr != recorded:
+        why = addresses.claim_problem(inv.mgmt_addr, recorded, inv.mgmt_ips, await self._resolve_here(recorded), inv.addr_problem) if recorded else ""
+        if why:
             INVENTORIES.labels("addr_refused").inc()
             ADDR_REFUSED.inc()
-            detail = f"{node}'s inventory claims mgmt_addr {inv.mgmt_addr} but its recorded address is {recorded}; refused"
+            detail = f"{node}'s inventory {why}; refused"
             self.log.warning("%s (boot %s)", detail, inv.boot_id[:8])
-            key = (node, inv.mgmt_addr, recorded, inv.boot_id)
+            key = (node, inv.mgmt_addr, ",".join(inv.mgmt_ips), recorded, inv.boot_id)
             if key not in self.refusals_told:
                 if len(self.refusals_told) > 10_000:
                     self.refusals_told.clear()  # bounded: at worst an event is repeated
                 self.refusals_told.add(key)
                 await self.events.emit("node", node, "addr-refused", detail, claimed=inv.mgmt_addr, recorded=recorded)
+            # On the record, so placement skips the node and `ctl explain` says why:
+            # engines there bind where the recorded address may not reach.
+            await self._set_addr_problem(node, detail)
+            if not pulled:
+                # Ask the node itself: an impostor's claim (a stolen certificate)
+                # is then answered by the real agent, whose good inventory clears
+                # the problem; the agent's own bad claim is refused once more.
+                self.heard_boot.pop(node, None)
+                self._pull(node)
             return False
         if not recorded and node not in self.unverified_warned:
             self.unverified_warned.add(node)
@@ -282,6 +298,41 @@ class Registry(ServiceRuntime):
             )
         return True
 
+    async def _resolve_here(self, host: str) -> tuple[str, ...] | str:
+        """What ``host`` resolves to at the registry (an address: itself), or the resolver's error.
+
+        Looked up off the loop and kept for ``RESOLVE_TTL``: a node re-sends its
+        inventory every few minutes and after every reconnect, and a herd of
+        them must not become a herd of lookups.
+        """
+        if addresses.is_ip(host):
+            return (addresses.normal(host),)
+        hit = self.resolved_here.get(host)
+        if hit is not None and time.monotonic() - hit[0] < RESOLVE_TTL:
+            return hit[1]
+        try:
+            found: tuple[str, ...] | str = await asyncio.to_thread(addresses.resolve, host)
+        except addresses.Unresolved as e:
+            found = str(e)
+        if len(self.resolved_here) > 10_000:
+            self.resolved_here.clear()
+        self.resolved_here[host] = (time.monotonic(), found)
+        return found
+
+    async def _set_addr_problem(self, node: str, problem: str) -> None:
+        """Put why the node's address is refused on its record (placement skips it)."""
+        for attempt in range(5):
+            old, rev = self._record(node) if attempt == 0 else await self._read(node)
+            if old is None or old.addr_problem == problem:
+                return
+            new = msgspec.structs.replace(old, addr_problem=problem, updated_at=now())
+            try:
+                new_rev = await self.nodes_kv.update(node, encode(new), last=rev)
+            except KeyWrongLastSequenceError:
+                continue
+            self._wrote(node, new, new_rev)
+            return
+
     async def _apply_inventory(self, inv: Inventory) -> None:
         """Make ``inv`` the node's record, unless the record already says all of it.
 
@@ -290,7 +341,11 @@ class Registry(ServiceRuntime):
         node = inv.node_id
         for attempt in range(5):  # CAS loop: an admin change may race an inventory
             old, rev = self._record(node) if attempt == 0 else await self._read(node)
-            if old is not None and old.recorded_addr and inv.mgmt_addr != old.recorded_addr:
+            if (
+                old is not None
+                and old.recorded_addr
+                and addresses.claim_problem(inv.mgmt_addr, old.recorded_addr, inv.mgmt_ips, await self._resolve_here(old.recorded_addr), inv.addr_problem)
+            ):
                 return  # recorded meanwhile (set-addr raced the inventory): _acceptable refuses it next time
             record = NodeRecord(
                 node_id=node,
@@ -308,6 +363,8 @@ class Registry(ServiceRuntime):
                 registered_at=old.registered_at if old and old.registered_at else now(),
                 updated_at=now(),
                 recorded_addr=old.recorded_addr if old else "",
+                mgmt_ips=list(inv.mgmt_ips),
+                addr_problem=inv.addr_problem,
             )
             if old is not None and _same_facts(old, record):
                 self.boots[node] = inv.boot_id
@@ -326,6 +383,10 @@ class Registry(ServiceRuntime):
                 await self.events.emit("node", node, "joined", f"{len(inv.gpus)} GPUs, fabrics {', '.join(f.name for f in inv.fabrics) or 'none'}")
             else:
                 await self.events.emit("node", node, "inventory", _describe_change(old, record))
+            if record.addr_problem and record.addr_problem != (old.addr_problem if old else ""):
+                await self.events.emit("node", node, "addr-problem", f"{record.addr_problem}; no replica is placed on {node} until it is fixed")
+            elif old is not None and old.addr_problem and not record.addr_problem:
+                await self.events.emit("node", node, "addr-ok", f"mgmt_addr {record.mgmt_addr} usable again ({', '.join(record.mgmt_ips) or 'as recorded'})")
             return
         raise LlmgwError(f"node {node}'s record is changing too fast; its inventory is tried again")
 
@@ -409,6 +470,10 @@ class Registry(ServiceRuntime):
         problem = host_problem(req.addr)
         if problem:
             raise BadAdminRequest(f"addr: {req.addr!r} {problem}")
+        # A name is recorded only if it resolves here: the gateways send prompts to it.
+        here = await self._resolve_here(req.addr)
+        if isinstance(here, str):
+            raise BadAdminRequest(f"addr: {here} at the registry; record a name that resolves where the control plane runs, or the node's IP address")
         for _ in range(5):
             try:
                 entry = await self.nodes_kv.get(req.node_id)
@@ -420,7 +485,14 @@ class Registry(ServiceRuntime):
             if old is None:
                 new = NodeRecord(node_id=req.node_id, identity=subject_dn("node", req.node_id), mgmt_addr=req.addr, recorded_addr=req.addr, updated_at=now())
             else:
-                new = msgspec.structs.replace(old, mgmt_addr=req.addr, recorded_addr=req.addr, updated_at=now())
+                # The operator's word is taken; what it means for the agent now
+                # running there is said at once (its engines listen on its first
+                # address), and its inventory is asked for, to be judged anew.
+                problem = ""
+                if old.mgmt_ips and old.mgmt_ips[0] not in here:
+                    resolving = "" if here == (req.addr,) else f" (resolving here to {', '.join(here)})"
+                    problem = f"{req.node_id}'s engines listen on {old.mgmt_ips[0]}, which its recorded address {req.addr}{resolving} does not reach"
+                new = msgspec.structs.replace(old, mgmt_addr=req.addr, recorded_addr=req.addr, addr_problem=problem, updated_at=now())
             try:
                 if rev:
                     new_rev = await self.nodes_kv.update(req.node_id, encode(new), last=rev)
@@ -433,7 +505,12 @@ class Registry(ServiceRuntime):
             detail = f"management address recorded by an operator: {req.addr} (was {before})"
             self.unverified_warned.discard(req.node_id)
             await self.events.emit("node", req.node_id, "addr-recorded", detail)
+            if new.addr_problem:
+                await self.events.emit("node", req.node_id, "addr-problem", new.addr_problem)
             self.log.info("node %s: %s", req.node_id, detail)
+            if old is not None and old.boot_id:
+                self.heard_boot.pop(req.node_id, None)
+                self._pull(req.node_id)
             if old is None:
                 self._count(req.node_id, new.admin)
             return new
@@ -441,7 +518,7 @@ class Registry(ServiceRuntime):
 
 
 def _same_facts(a: NodeRecord, b: NodeRecord) -> bool:
-    keys = ("hostname", "mgmt_addr", "mgmt_interface", "boot_id", "gpus", "fabrics", "hcas")
+    keys = ("hostname", "mgmt_addr", "mgmt_interface", "boot_id", "gpus", "fabrics", "hcas", "mgmt_ips", "addr_problem")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
@@ -455,6 +532,8 @@ def _describe_change(old: NodeRecord, new: NodeRecord) -> str:
         parts.append("fabrics " + ", ".join(f"{f.name}{'' if f.usable else ' (unusable)'}" for f in new.fabrics))
     if old.mgmt_addr != new.mgmt_addr:
         parts.append(f"mgmt_addr {old.mgmt_addr} → {new.mgmt_addr}")
+    if old.mgmt_ips != new.mgmt_ips:
+        parts.append(f"mgmt_addr resolves to {', '.join(new.mgmt_ips) or 'nothing usable'} (was {', '.join(old.mgmt_ips) or 'unknown'})")
     return "; ".join(parts) or "inventory changed"
 
 

@@ -265,6 +265,10 @@ def node_rows(nodes: Mapping[str, NodeRecord], leases: Mapping[str, Lease], repl
                 "mgmt_addr": n.mgmt_addr,
                 # recorded at onboarding (llmgw ctl node set-addr), or only the node's word
                 "addr_verified": bool(n.recorded_addr),
+                # what mgmt_addr resolves to on the node, its own addresses (engines bind the first)
+                "mgmt_ips": list(n.mgmt_ips),
+                # why no replica is placed there: the address does not resolve, or not to the recorded one
+                "addr_problem": n.addr_problem,
                 # two agents answer for the node (the health monitor's verdict), in words
                 "quarantine": lease.quarantine if lease else "",
                 # seconds; for a ready lease an upper bound (lease_age_text)

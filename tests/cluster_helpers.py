@@ -67,7 +67,7 @@ class Cluster:
         scheds = [await self.start_service(Scheduler, "scheduler", f"scheduler-{i}", scheduler=SCHED) for i in range(schedulers)]
         return scheds
 
-    def add_nodes(self, specs: list[simcluster.SimNodeSpec]) -> None:
+    def add_nodes(self, specs: list[simcluster.SimNodeSpec], timings: simcluster.Timings = TIMINGS) -> None:
         """Write the nodes' files, each node moved onto this cluster's own loopback
         network (``self.net``): the layout's 127.0.1.N and ports from 20000 are
         what every simulated cluster on the machine uses, and an engine of another
@@ -76,18 +76,20 @@ class Cluster:
         for spec in specs:
             if spec.mgmt_addr.startswith("127.0.1."):  # the layout's; a test that chose its own keeps it
                 spec = dataclasses.replace(spec, mgmt_addr=f"{self.net}.{spec.mgmt_addr.rsplit('.', 1)[1]}")
-            self.nodes[spec.node_id] = simcluster.write_node(self.root, self.server.pki_dir, self.server.url, spec, TIMINGS)
+            self.nodes[spec.node_id] = simcluster.write_node(self.root, self.server.pki_dir, self.server.url, spec, timings)
         self.server.reload()
 
     def addr(self, node_id: str) -> str:
         """The management address a node of this cluster listens on."""
         return self.nodes[node_id].spec.mgmt_addr
 
-    def start_agent(self, node_id: str) -> subprocess.Popen:
+    def start_agent(self, node_id: str, wrap: tuple[str, ...] = ()) -> subprocess.Popen:
+        """Start the node's agent; ``wrap``: a command that execs the agent's argv after its own
+        (a mount namespace with the node's own /etc/hosts, say)."""
         node = self.nodes[node_id]
         log = open(node.log, "ab")
         p = subprocess.Popen(
-            [sys.executable, "-m", "llmgw.services", "agent", "--config", str(node.config)],
+            [*wrap, sys.executable, "-m", "llmgw.services", "agent", "--config", str(node.config)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, simcluster.SIM_ENV: node_id, CLUSTER_ENV: self.marker.split(b"=", 1)[1].decode()},

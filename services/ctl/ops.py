@@ -93,6 +93,8 @@ def nodes(args) -> int:
         age = lease_age_text(r["state"], r["lease_age"])
         state = f"{r['state']}, QUARANTINED" if r["quarantine"] else r["state"]
         addr = r["mgmt_addr"] if r["addr_verified"] or not r["mgmt_addr"] else f"{r['mgmt_addr']} (unverified)"
+        if r["mgmt_ips"] and r["mgmt_ips"] != [r["mgmt_addr"]]:
+            addr += f" → {r['mgmt_ips'][0]}"
         table.append((r["node_id"], state, admin_text(r), ",".join(r["fabrics"]) or "(none)", f"{r['gpus_free']}/{r['gpus_total']}", addr, age))
     _table(table)
     if len(table) == 1:
@@ -103,6 +105,8 @@ def nodes(args) -> int:
             print(f"{r['node_id']} {r['admin']}{' automatically' if r['admin_by'] == 'auto' else ''}: {r['admin_reason']}")
         if r["quarantine"]:
             print(f"{r['node_id']} QUARANTINED: {r['quarantine']}")
+        if r["addr_problem"]:
+            print(f"{r['node_id']} ADDRESS: {r['addr_problem']}")
         for fabric, problem in r["unusable_fabrics"].items():
             print(f"{r['node_id']} fabric {fabric} unusable: {problem}")
         for index, why in r["gpus_out_of_service"].items():
@@ -269,6 +273,8 @@ def node(args) -> int:
 
         rec = _run(go_addr())
         print(f"node {rec.node_id}: management address recorded as {rec.recorded_addr}; an inventory claiming another is refused")
+        if rec.addr_problem:
+            print(f"warning: {rec.addr_problem}; no replica is placed there until its agent claims an address the recorded one reaches", file=sys.stderr)
         return 0
 
     async def go_release():

@@ -59,6 +59,8 @@ class HasRecord:
             return Verdict(False, R.NO_RECORD, "lease but no node record")
         if not node.mgmt_addr:
             return Verdict(False, R.NO_MGMT_ADDR, "node record has no mgmt_addr")
+        if node.record.addr_problem:
+            return Verdict(False, R.ADDR_PROBLEM, node.record.addr_problem)
         return OK
 
 

@@ -7,6 +7,7 @@ never change meaning once released (Kubernetes' ``ErrReason…``).
 
 NO_RECORD = "no_record"  # a lease but no node record: the registry has not seen its inventory
 NO_MGMT_ADDR = "no_mgmt_addr"  # nowhere for peers or the gateway to reach it
+ADDR_PROBLEM = "addr_problem"  # its mgmt_addr does not resolve to an address of the node, or not to the recorded one
 NO_LEASE = "no_lease"  # a record but no lease: the health monitor has not heard it yet
 LEASE_NOT_READY = "lease_not_ready"  # suspect or lost
 PEER_LOST_SUSPECT = "peer_lost_suspect"  # a peer reported it lost; no heartbeat heard since
@@ -26,6 +27,7 @@ GPU_FOREIGN = "gpu_foreign"  # enough free GPUs only counting ones held by proce
 DESCRIPTIONS: dict[str, str] = {
     NO_RECORD: "no node record (inventory not registered)",
     NO_MGMT_ADDR: "node record has no management address",
+    ADDR_PROBLEM: "its management address does not reach it",
     NO_LEASE: "no lease (health monitor has not heard from it)",
     LEASE_NOT_READY: "lease not ready",
     PEER_LOST_SUSPECT: "reported lost by a peer, not heard from since",
