@@ -41,6 +41,12 @@
 #   GATEWAY_LISTEN      default 0.0.0.0:8080
 #   NATS_PUBLISHED_PORT the host port NATS is published on, for operator-host.yaml
 #                       (default 4222)
+#   SIM_FAULT_DIR       where a simulated node's GPU faults are kept ({node}: its
+#                       id); default /var/lib/llmgw-agent/gpu-state, in the node
+#                       container's own writable work dir
+#   NATS_SERVERS        1 (default) or 3: a 3-server NATS cluster (nats, nats-2,
+#                       nats-3; the compose file's nats-cluster profile runs the
+#                       other two), JetStream R3, routes over mutual TLS
 set -euo pipefail
 
 LLMGW="${LLMGW:-llmgw}"
@@ -56,7 +62,16 @@ HEARTBEAT_INTERVAL="${HEARTBEAT_INTERVAL:-5s}"
 NODE_LOST_AFTER="${NODE_LOST_AFTER:-60s}"
 GATEWAY_LISTEN="${GATEWAY_LISTEN:-0.0.0.0:8080}"
 NATS_PUBLISHED_PORT="${NATS_PUBLISHED_PORT:-4222}"
-SERVER_URL="tls://$NATS_HOST:4222"
+NATS_SERVERS="${NATS_SERVERS:-1}"
+SIM_FAULT_DIR="${SIM_FAULT_DIR:-/var/lib/llmgw-agent/gpu-state}"
+case "$NATS_SERVERS" in
+  1) NATS_HOSTS=("$NATS_HOST");;
+  3) NATS_HOSTS=("$NATS_HOST" "$NATS_HOST-2" "$NATS_HOST-3");;
+  *) echo "compose-init: NATS_SERVERS must be 1 or 3 (a cluster needs a majority), got '$NATS_SERVERS'" >&2; exit 2;;
+esac
+# YAML for `server:`: one URL, or the list of the cluster's.
+SERVER_URL="[$(printf 'tls://%s:4222, ' "${NATS_HOSTS[@]}" | sed 's/, $//')]"
+KV_REPLICAS="$NATS_SERVERS"
 
 say() { printf 'compose-init: %s\n' "$*"; }
 # `command`: with the default LLMGW=llmgw, the function would call itself.
@@ -68,10 +83,22 @@ if [ ! -f "$PKI/ca-key.pem" ]; then
   say "creating the authority in $PKI"
   llmgw ctl cert init-ca --dir "$PKI"
 fi
-if [ ! -f "$PKI/server.pem" ]; then
-  say "issuing the NATS server's certificate for $NATS_HOST $NATS_EXTRA_HOSTS"
-  # shellcheck disable=SC2086  # NATS_EXTRA_HOSTS is a list of names
-  llmgw ctl cert issue-server "$NATS_HOST" $NATS_EXTRA_HOSTS --dir "$PKI"
+# The server certificate names every server's host: issued again when the set
+# of hosts changes (1 -> 3 servers), or it would be refused by name.
+SERVER_HOSTS="${NATS_HOSTS[*]} $NATS_EXTRA_HOSTS"
+if [ ! -f "$PKI/server.pem" ] || [ "$(cat "$PKI/server-hosts" 2>/dev/null)" != "$SERVER_HOSTS" ]; then
+  say "issuing the NATS server's certificate for $SERVER_HOSTS"
+  # shellcheck disable=SC2086  # a list of names
+  llmgw ctl cert issue-server $SERVER_HOSTS --dir "$PKI"
+  printf '%s' "$SERVER_HOSTS" >"$PKI/server-hosts"
+fi
+if [ "$NATS_SERVERS" = 3 ]; then
+  for i in 1 2 3; do
+    if [ ! -f "$PKI/certs/route/nats$i.pem" ]; then
+      say "issuing route certificate nats$i for ${NATS_HOSTS[$((i - 1))]}"
+      llmgw ctl cert issue-route "nats$i" "${NATS_HOSTS[$((i - 1))]}" --dir "$PKI"
+    fi
+  done
 fi
 
 # A certificate is (re)issued when missing, or when its directory's ca.pem is
@@ -106,6 +133,7 @@ for svc in registry health scheduler gateway; do
   {
     service_yaml "$svc" "$SERVER_URL"
     echo "metrics_listen: 0.0.0.0:9100"
+    echo "kv_replicas: $KV_REPLICAS"
     case "$svc" in
       health) echo "health: {heartbeat_interval: $HEARTBEAT_INTERVAL, node_lost_after: $NODE_LOST_AFTER}";;
       gateway) echo "gateway: {listen: \"$GATEWAY_LISTEN\"}";;
@@ -119,44 +147,31 @@ service_yaml operator "$SERVER_URL" >"$dir/operator.yaml"
 # The same identity from the host, through the published port.
 service_yaml operator "tls://127.0.0.1:$NATS_PUBLISHED_PORT" >"$dir/operator-host.yaml"
 
-# -- simulated nodes: the seed's agent.yaml, a fake nvidia-smi, a sysfs-shaped ib_root
-gpu_uuid() { # NODE INDEX -> a stable UUID-shaped id
-  printf '%s' "$1.gpu$2" | md5sum | sed -E 's/^(.{8})(.{4})(.{4})(.{4})(.{12}).*/GPU-\1-\2-\3-\4-\5/'
-}
+# -- simulated nodes: the seed's agent.yaml, the devices of `llmgw up`'s sim nodes
 for spec in $SIM_NODES; do
   node="${spec%%:*}"
   fabric="${spec#*:}"
   [ "$fabric" != "$spec" ] || fabric=""
   dir="$CONF/nodes/$node"
-  mkdir -p "$dir/tls" "$dir/bin" "$dir/ib"
+  mkdir -p "$dir/tls"
   identity "$dir/tls" "$node" node
 
-  # nvidia-smi --query-gpu=index,uuid,name,memory.total,pci.bus_id --format=csv,noheader,nounits
-  {
-    echo '#!/bin/sh'
-    echo "# Simulated nvidia-smi for $node: its inventory in the real query's CSV shape."
-    echo "cat <<'EOF'"
-    i=0
-    while [ "$i" -lt "$SIM_GPUS" ]; do
-      printf '%d, %s, NVIDIA H200, 143771, 00000000:%02X:00.0\n' "$i" "$(gpu_uuid "$node" "$i")" $((0x18 + i * 0x10))
-      i=$((i + 1))
-    done
-    echo "EOF"
-  } >"$dir/bin/nvidia-smi"
-  chmod 0755 "$dir/bin/nvidia-smi"
+  # The same simulated nvidia-smi and sysfs tree as `llmgw up`'s nodes: every
+  # query the agent makes (inventory, ECC and retired pages, compute apps) in
+  # the real tool's shape, and GPU faults read from the node's own writable
+  # work dir, where `llmgw sim gpu-fault NODE I --agent-config …` run in the
+  # node's container writes them (this volume is read-only there). The
+  # container is the machine: all its GPU-using processes are its own.
+  hcas=""
+  [ -z "$fabric" ] || hcas="mlx5_0,mlx5_1"
+  llmgw sim node-devices "$dir" --node "$node" --gpus "$SIM_GPUS" --hcas "$hcas" \
+    --state-dir "${SIM_FAULT_DIR//\{node\}/$node}" --own-machine
 
   fabrics="fabrics: []"
   if [ -n "$fabric" ]; then
     fabrics="fabrics:
   - name: $fabric
     hcas: [mlx5_0, mlx5_1]"
-    for hca in mlx5_0 mlx5_1; do
-      mkdir -p "$dir/ib/$hca/ports/1"
-      echo "4: ACTIVE" >"$dir/ib/$hca/ports/1/state"
-      echo "5: LinkUp" >"$dir/ib/$hca/ports/1/phys_state"
-      echo "200 Gb/sec (4X HDR)" >"$dir/ib/$hca/ports/1/rate"
-      echo "InfiniBand" >"$dir/ib/$hca/ports/1/link_layer"
-    done
   fi
   cat >"$dir/agent.yaml" <<YAML
 # $node (simulated, fabric ${fabric:-none})
@@ -167,13 +182,14 @@ for spec in $SIM_NODES; do
 # wrong guess produces a replica that starts, passes health checks and then
 # hangs on its first all-reduce. Relative paths are relative to this file.
 node_id: $node
-server: "$SERVER_URL"
+server: $SERVER_URL
 tls:
   ca: tls/ca.pem
   cert: tls/$node.pem
   key: tls/$node-key.pem
-# The container's name on the compose network: engines bind it, peers and the
-# gateway reach them through it.
+# The container's name on the compose network. The agent resolves it at start
+# and at every discovery; its engines bind the address it resolves to, and
+# peers and the gateway reach them through the name.
 mgmt_addr: "$node"
 mgmt_interface: eth0
 heartbeat_interval: $HEARTBEAT_INTERVAL
@@ -181,8 +197,8 @@ reconnect_base: 1s
 reconnect_max: 10s
 $fabrics
 discovery:
-  # A fake nvidia-smi printing this node's GPUs, and a sysfs-shaped directory
-  # with its fabric's HCAs ACTIVE: no GPU, no InfiniBand needed.
+  # The simulated nvidia-smi of the nodes of 'llmgw up', and a sysfs-shaped
+  # directory with its fabric's HCAs ACTIVE: no GPU, no InfiniBand needed.
   nvidia_smi: bin/nvidia-smi
   ib_root: ib
   prefer_nvml: false
@@ -195,14 +211,28 @@ supervisor:
 YAML
 done
 
-# -- the NATS server's configuration, rendered from the ledger --------------------
-say "rendering nats.conf from the ledger"
+# -- the NATS servers' configuration, rendered from the ledger --------------------
+say "rendering the configuration of $NATS_SERVERS NATS server(s) from the ledger"
 mkdir -p "$NATS_DIR"
-for f in ca.pem server.pem server-key.pem; do
-  install -m 0600 "$PKI/$f" "$NATS_DIR/.$f.new"
-  mv -f "$NATS_DIR/.$f.new" "$NATS_DIR/$f"
-done
+install_nats() { # FILE under $PKI -> the same path under $NATS_DIR, atomically
+  local to="$NATS_DIR/$1"
+  mkdir -p "$(dirname "$to")"
+  install -m 0600 "$PKI/$1" "$(dirname "$to")/.$(basename "$to").new"
+  mv -f "$(dirname "$to")/.$(basename "$to").new" "$to"
+}
+for f in ca.pem server.pem server-key.pem; do install_nats "$f"; done
 # Written atomically: a server reloading meanwhile never reads half a file.
-"$LLMGW" ctl nats-config --pki "$PKI" --listen 0.0.0.0:4222 --monitor 0.0.0.0:8222 \
-  --store-dir "$NATS_STORE_DIR" --server-name llmgw --out "$NATS_DIR/nats.conf"
-say "done: $(grep -c '"user"' "$NATS_DIR/nats.conf") identities in nats.conf"
+if [ "$NATS_SERVERS" = 1 ]; then
+  "$LLMGW" ctl nats-config --pki "$PKI" --listen 0.0.0.0:4222 --monitor 0.0.0.0:8222 \
+    --store-dir "$NATS_STORE_DIR" --server-name llmgw --out "$NATS_DIR/nats.conf"
+  rm -f "$NATS_DIR"/nats[123].conf
+else
+  for i in 1 2 3; do install_nats "certs/route/nats$i.pem"; install_nats "certs/route/nats$i-key.pem"; done
+  "$LLMGW" ctl nats-config --pki "$PKI" --store-dir "$NATS_STORE_DIR" --out-dir "$NATS_DIR" \
+    --server "nats1=${NATS_HOSTS[0]}" --server "nats2=${NATS_HOSTS[1]}" --server "nats3=${NATS_HOSTS[2]}" >/dev/null 2>&1
+  # The compose file's `nats` service reads nats.conf: in a cluster, server 1's.
+  mv -f "$NATS_DIR/nats1.conf" "$NATS_DIR/nats.conf"
+fi
+others=""
+[ "$NATS_SERVERS" = 1 ] || others=" (nats2.conf, nats3.conf alike)"
+say "done: $(grep -c '"user"' "$NATS_DIR/nats.conf") identities in nats.conf$others"

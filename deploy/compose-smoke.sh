@@ -12,7 +12,7 @@
 # volumes, the wheelhouse, its temporary directory — is removed on any exit;
 # the images stay.
 #
-#   deploy/compose-smoke.sh [--make-base] [--base IMAGE]
+#   deploy/compose-smoke.sh [--make-base] [--base IMAGE] [--nats-servers 1|3]
 #
 #   --make-base   make the base image llmgw-base:bookworm (Debian bookworm by
 #                 debootstrap: python3, python3-venv; needs root and the
@@ -20,6 +20,15 @@
 #                 machines that reach no image registry.
 #   --base IMAGE  build on IMAGE (any image with Python >= 3.11 and venv)
 #                 instead of the Dockerfile's default, python:3.11-slim.
+#   --nats-servers 3
+#                 NATS as a 3-server cluster (the nats-cluster profile,
+#                 NATS_SERVERS=3, JetStream R3); nats-2 is killed before
+#                 node02, and the story must hold on the two left.
+#
+# Along the way it also checks that no node's agent logs a "not read" warning
+# (every nvidia-smi query answered in the real tool's shape), and that a GPU
+# fault made on a node as 'llmgw sim gpu-fault … --agent-config' (run in the
+# node's container) takes the GPU out of service and 'gpu-ok' brings it back.
 #
 # Environment: SMOKE_PROJECT (compose project, default llmgw-smoke, so a stack
 # of your own under the default project is left alone), LLMGW_IMAGE (default
@@ -41,11 +50,14 @@ export LLMGW_IMAGE="${LLMGW_IMAGE:-llmgw:dev}"
 
 MAKE_BASE=0
 BASE=""
+NATS_SERVERS=1
 usage() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --make-base) MAKE_BASE=1; shift;;
     --base) [ $# -ge 2 ] || { echo "compose-smoke: --base needs an image" >&2; exit 2; }; BASE="$2"; shift 2;;
+    --nats-servers)
+      case "${2:-}" in 1|3) NATS_SERVERS="$2"; shift 2;; *) echo "compose-smoke: --nats-servers takes 1 or 3" >&2; exit 2;; esac;;
     -h|--help) usage; exit 0;;
     *) echo "compose-smoke: unknown argument $1 (see --help)" >&2; exit 2;;
   esac
@@ -78,6 +90,14 @@ fi
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/llmgw-compose-smoke.XXXXXX")"
 UP=0
 OK=0
+PROFILES=(--profile sim)
+EXPECT_HEALTHY=9
+export NATS_SERVERS
+if [ "$NATS_SERVERS" = 3 ]; then
+  PROFILES+=(--profile nats-cluster)
+  EXPECT_HEALTHY=11
+  PROJECT="$PROJECT-nats3"
+fi
 compose() { "${COMPOSE[@]}" -p "$PROJECT" -f "$COMPOSE_FILE_PATH" "$@"; }
 cleanup() {
   local rc=$?
@@ -85,10 +105,15 @@ cleanup() {
   if [ "$UP" = 1 ]; then
     if [ "$OK" != 1 ]; then
       echo "---- the containers' last log lines ----" >&2
-      compose --profile sim --profile tools logs --no-color --tail=40 >&2 2>&1 || true
+      compose "${PROFILES[@]}" --profile tools logs --no-color --tail=40 >&2 2>&1 || true
     fi
     say "tearing down (containers, network, volumes)"
-    compose --profile sim --profile tools down -v --remove-orphans >/dev/null 2>&1 || true
+    compose "${PROFILES[@]}" --profile tools down -v --remove-orphans >/dev/null 2>&1 || true
+    left="$(docker ps -aq --filter "label=com.docker.compose.project=$PROJECT")"
+    if [ -n "$left" ]; then
+      echo "compose-smoke: FAILED: containers left behind after down: $left" >&2
+      rc=1
+    fi
   fi
   rm -rf "$WHEELHOUSE" "$WORK"
   exit "$rc"
@@ -146,24 +171,28 @@ export HEARTBEAT_INTERVAL=1s NODE_LOST_AFTER=5s
 
 # -- up: what docs/operations.md has the user type ------------------------------------
 UP=1
-say "docker compose --profile sim up -d --build (project $PROJECT, base $LLMGW_BASE)"
-compose --profile sim up -d --build >"$WORK/up.log" 2>&1 || { tail -40 "$WORK/up.log" >&2; die "up failed"; }
-mark "up: nats, registry, health, scheduler, gateway, node01-node04 started"
+say "docker compose ${PROFILES[*]} up -d --build (project $PROJECT, base $LLMGW_BASE, NATS_SERVERS=$NATS_SERVERS)"
+compose "${PROFILES[@]}" up -d --build >"$WORK/up.log" 2>&1 || { tail -40 "$WORK/up.log" >&2; die "up failed"; }
+if [ "$NATS_SERVERS" = 3 ]; then
+  mark "up: nats, nats-2, nats-3 (a 3-server cluster), registry, health, scheduler, gateway, node01-node04 started"
+else
+  mark "up: nats, registry, health, scheduler, gateway, node01-node04 started"
+fi
 # `up -d` returns once the containers run; their health checks say when each
 # is on the bus and serving (Compose v2 alone has `up --wait`).
 health() {
   local ids
-  mapfile -t ids < <(compose --profile sim ps -q)
+  mapfile -t ids < <(compose "${PROFILES[@]}" ps -q)
   [ "${#ids[@]}" -gt 0 ] || return 0
   docker inspect -f '{{.Name}} {{if .State.Health}}{{.State.Health.Status}}{{else}}{{.State.Status}}{{end}}' "${ids[@]}" \
     | sed -e 's|^/||' | sort
 }
 deadline=$((SECONDS + TIMEOUT))
-until [ "$(health | grep -c ' healthy$')" = 9 ]; do
+until [ "$(health | grep -c ' healthy$')" = "$EXPECT_HEALTHY" ]; do
   [ "$SECONDS" -lt "$deadline" ] || { health >&2; die "not every service healthy after ${TIMEOUT}s"; }
   sleep 1
 done
-mark "all 9 containers healthy (nats, 4 services, 4 nodes)"
+mark "all $EXPECT_HEALTHY containers healthy ($NATS_SERVERS NATS server(s), 4 services, 4 nodes)"
 deadline=$((SECONDS + TIMEOUT))
 until compose run --rm -T ctl deploy apply -f /deploy/seed-deployment.yaml >"$WORK/apply.log" 2>&1; do
   [ "$SECONDS" -lt "$deadline" ] || { cat "$WORK/apply.log" >&2; die "deploy apply failed for ${TIMEOUT}s"; }
@@ -217,7 +246,11 @@ PY
 for i in 1 2; do served="$(chat)" || die "chat completion $i through the gateway failed"; say "served: $served"; done
 mark "served chat completions from the host (openai client, 127.0.0.1:$GATEWAY_PORT)"
 
-# -- node02 dies -----------------------------------------------------------------------
+# -- a NATS server dies, then node02 ---------------------------------------------------
+if [ "$NATS_SERVERS" = 3 ]; then
+  docker kill "$(compose "${PROFILES[@]}" ps -q nats-2)" >/dev/null
+  mark "docker kill nats-2 (one of three NATS servers)"
+fi
 node02="$(compose ps -q node02)"
 [ -n "$node02" ] || die "no node02 container"
 docker kill "$node02" >/dev/null
@@ -238,9 +271,43 @@ mark "replacement ready on ib-b: both replicas on ib-b ($state)"
 for i in 1 2; do served="$(chat)" || die "chat completion $i after the failover failed"; say "served: $served"; done
 mark "served chat completions again"
 
+# -- a GPU fault on a compose node, as on a node of `llmgw up` ------------------------------
+gpu_out() { # NODE INDEX -> why the GPU is out of service, or nothing
+  "$LLMGW" ctl nodes -o json 2>/dev/null | "$PY" -c '
+import json, sys
+row = next((n for n in json.load(sys.stdin) if n["node_id"] == sys.argv[1]), {})
+print(row.get("gpus_out_of_service", {}).get(sys.argv[2], ""))' "$1" "$2"
+}
+sim_on() { # NODE VERB ARGS... : `llmgw sim VERB NODE ARGS --agent-config …` inside the node's container
+  local node="$1" verb="$2"; shift 2
+  compose exec -T "$node" llmgw sim "$verb" "$node" "$@" --agent-config "/etc/llmgw/conf/nodes/$node/agent.yaml"
+}
+sim_on node01 gpu-fault 0 --ecc 3 >"$WORK/fault.log" 2>&1 || { cat "$WORK/fault.log" >&2; die "llmgw sim gpu-fault on node01 failed"; }
+deadline=$((SECONDS + TIMEOUT))
+until [ -n "$(gpu_out node01 0)" ]; do
+  [ "$SECONDS" -lt "$deadline" ] || die "node01's GPU 0 not out of service ${TIMEOUT}s after 'llmgw sim gpu-fault'"
+  sleep 1
+done
+mark "sim gpu-fault node01 0 --ecc 3: GPU 0 out of service ($(gpu_out node01 0))"
+sim_on node01 gpu-ok 0 >"$WORK/fault.log" 2>&1 || { cat "$WORK/fault.log" >&2; die "llmgw sim gpu-ok on node01 failed"; }
+deadline=$((SECONDS + TIMEOUT))
+until [ -z "$(gpu_out node01 0)" ]; do
+  [ "$SECONDS" -lt "$deadline" ] || die "node01's GPU 0 still out of service ${TIMEOUT}s after 'llmgw sim gpu-ok'"
+  sleep 1
+done
+mark "sim gpu-ok node01 0: GPU 0 back in service"
+
+# -- every query the agents made was answered ----------------------------------------------
+compose "${PROFILES[@]}" logs --no-color node01 node02 node03 node04 >"$WORK/nodes.log" 2>&1 || true
+if grep -q "not read" "$WORK/nodes.log"; then
+  grep "not read" "$WORK/nodes.log" | head -5 >&2
+  die "an agent could not read what its nvidia-smi said (above)"
+fi
+mark "no 'not read' warning in any node's log ($(wc -l <"$WORK/nodes.log") lines)"
+
 OK=1
 echo
-echo "timeline (compose project $PROJECT, heartbeat $HEARTBEAT_INTERVAL, node lost after $NODE_LOST_AFTER;"
+echo "timeline (compose project $PROJECT, $NATS_SERVERS NATS server(s), heartbeat $HEARTBEAT_INTERVAL, node lost after $NODE_LOST_AFTER;"
 echo "each step as the host saw it, polling with llmgw ctl every second or two):"
 printf '  %s\n' "${TIMELINE[@]}"
 echo "compose-smoke: PASSED"

@@ -520,6 +520,11 @@ served="$(chat)" || die "chat completion after the agent restart failed"
 say "served: $served"
 case "$served" in "replica $REPLICA:"*) ;; *) die "served by another replica than $REPLICA after the restart";; esac
 mark "replica $REPLICA still ready on generation $GENERATION and serving"
+# The doc's simulated devices answer every query the agent makes.
+if in_node journalctl -u llmgw-agent -o cat --no-pager | grep "not read" >&2; then
+  die "$NODE_ID's agent could not read what its nvidia-smi said (above)"
+fi
+mark "no 'not read' warning in $NODE_ID's agent journal"
 
 OK=1
 echo

@@ -94,6 +94,12 @@ def _cert_commands(ctl_sub) -> None:
     p.set_defaults(func=_lazy("llmgw.services.ctl.cert:revoke"))
 
 
+def _sim_node_location(q: argparse.ArgumentParser) -> None:
+    where = q.add_mutually_exclusive_group()
+    where.add_argument("--dir", default=".llmgw", help="the 'llmgw up' cluster the node is in (default .llmgw)")
+    where.add_argument("--agent-config", metavar="FILE", help="the node's agent.yaml instead, for a node outside an 'llmgw up' cluster (a compose node)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmgw",
@@ -289,17 +295,32 @@ def build_parser() -> argparse.ArgumentParser:
         q = ss.add_parser(verb, help=what)
         q.add_argument("node")
         q.add_argument("hca", help="e.g. mlx5_0 (the node's agent.yaml fabrics list them)")
-        q.add_argument("--dir", default=".llmgw")
+        _sim_node_location(q)
     q = ss.add_parser("gpu-fault", help="make a node's nvidia-smi report a GPU fault: XID 79 (lost, default), 48/94/95 (ECC), 63/64 (pages pending)")
     q.add_argument("node")
     q.add_argument("index", type=int)
     q.add_argument("--xid", type=int, help="the XID to simulate (default 79 unless --ecc is given)")
     q.add_argument("--ecc", type=int, help="uncorrectable ECC error count to report")
-    q.add_argument("--dir", default=".llmgw")
+    _sim_node_location(q)
     q = ss.add_parser("gpu-ok", help="clear a simulated GPU fault")
     q.add_argument("node")
     q.add_argument("index", type=int)
-    q.add_argument("--dir", default=".llmgw")
+    _sim_node_location(q)
+    q = ss.add_parser(
+        "node-devices",
+        help="write a simulated machine's devices into DIR: bin/nvidia-smi (the queries the agent makes, in the real shape) and ib/ (HCA ports ACTIVE)",
+    )
+    q.add_argument("node_dir", metavar="DIR")
+    q.add_argument("--node", required=True, help="the node id (its GPUs' UUIDs derive from it)")
+    q.add_argument("--gpus", type=int, default=8)
+    q.add_argument("--hcas", default="", help="comma-separated HCA names for ib/ (none: no fabric)")
+    q.add_argument("--state-dir", help="where its GPU faults are kept (default DIR/gpu-state; must be writable where 'sim gpu-fault' runs)")
+    q.add_argument(
+        "--own-machine",
+        action="store_true",
+        help="the node is a machine (a container) of its own: every process with CUDA_VISIBLE_DEVICES is one of its GPU users",
+    )
+    q.add_argument("--python", default="", help="the Python 3 that runs the simulated nvidia-smi on the node (default: this one)")
     p.set_defaults(func=_lazy("llmgw.services.devcluster.up:sim"))
 
     p = sub.add_parser("tui", help="the live console: fabrics, nodes, replicas and events, as they change")

@@ -153,7 +153,13 @@ def apps():
 
 
 args = sys.argv[1:]
+if args == ["--llmgw-fault-dir"]:  # not the real tool's: where 'llmgw sim gpu-fault' writes
+    print(STATE)
+    sys.exit(0)
 query = next((a for a in args if a.startswith("--query-")), "")
+if not query or "--format=csv,noheader,nounits" not in args:
+    print("llmgw's simulated nvidia-smi answers only --query-gpu=… and --query-compute-apps=… with --format=csv,noheader,nounits", file=sys.stderr)
+    sys.exit(2)
 rc = 0
 if query.startswith("--query-compute-apps="):
     by_index = {{g[0]: g for g in GPUS}}
@@ -188,18 +194,40 @@ def gpu_state_dir(node_dir: Path) -> Path:
     return Path(node_dir) / "gpu-state"
 
 
-def write_fake_nvidia_smi(path: Path, spec: SimNodeSpec) -> None:
+def write_fake_nvidia_smi(path: Path, spec: SimNodeSpec, *, state_dir: Path | None = None, home: Path | None = None, python: str = "") -> None:
+    """The node's simulated nvidia-smi at ``path``.
+
+    ``state_dir``: where its per-GPU fault files are read (default: the node's
+    directory's gpu-state/, beside bin/); ``home``: the processes whose working
+    directory lies under it are this machine's (default: the node's directory;
+    a node that is a machine of its own, a container, gives ``/``);
+    ``python``: the interpreter that runs it (default: this one; the script
+    needs only the standard library, so any Python 3 on the node will do).
+    """
     import sys
 
+    node_dir = path.parent.parent
     gpus = [[i, gpu_uuid(spec.node_id, i), GPU_NAME, GPU_MEMORY_MIB, gpu_bus_id(i)] for i in range(spec.gpus)]
-    state = str(gpu_state_dir(path.parent.parent).resolve())
+    state = str(Path(state_dir or gpu_state_dir(node_dir)).resolve())
+    where = str(Path(home or node_dir).resolve()).rstrip("/")
     _write_exec(
         path,
-        f"#!{sys.executable} -I\n"
+        f"#!{python or sys.executable} -I\n"
         f"# Simulated nvidia-smi for {spec.node_id}: answers --query-gpu=… and --query-compute-apps=…\n"
-        "# in the real '--format=csv,noheader,nounits' shape; per-GPU faults from gpu-state/<index>.json.\n"
-        + _FAKE_SMI.format(node=spec.node_id, state=state, home=str(path.parent.parent.resolve()), gpus=gpus),
+        "# in the real '--format=csv,noheader,nounits' shape; per-GPU faults from <state>/<index>.json.\n"
+        + _FAKE_SMI.format(node=spec.node_id, state=state, home=where, gpus=gpus),
     )
+
+
+def write_node_devices(
+    node_dir: Path, spec: SimNodeSpec, hcas: tuple[str, ...], *, state_dir: Path | None = None, home: Path | None = None, python: str = ""
+) -> None:
+    """A simulated machine's devices under ``node_dir``: bin/nvidia-smi and an
+    ib/ tree of ``hcas`` with their ports ACTIVE (what ``llmgw up`` and the
+    compose kit's nodes both run on)."""
+    write_fake_nvidia_smi(Path(node_dir) / "bin" / "nvidia-smi", spec, state_dir=state_dir, home=home, python=python)
+    (Path(node_dir) / "ib").mkdir(parents=True, exist_ok=True)
+    write_ib_root(Path(node_dir) / "ib", hcas)
 
 
 def write_ib_root(root: Path, hcas: tuple[str, ...]) -> None:
@@ -263,12 +291,18 @@ def set_gpu_fault(agent_config: Path, index: int, *, xid: int | None = None, ecc
     (``xid``/``ecc``), or clear it (both None). Returns the state file written."""
     cfg = _agent_yaml(agent_config)
     node_dir = Path(agent_config).resolve().parent
-    # The GPUs are what its nvidia-smi lists, lost ones included (one line each).
-    smi = (cfg.get("discovery") or {}).get("nvidia_smi", "")
+    # The GPUs are what its nvidia-smi lists, lost ones included (one line each);
+    # it says itself where it reads its faults.
+    smi = str((cfg.get("discovery") or {}).get("nvidia_smi", "") or "")
+    if smi and not os.path.isabs(smi):
+        smi = str(node_dir / smi)  # relative to agent.yaml, as the agent reads it
     try:
         out = subprocess.run([smi, "--query-gpu=index", "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=15).stdout
+        said = subprocess.run([smi, "--llmgw-fault-dir"], capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.SubprocessError) as e:
         raise ConfigError(f"cannot run the simulated nvidia-smi {smi!r}: {e}") from None
+    if said.returncode != 0 or not said.stdout.strip():
+        raise ConfigError(f"{smi} is not llmgw's simulated nvidia-smi (it does not say where it reads faults); a real GPU's faults are not made this way")
     gpus = len([line for line in out.splitlines() if line.strip()])
     if not 0 <= index < gpus:
         raise ConfigError(f"no GPU {index} on {cfg.get('node_id', node_dir.name)} (it has GPUs 0..{gpus - 1})")
@@ -276,8 +310,11 @@ def set_gpu_fault(agent_config: Path, index: int, *, xid: int | None = None, ecc
         raise ConfigError(f"XID {xid} is not one the simulated nvidia-smi shows; choose one of {', '.join(map(str, SIM_XIDS))}")
     if ecc is not None and ecc < 0:
         raise ConfigError(f"--ecc must be a count >= 0, got {ecc}")
-    d = gpu_state_dir(node_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    d = Path(said.stdout.strip())
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot write the simulated GPU faults under {d}: {e.strerror or e}") from None
     path = d / f"{index}.json"
     if xid is None and ecc is None:
         path.unlink(missing_ok=True)

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -812,6 +813,10 @@ def _nats_fault(d: Path, n: int, *, kill: bool) -> int:
 
 
 def sim(args) -> int:
+    if args.sim_cmd == "node-devices":
+        return _node_devices(args)
+    if getattr(args, "agent_config", None):
+        return _hardware_fault(None, {"agent_config": args.agent_config}, args)
     d = Path(args.dir).resolve()  # children run elsewhere (cwd=DIR): every path they get is absolute
     if args.sim_cmd in ("kill-nats", "start-nats"):
         return _nats_fault(d, args.server, kill=args.sim_cmd == "kill-nats")
@@ -851,16 +856,44 @@ def sim(args) -> int:
     return 0
 
 
-def _hardware_fault(d: Path, node: dict, args) -> int:
-    """hca-down/up and gpu-fault/ok: change the files the node's agent reads (issue #14)."""
+def _node_devices(args) -> int:
+    """``sim node-devices``: a simulated machine's nvidia-smi and sysfs, for nodes outside ``llmgw up`` (the compose kit's)."""
+    from llmgw.shared.names import check_name
+
+    check_name(args.node)
+    if not 1 <= args.gpus <= 64:
+        raise UpError(f"--gpus must be 1..{64}, got {args.gpus}")
+    hcas = tuple(h for h in args.hcas.split(",") if h)
+    for h in hcas:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", h) or h in (".", ".."):
+            raise UpError(f"--hcas: {h!r} is not an HCA name (letters, digits, '_', '.', '-')")
+    d = Path(args.node_dir)
+    spec = simcluster.SimNodeSpec(node_id=args.node, fabric=None, gpus=args.gpus, mgmt_addr="")
+    try:
+        simcluster.write_node_devices(
+            d, spec, hcas, state_dir=Path(args.state_dir) if args.state_dir else None, home=Path("/") if args.own_machine else None, python=args.python
+        )
+    except OSError as e:
+        raise UpError(f"cannot write the devices of {args.node} under {d}: {e.strerror or e}") from None
+    print(f"{args.node}: {d / 'bin' / 'nvidia-smi'} ({args.gpus} GPUs), {d / 'ib'} ({', '.join(hcas) or 'no HCAs'})")
+    return 0
+
+
+def _hardware_fault(d: Path | None, node: dict, args) -> int:
+    """hca-down/up and gpu-fault/ok: change the files the node's agent reads (issue #14).
+
+    ``d``: the 'llmgw up' cluster, or None for a node given by its agent.yaml."""
     cfg = Path(node["agent_config"])
+    if d is None and not cfg.is_file():
+        raise UpError(f"--agent-config {cfg}: no such file")
+    undo = f"--dir {d}" if d is not None else f"--agent-config {cfg}"
     try:
         if args.sim_cmd in ("hca-down", "hca-up"):
             up = args.sim_cmd == "hca-up"
             port, before, now = simcluster.set_hca_port(cfg, args.hca, up=up)
             print(f"{args.node} {args.hca} port {port.name}: state {before or '?'} -> {now} ({port / 'state'})")
             if not up:
-                print(f"undo with: llmgw sim hca-up {args.node} {args.hca} --dir {d}")
+                print(f"undo with: llmgw sim hca-up {args.node} {args.hca} {undo}")
             return 0
         if args.sim_cmd == "gpu-ok":
             simcluster.set_gpu_fault(cfg, args.index)
@@ -870,7 +903,7 @@ def _hardware_fault(d: Path, node: dict, args) -> int:
         path = simcluster.set_gpu_fault(cfg, args.index, xid=xid, ecc=args.ecc)
         what = ", ".join(w for w in (f"XID {xid}" if xid is not None else "", f"{args.ecc} uncorrectable ECC errors" if args.ecc is not None else "") if w)
         print(f"{args.node} GPU {args.index}: {what} ({path}); its agent sees it within one discovery interval")
-        print(f"undo with: llmgw sim gpu-ok {args.node} {args.index} --dir {d}")
+        print(f"undo with: llmgw sim gpu-ok {args.node} {args.index} {undo}")
         return 0
     except ConfigError as e:
         raise UpError(str(e)) from None
