@@ -231,6 +231,13 @@ until [ "${state%% *}" = 2 ] 2>/dev/null; do
   sleep 1
 done
 mark "both replicas of seed ready ($state)"
+# Each worker is seen joined to its leader (the agent matches the kernel's
+# connections with the leader's name resolved: the kernel holds no names).
+workers="$("$LLMGW" ctl replicas seed -o json | "$PY" -c '
+import json, sys
+print(" ".join("%s:%s" % (m["node"], m["engine_state"]) for r in json.load(sys.stdin) for m in r["members"] if m["rank"] > 0))')"
+case " $workers " in *:joined\ *:joined\ ) ;; *) die "the workers are not all joined: $workers";; esac
+mark "both workers joined their leaders ($workers)"
 
 chat() {
   "$PY" - "http://127.0.0.1:$GATEWAY_PORT/v1" <<'PY'
