@@ -89,7 +89,9 @@ class Names:
     async def start(self, connector, names: dict[str, str], *, record: dict[str, str], hosts: Path | None) -> None:
         c = self.cluster
         await c.start_service(Registry, "registry")
-        await c.start_service(HealthMonitor, "health", health=HEALTH)
+        # No node is lost here on purpose: a lenient lost-after keeps a loaded machine's
+        # slow heartbeat from failing a replica these tests watch serve.
+        await c.start_service(HealthMonitor, "health", health={**HEALTH, "suspect_after_missed": 10, "node_lost_after": 8.0})
         # Ports of our own: a node at 127.0.0.1 shares its address with everything on the machine.
         await c.start_service(Scheduler, "scheduler", scheduler={**SCHED, "port_base": random.randrange(30000, 58000, 100), "port_count": 100})
         specs = [dataclasses.replace(s, mgmt_addr=names[s.node_id]) for s in simcluster.layout(len(names), 1, 4)]
