@@ -78,6 +78,8 @@ BATCH_WRITES = 64
 RETRY_AFTER = 1.0
 # How long the registry keeps what a recorded DNS name resolved to.
 RESOLVE_TTL = 10.0
+# A node whose address claim was refused is asked for its inventory at most this often.
+VERIFY_EVERY = 10.0
 
 
 class Registry(ServiceRuntime):
@@ -93,6 +95,8 @@ class Registry(ServiceRuntime):
         # (node, claimed, recorded, boot) already announced as refused (one event, not one per re-send)
         self.unverified_warned: set[str] = set()
         self.refusals_told: set[tuple[str, str, str, str, str]] = set()
+        # node -> when it was last asked for its inventory after a refused address claim
+        self.verify_asked: dict[str, float] = {}
         # recorded name -> (monotonic time looked up, its addresses or the resolver's error)
         self.resolved_here: dict[str, tuple[float, tuple[str, ...] | str]] = {}
         self.leases: KvMirror | None = None
@@ -281,11 +285,15 @@ class Registry(ServiceRuntime):
             # On the record, so placement skips the node and `ctl explain` says why:
             # engines there bind where the recorded address may not reach.
             await self._set_addr_problem(node, detail)
-            if not pulled:
+            if not pulled and time.monotonic() - self.verify_asked.get(node, -VERIFY_EVERY) >= VERIFY_EVERY:
                 # Ask the node itself: an impostor's claim (a stolen certificate)
                 # is then answered by the real agent, whose good inventory clears
-                # the problem; the agent's own bad claim is refused once more.
-                self.heard_boot.pop(node, None)
+                # the problem; the agent's own bad claim is refused once more (a
+                # pulled inventory asks nothing further, and a node is asked at
+                # most once per VERIFY_EVERY however often it is refused).
+                if len(self.verify_asked) > 10_000:
+                    self.verify_asked.clear()
+                self.verify_asked[node] = time.monotonic()
                 self._pull(node)
             return False
         if not recorded and node not in self.unverified_warned:

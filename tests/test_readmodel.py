@@ -178,7 +178,7 @@ def test_lease_line(the_lease, line):
 
 NODE_ROW_FIELDS = {
     "node_id", "fabrics", "unusable_fabrics", "gpus_total", "gpus_free", "gpus_out_of_service", "state", "admin",
-    "admin_reason", "admin_by", "mgmt_addr", "addr_verified", "quarantine", "lease_age",
+    "admin_reason", "admin_by", "mgmt_addr", "addr_verified", "mgmt_ips", "addr_problem", "quarantine", "lease_age",
 }  # fmt: skip
 
 

@@ -147,7 +147,9 @@ async def test_an_inventory_equal_to_the_record_writes_nothing(registry, connect
 async def test_a_lease_of_a_boot_whose_inventory_came_asks_for_nothing(nats_server, connector, registry):
     """A lease going ready with a boot id the record lacks makes the registry ask the
     agent for its inventory — unless that boot's inventory already came. Here it came
-    and was refused (it claims an address other than the recorded one): asking again
+    and was refused (it claims an address other than the recorded one): the registry
+    asks the node once, to hear the real agent rather than whoever published (its
+    answer is refused the same way), and a lease change asks nothing more — that
     would only fetch the same refusal, once per lease change, from every such node."""
     health = health_mod.HealthMonitor(
         service_config(nats_server, "health", health=dict(heartbeat_interval=0.2, suspect_after_missed=3, node_lost_after=1.5, leader_ttl=0.6))
@@ -169,7 +171,10 @@ async def test_a_lease_of_a_boot_whose_inventory_came_asks_for_nothing(nats_serv
         assert decode(reply.data, NodeRecord).recorded_addr == "127.0.1.7"
         refused, pulled = counted("addr_refused"), counted("pulled")
         await node.publish(S.inventory("node07"), encode(inventory("node07", boot="boot-7")))  # claims 127.0.1.1
-        await wait_for(lambda: counted("addr_refused") - refused, 1.0, what="the inventory refused for its address")
+        # refused as published, then as the node answers the one question it is asked
+        await wait_for(
+            lambda: (counted("addr_refused") - refused, asked), (2.0, [S.cmd_inventory("node07")]), what="the inventory refused, asked for once, refused again"
+        )
         await node.publish(S.heartbeat("node07"), encode(Heartbeat(node_id="node07", boot_id="boot-7", seq=1)))
         # The registry's own copy of the leases has it ready: its listener has judged it.
         await wait_for(
@@ -177,6 +182,6 @@ async def test_a_lease_of_a_boot_whose_inventory_came_asks_for_nothing(nats_serv
             ("ready", "boot-7"),
             what="the lease, as the registry sees it",
         )
-        assert "node07" not in registry.pulling and asked == [] and counted("pulled") == pulled
+        assert "node07" not in registry.pulling and asked == [S.cmd_inventory("node07")] and counted("pulled") == pulled
     finally:
         await health.stop()
