@@ -289,19 +289,18 @@ sim_on() { # NODE VERB ARGS... : `llmgw sim VERB NODE ARGS --agent-config …` i
   local node="$1" verb="$2"; shift 2
   compose exec -T "$node" llmgw sim "$verb" "$node" "$@" --agent-config "/etc/llmgw/conf/nodes/$node/agent.yaml"
 }
-sim_on node01 gpu-fault 0 --ecc 3 >"$WORK/fault.log" 2>&1 || { cat "$WORK/fault.log" >&2; die "llmgw sim gpu-fault on node01 failed"; }
-deadline=$((SECONDS + TIMEOUT))
-until [ -n "$(gpu_out node01 0)" ]; do
-  [ "$SECONDS" -lt "$deadline" ] || die "node01's GPU 0 not out of service ${TIMEOUT}s after 'llmgw sim gpu-fault'"
-  sleep 1
-done
+gpu_fault() { # VERB OUT(yes|no) ARGS...: run `sim VERB node01 0 ARGS` and wait until GPU 0 is (not) out of service
+  local verb="$1" want="$2"; shift 2
+  sim_on node01 "$verb" 0 "$@" >"$WORK/fault.log" 2>&1 || { cat "$WORK/fault.log" >&2; die "llmgw sim $verb on node01 failed"; }
+  local deadline=$((SECONDS + TIMEOUT)) out
+  until out="$(gpu_out node01 0)"; if [ "$want" = yes ]; then [ -n "$out" ]; else [ -z "$out" ]; fi; do
+    [ "$SECONDS" -lt "$deadline" ] || die "node01's GPU 0 out of service: '$out', ${TIMEOUT}s after 'llmgw sim $verb' (expected $want)"
+    sleep 1
+  done
+}
+gpu_fault gpu-fault yes --ecc 3
 mark "sim gpu-fault node01 0 --ecc 3: GPU 0 out of service ($(gpu_out node01 0))"
-sim_on node01 gpu-ok 0 >"$WORK/fault.log" 2>&1 || { cat "$WORK/fault.log" >&2; die "llmgw sim gpu-ok on node01 failed"; }
-deadline=$((SECONDS + TIMEOUT))
-until [ -z "$(gpu_out node01 0)" ]; do
-  [ "$SECONDS" -lt "$deadline" ] || die "node01's GPU 0 still out of service ${TIMEOUT}s after 'llmgw sim gpu-ok'"
-  sleep 1
-done
+gpu_fault gpu-ok no
 mark "sim gpu-ok node01 0: GPU 0 back in service"
 
 # -- every query the agents made was answered ----------------------------------------------

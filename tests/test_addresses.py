@@ -114,50 +114,35 @@ def test_procnet_matches_any_of_several_addresses_never_a_name():
     assert procnet.answering(found, ("fd00::7",), 82) == [found[3]]
 
 
-async def test_a_supervisor_whose_name_does_not_resolve_starts_nothing(tmp_path):
-    """No false ready: a launch on a node whose mgmt_addr resolves to no address
-    of its own is refused before anything starts, saying why."""
-    for host, why in ((NOWHERE, f"mgmt_addr {NOWHERE} does not resolve: "), (FOREIGN, f"mgmt_addr {FOREIGN} is not an address of this machine")):
-        sup = Supervisor(SupervisorConfig(work_dir=str(tmp_path / host)), mgmt_addr=host, mgmt_interface="lo")
-        await sup.adopt()
+async def refused(tmp_path, mgmt_addr: str, *, rank: int, leader_addr: str):
+    """Launch member ``rank`` on a fresh supervisor at ``mgmt_addr``: its refusal, and that nothing ran."""
+    sup = Supervisor(SupervisorConfig(work_dir=str(tmp_path / mgmt_addr)), mgmt_addr=mgmt_addr, mgmt_interface="lo")
+    await sup.adopt()
+    try:
         cmd = LaunchCommand(
-            replica_id="r-g1",
-            generation=1,
-            deployment="r",
-            model="m",
-            engine="sim",
-            rank=0,
-            nnodes=1,
-            gpus=[0],
-            http_port=30001,
-            leader_addr=host,
-            rendezvous_port=30000,
-        )
+            replica_id="r-g1", generation=1, deployment="r", model="m", engine="sim", rank=rank, nnodes=rank + 1, gpus=[0],
+            http_port=30001 if rank == 0 else 0, leader_addr=leader_addr, rendezvous_port=30000,
+        )  # fmt: skip
         ack = await sup.launch(cmd, {0})
         assert (ack.ok, ack.code) == (False, ADDR_UNUSABLE)
-        assert ack.reason.startswith(why) and ack.reason.endswith("nothing can be started on this node until it does")
-        assert sup.facts() == [] and not list((tmp_path / host / "engines").iterdir())
+        assert sup.facts() == [] and not list((tmp_path / mgmt_addr / "engines").iterdir())
+        return ack.reason
+    finally:
         await sup.close()
 
 
+@pytest.mark.parametrize(
+    "host, why",
+    [(NOWHERE, f"mgmt_addr {NOWHERE} does not resolve: "), (FOREIGN, f"mgmt_addr {FOREIGN} is not an address of this machine")],
+    ids=["unresolved", "foreign"],
+)
+async def test_a_supervisor_whose_name_does_not_resolve_starts_nothing(tmp_path, host, why):
+    """No false ready: a launch on a node whose mgmt_addr resolves to no address
+    of its own is refused before anything starts, saying why."""
+    reason = await refused(tmp_path, host, rank=0, leader_addr=host)
+    assert reason.startswith(why) and reason.endswith("nothing can be started on this node until it does")
+
+
 async def test_a_worker_whose_leader_name_does_not_resolve_is_refused(tmp_path):
-    sup = Supervisor(SupervisorConfig(work_dir=str(tmp_path)), mgmt_addr="127.0.0.1", mgmt_interface="lo")
-    await sup.adopt()
-    cmd = LaunchCommand(
-        replica_id="r-g1",
-        generation=1,
-        deployment="r",
-        model="m",
-        engine="sim",
-        rank=1,
-        nnodes=2,
-        gpus=[0],
-        leader_addr=NOWHERE,
-        rendezvous_port=30000,
-        http_port=0,
-    )
-    ack = await sup.launch(cmd, {0})
-    assert (ack.ok, ack.code) == (False, ADDR_UNUSABLE)
-    assert ack.reason.startswith(f"the leader's address {NOWHERE} does not resolve: ")
-    assert sup.facts() == []
-    await sup.close()
+    reason = await refused(tmp_path, "127.0.0.1", rank=1, leader_addr=NOWHERE)
+    assert reason.startswith(f"the leader's address {NOWHERE} does not resolve: ")
