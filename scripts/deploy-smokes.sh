@@ -44,6 +44,7 @@ skip() { say "SKIPPED the deploy kits' smokes: $*"; exit 0; }
 
 STARTED_DOCKERD=""
 DOCKERD_LOG=""
+# shellcheck disable=SC2329  # run by the EXIT trap below
 cleanup() {
   local rc=$?
   if [ -n "$STARTED_DOCKERD" ]; then
@@ -67,8 +68,9 @@ command -v docker-compose >/dev/null || { engine_answers && compose_cli; } || mi
 command -v debootstrap >/dev/null || missing+=(debootstrap)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
-    engine_answers && compose_cli && command -v debootstrap >/dev/null \
-      || skip "${missing[*]} missing, and installing it needs root (this is uid $(id -u))"
+    if ! { engine_answers && compose_cli && command -v debootstrap >/dev/null; }; then
+      skip "${missing[*]} missing, and installing it needs root (this is uid $(id -u))"
+    fi
   elif ! command -v apt-get >/dev/null; then
     skip "${missing[*]} missing, and this machine has no apt-get to install it with"
   else

