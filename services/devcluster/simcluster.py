@@ -377,7 +377,7 @@ def write_node(root: Path, pki_dir: Path, server_url: str | list[str], spec: Sim
 
 
 def processes_of(node_id: str, cluster: str | None = None) -> list[int]:
-    """Every live process carrying ``LLMGW_SIM_NODE=<node_id>`` (agent and engines) —
+    """Every live process (zombies are not) carrying ``LLMGW_SIM_NODE=<node_id>`` (agent and engines) —
     and, given ``cluster``, ``LLMGW_SIM_CLUSTER=<cluster>`` too: two clusters on one
     machine both have a node01, and one's ``kill-node`` or ``down`` must not touch
     the other's."""
@@ -391,8 +391,9 @@ def processes_of(node_id: str, cluster: str | None = None) -> list[int]:
             continue
         pid = int(entry)
         st = procfs.stat(pid)
-        if st is not None:
-            stats[pid] = st
+        if st is None or st.state in ("Z", "X"):
+            continue  # gone, or dead and waiting to be reaped: nothing runs there
+        stats[pid] = st
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = f.read().split(b"\0")

@@ -407,16 +407,23 @@ class Cluster:
 
     async def wait_replicas(self, js, deployment: str, count: int, timeout: float) -> dict[str, Replica]:
         replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS, wait=timeout), Replica).start()
-        deadline = time.monotonic() + timeout
-        last = None
+        started = time.monotonic()
+        deadline = started + timeout
+        last, said = None, started
         try:
             while True:
                 self.check_alive()
                 mine = {k: r for k, r in replicas.items.items() if r.deployment == deployment}
-                summary = ", ".join(f"{r.id} {r.state}" + (f" on {r.fabric}" if r.fabric else "") for r in sorted(mine.values(), key=lambda r: r.id))
+                summary = ", ".join(
+                    f"{r.id} {r.state}" + (f" on {r.fabric}" if r.fabric else "") + _engines(r) for r in sorted(mine.values(), key=lambda r: r.id)
+                )
+                now = time.monotonic()
                 if summary != last:
                     self.say(f"replicas: {summary or 'none yet'}")
-                    last = summary
+                    last, said = summary, now
+                elif now - said >= 30:  # a real engine's start is minutes of nothing to report
+                    self.say(f"replicas: {summary or 'none yet'} (still waiting, {now - started:.0f}s)")
+                    said = now
                 ready = {k: r for k, r in mine.items() if r.state == "ready"}
                 if len(ready) >= count:
                     return ready
@@ -491,6 +498,13 @@ class Cluster:
     # -- teardown -------------------------------------------------------------------
     def stop_all(self) -> None:
         stop_recorded(self.dir, [n.spec.node_id for n in self.nodes], say=self.say)
+
+
+def _engines(r: Replica) -> str:
+    """A starting replica's members as their agents last reported them: "[node01 starting, node02 joined]"."""
+    if r.state not in ("launching", "waiting-for-workers"):
+        return ""
+    return " [" + ", ".join(f"{m.node_id} {m.engine_state or 'launched'}" for m in r.members) + "]"
 
 
 def stop_recorded(d: Path, node_ids: list[str] | None = None, say=print) -> int:
