@@ -135,13 +135,14 @@ class Req:
 class Load:
     """``clients`` closed-loop clients until ``stop()``; every request lands in ``done``."""
 
-    def __init__(self, url: str, model: str, clients: int, stream_every: int, max_tokens: int, timeout: float):
+    def __init__(self, url: str, model: str, clients: int, stream_every: int, max_tokens: int, timeout: float, think: float = 0.0):
         self.url = url.rstrip("/") + "/v1/chat/completions"
         self.model = model
         self.clients = clients
         self.stream_every = stream_every
         self.max_tokens = max_tokens
         self.timeout = timeout
+        self.think = think  # a client's pause after each answer
         self.done: list[Req] = []
         self.running: set[int] = set()
         self._stop = asyncio.Event()
@@ -179,6 +180,8 @@ class Load:
             self.done.append(r)
             if r.error:
                 await asyncio.sleep(0.05)  # no busy loop against a gateway that answers 503 at once
+            if self.think:
+                await asyncio.sleep(self.think)
 
     async def _one(self, r: Req, body: bytes, t0: float) -> None:
         async with self.session.post(self.url, data=body, headers={"Content-Type": "application/json"}) as resp:
@@ -998,13 +1001,14 @@ def parse_args(argv=None):
     ap.add_argument("--dir", help="state directory of the cluster started here (default: a new temporary one, removed unless --keep)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs) after the run")
     ap.add_argument("--deployment", default="demo", help="the deployment to hurt (default demo, the one 'llmgw up' applies)")
-    ap.add_argument("--clients", type=int, default=6, help="concurrent clients (default 6)")
+    ap.add_argument("--clients", type=int, help="concurrent clients (default 6; vllm 2)")
+    ap.add_argument("--think", type=float, help="seconds a client pauses after each answer (default 0; vllm 2)")
     ap.add_argument("--stream-every", type=int, default=4, help="one client in N streams (default 4; 0: none)")
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
-    ap.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the first fault; its p99 is the steady p99 (default 5)")
-    ap.add_argument("--settle", type=float, default=3.0, help="seconds without a client error that count as healed (default 3)")
-    ap.add_argument("--fault-timeout", type=float, help="longest wait for a fault's verdict: failure, replacement (default 45; vllm 300)")
-    ap.add_argument("--heal-timeout", type=float, help="longest wait for the cluster to heal after a fault (default 60; vllm 300)")
+    ap.add_argument("--warmup", type=float, help="seconds of load before the first fault; its p99 is the steady p99 (default 5; vllm 30)")
+    ap.add_argument("--settle", type=float, help="seconds without a client error that count as healed (default 3; vllm 10)")
+    ap.add_argument("--fault-timeout", type=float, help="longest wait for a fault's verdict: failure, replacement (default 45; vllm 600)")
+    ap.add_argument("--heal-timeout", type=float, help="longest wait for the cluster to heal after a fault (default 60; vllm 600)")
     ap.add_argument("--request-timeout", type=float, default=20.0, help="a request with no full answer by then counts as a timeout (default 20)")
     ap.add_argument("--outage", type=float, default=2.0, help="seconds the killed agent or nats-server stays down (default 2)")
     ap.add_argument("--heartbeat-interval", default="1s")
@@ -1013,19 +1017,32 @@ def parse_args(argv=None):
     ap.add_argument("--probe-interval", help="agents' canary interval, passed to 'llmgw up' when it offers it (default 1s; vllm 3s)")
     ap.add_argument("--stall-after", help="no byte this long with requests in flight is a stall; passed on when offered (default 2s; vllm 5s)")
     ap.add_argument("--hang-timeout", default="10s", help="degraded this long fails a replica; passed on when offered (default 10s)")
-    ap.add_argument("--discovery-interval", default="1s", help="agents' hardware re-read interval, passed on when offered (default 1s)")
+    ap.add_argument(
+        "--discovery-interval", help="agents' hardware re-read interval, passed on when offered (default 1s; vllm 10s, as its faults do not read hardware)"
+    )
     ap.add_argument("--up-attempts", type=int, default=3, help="tries of 'llmgw up' before giving up (default 3)")
     ap.add_argument("--up-args", default="", help="further 'llmgw up' arguments, space-separated")
     ap.add_argument("--json", help="write the raw figures (and every request) here")
     args = ap.parse_args(argv)
     vllm = args.engine == "vllm"
     # A real engine's replacement takes a minute or more to start on a small machine.
-    args.fault_timeout = args.fault_timeout if args.fault_timeout is not None else (300.0 if vllm else 45.0)
-    args.heal_timeout = args.heal_timeout if args.heal_timeout is not None else (300.0 if vllm else 60.0)
+    args.fault_timeout = args.fault_timeout if args.fault_timeout is not None else (600.0 if vllm else 45.0)
+    args.heal_timeout = args.heal_timeout if args.heal_timeout is not None else (600.0 if vllm else 60.0)
     # Real vLLM on 2 busy cores: a canary's one token took over 1.2 s right after a start,
     # and a loaded request several seconds; the sim's 0.6 s canary and 2 s stall would flap.
     args.probe_interval = args.probe_interval or ("3s" if vllm else "1s")
+    # Two cores cannot serve the sim's load on real vLLM and start a replacement beside it:
+    # with 6 closed-loop clients the surviving replica's worker took the machine, and a
+    # replacement got no further than its imports in 5 minutes. vLLM's workers also spin
+    # on their queue for a second after every step, so requests a second apart keep a
+    # core busy: a lighter load, with pauses.
+    for name, sim_default, vllm_default in (("clients", 6, 2), ("think", 0.0, 2.0), ("warmup", 5.0, 30.0), ("settle", 3.0, 10.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, vllm_default if vllm else sim_default)
     args.stall_after = args.stall_after or ("5s" if vllm else "2s")
+    # Every re-read runs each node's nvidia-smi (a Python script here): four a second cost
+    # the replacement engines CPU they needed, and the vLLM faults touch no hardware.
+    args.discovery_interval = args.discovery_interval or ("10s" if vllm else "1s")
     if args.faults is None:
         args.faults = ",".join(VLLM_FAULTS if vllm else FAULTS)
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
@@ -1097,7 +1114,7 @@ async def main(args) -> int:
         if not ready:
             raise SystemExit(f"no ready replica of deployment {args.deployment!r} in {d}")
         model = ready[0].model
-        load = Load(cluster.gateway_url, model, args.clients, args.stream_every, args.max_tokens, args.request_timeout)
+        load = Load(cluster.gateway_url, model, args.clients, args.stream_every, args.max_tokens, args.request_timeout, args.think)
         bench = Bench(args, cluster, watch, load, args.deployment)
         bench.say(f"cluster {d}: {len(cluster.nodes)} nodes, {args.deployment} {len(ready)}/{watch.wanted(args.deployment)} ready; "
                   f"sim verbs: {', '.join(sorted(cluster.verbs)) or 'none'}")  # fmt: skip
