@@ -649,6 +649,10 @@ def up(args) -> int:
     if getattr(args, "supervise", None):
         return supervise_detached(Path(args.supervise).resolve())
     _durations(args)
+    if getattr(args, "vllm", None) and getattr(args, "engine", "sim") != "vllm":
+        raise ConfigError(f"--vllm {args.vllm} names the vllm command for --engine vllm; this cluster's engine is {args.engine}")
+    if getattr(args, "engine", "sim") == "vllm":
+        realvllm.find_vllm(getattr(args, "vllm", None))  # no vLLM to run: say so before touching DIR
     simcluster.layout(args.nodes, args.fabrics, args.gpus_per_node)  # refuse bad sizes before touching DIR
     check_cluster_size(getattr(args, "nats_servers", 1))
     d = Path(args.dir).resolve()  # children run elsewhere (cwd=DIR): every path they get is absolute
