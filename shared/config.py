@@ -211,6 +211,10 @@ class SchedulerSection(Section, frozen=True):
     reconcile_interval: Duration = 1.0
     port_base: int = 20000
     port_count: int = 2000
+    # True when every node is one machine (``llmgw up``): a port is handed out on
+    # one node at a time, because an engine may bind it on every address of its
+    # host (vLLM's rendezvous listens on *:master_port). A real cluster leaves it off.
+    nodes_share_ports: bool = False
     leader_ttl: Duration = 5.0
     command_timeout: Duration = 5.0
     # A degraded replica (its leader makes no progress) is failed and rebuilt

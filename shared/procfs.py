@@ -27,6 +27,7 @@ class ProcStat:
     pgid: int  # field 5
     start_time: int  # field 22
     ppid: int = 0  # field 4
+    sid: int = 0  # field 6: the session
 
 
 def stat(pid: int) -> ProcStat | None:
@@ -45,7 +46,7 @@ def stat(pid: int) -> ProcStat | None:
         return None
     rest = data[end + 2 :].split()
     try:
-        return ProcStat(state=rest[0].decode(), pgid=int(rest[2]), start_time=int(rest[19]), ppid=int(rest[1]))
+        return ProcStat(state=rest[0].decode(), pgid=int(rest[2]), start_time=int(rest[19]), ppid=int(rest[1]), sid=int(rest[3]))
     except (IndexError, ValueError):
         return None
 

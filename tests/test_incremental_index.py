@@ -14,6 +14,7 @@ them all, and gives the same plans.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import msgspec
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 from llmgw.services.scheduler.incremental import Reconciler
 from llmgw.services.scheduler.placement import _indexes, cache_of
 from llmgw.services.scheduler.reconcile import ReconcileConfig, reconcile, remember_failures
-from llmgw.services.scheduler.view import ClusterView
+from llmgw.services.scheduler.view import ClusterView, PortRange
 
 from .builders import apply_plan, make_deployment, make_lease, make_node, with_engines
 from .test_scheduler_properties import deployment_specs, nodes_and_leases, perturb, report_engines
@@ -32,6 +33,8 @@ from .test_scheduler_properties import deployment_specs, nodes_and_leases, pertu
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Auto-cordon after two failures, so random histories reach it (and its breaker).
 CONFIG = ReconcileConfig(auto_cordon_after=2, auto_cordon_max_share=0.5, reap_timeout=600.0)
+# The same, for nodes that are one host (``llmgw up``): a port goes to one node at a time.
+ONE_HOST = dataclasses.replace(CONFIG, ports=PortRange(shared_by_nodes=True))
 
 
 class Recorded(dict):
@@ -92,11 +95,18 @@ def view_facts(view: ClusterView) -> dict:
         for group, idx in by_group.items()
         if idx.buckets
     }
-    return {"nodes": nodes, "static": static, "indexes": indexes, "spread": +Counter(view.spread), "max_gpus": view.max_gpus}
+    return {
+        "nodes": nodes,
+        "static": static,
+        "indexes": indexes,
+        "spread": +Counter(view.spread),
+        "max_gpus": view.max_gpus,
+        "host_ports": +Counter(view.host_ports),
+    }
 
 
 def assert_view_is_full(rec: Reconciler, nodes, leases, replicas, suspects):
-    full = ClusterView.build(nodes, leases, replicas.values(), ports=CONFIG.ports, suspects=suspects)
+    full = ClusterView.build(nodes, leases, replicas.values(), ports=rec.config.ports, suspects=suspects)
     live, want = view_facts(rec.view), view_facts(full)
     for key in want:
         assert live[key] == want[key], f"live view's {key} differs from the full build's"
@@ -109,8 +119,9 @@ def test_incremental_steps_equal_full_reconciles(cluster, specs, rounds, data):
     deployments = {
         f"d{i}": make_deployment(f"d{i}", replicas=r, gpus_per_node=g, nodes_per_replica=n, startup_timeout=t) for i, (r, g, n, t) in enumerate(specs)
     }
-    rec = Reconciler(CONFIG)
-    told = Reconciler(CONFIG)  # told which nodes changed, as the shell does
+    config = ONE_HOST if data.draw(st.booleans()) else CONFIG
+    rec = Reconciler(config)
+    told = Reconciler(config)  # told which nodes changed, as the shell does
     replicas: dict = {}
     failures: dict = {}
     now = 1_000.0
@@ -146,7 +157,7 @@ def test_incremental_steps_equal_full_reconciles(cluster, specs, rounds, data):
             else:
                 deployments[name] = msgspec.structs.replace(deployments[name], replicas=data.draw(st.integers(0, 4)))
 
-        full = reconcile(deployments, replicas, nodes, leases, now, config=CONFIG, failures=failures)
+        full = reconcile(deployments, replicas, nodes, leases, now, config=config, failures=failures)
         full_step = data.draw(st.integers(0, 9)) == 0
         plan = rec.step(deployments, replicas, nodes, leases, now, failures=failures, full=full_step)
         assert plan == full
@@ -162,7 +173,7 @@ def test_incremental_steps_equal_full_reconciles(cluster, specs, rounds, data):
             continue
         if fate == "not yet visible":  # written, but the mirrors have not echoed it: the same input again
             continue
-        failures = remember_failures(failures, plan, now, CONFIG.auto_cordon_window)
+        failures = remember_failures(failures, plan, now, config.auto_cordon_window)
         after, deployments = apply_plan(plan, replicas, deployments)
         for c in plan.cordons:  # the registry records the cordon it was asked for
             nodes[c.node_id] = msgspec.structs.replace(nodes[c.node_id], admin="cordoned", admin_by="auto", admin_reason=c.reason)

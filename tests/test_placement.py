@@ -367,6 +367,29 @@ def test_ports_come_from_the_configured_range():
     assert (leader.rendezvous_port, leader.http_port) == (31000, 31001)
 
 
+def test_nodes_of_one_host_never_get_a_port_another_node_holds():
+    # llmgw up: every node is the same machine, and vLLM's rendezvous listens on *:port.
+    nodes, leases = cluster(make_node("node01", None), make_node("node03", None))
+    shared = PortRange(shared_by_nodes=True)
+    full = holding("x", ("node01", list(range(8)), 20000, 20001))  # node01 is full: node03 it is
+    view = view_of(nodes, leases, full, ports=shared)
+    (leader,) = place(SINGLE_4, view).members
+    assert (leader.node_id, leader.rendezvous_port, leader.http_port) == ("node03", 20002, 20003)
+    # Apart (a real cluster), node03's own ports are all free.
+    (apart,) = place(SINGLE_4, view_of(nodes, leases, full)).members
+    assert (apart.node_id, apart.rendezvous_port, apart.http_port) == ("node03", 20000, 20001)
+
+
+def test_nodes_of_one_host_take_their_own_free_ports_when_the_shared_pool_is_used_up():
+    nodes, leases = cluster(make_node("node01", None), make_node("node03", None))
+    view = view_of(nodes, leases, holding("x", ("node01", [0], 20000, 20001)), ports=PortRange(base=20000, count=3, shared_by_nodes=True))
+    placed = place(SINGLE_4, view)
+    assert placed.placed, placed.summary
+    (leader,) = placed.members
+    # One port of the host is left: the node's own two lowest, and the agent refuses what is held.
+    assert leader.node_id in ("node01", "node03") and len({leader.rendezvous_port, leader.http_port}) == 2
+
+
 @pytest.mark.parametrize(
     "base, count",
     [(20000, 1), (0, 10), (65530, 10)],

@@ -238,3 +238,43 @@ def test_the_canary_asks_for_the_name_the_leader_serves(engine_args, served):
     cmd = make_launch("r1")
     cmd.engine_args = list(engine_args)
     assert served_model(cmd) == served
+
+
+@pytest.mark.parametrize(
+    ("engine", "engine_args", "path", "expects"),
+    [
+        ("vllm", (), "/v1/completions", "token"),
+        ("vllm", ("--runner", "pooling"), "/v1/embeddings", "embedding"),
+        ("vllm", ("--runner=pooling", "--convert", "embed"), "/v1/embeddings", "embedding"),
+        ("vllm", ("--convert", "embed"), "/v1/embeddings", "embedding"),
+        ("vllm", ("--task", "embed"), "/v1/embeddings", "embedding"),  # older vLLM's spelling
+        ("vllm", ("--runner", "generate"), "/v1/completions", "token"),
+        ("sim", (), "/v1/completions", "token"),
+    ],
+)
+def test_the_canary_of_a_pooling_model_asks_for_an_embedding(engine, engine_args, path, expects):
+    # A vLLM embedding model has no /v1/completions: a token canary would call it stalled for ever.
+    from llmgw.services.agent.adapters import progress_probe
+
+    cmd = make_launch("r1")
+    cmd.engine, cmd.engine_args = engine, list(engine_args)
+    probe = progress_probe(cmd, "ping")
+    assert (probe.path, probe.expects) == (path, expects)
+    assert probe.body["model"] == "sim-7b"
+    assert probe.body.get("input" if expects == "embedding" else "prompt") == "ping"
+
+
+@pytest.mark.parametrize(
+    ("raw", "verdict"),
+    [
+        (b'{"data": [{"embedding": [0.1, -0.2]}]}', None),
+        (b'{"data": [{"embedding": []}]}', "carries no embedding"),
+        (b'{"data": []}', "carries no embedding"),
+        (b"not json", "not an OpenAI embeddings answer"),
+    ],
+)
+def test_an_embedding_canary_counts_only_a_vector(raw, verdict):
+    from llmgw.services.agent.supervisor import _judge_embedding
+
+    got = _judge_embedding(raw)
+    assert got is None if verdict is None else verdict in got

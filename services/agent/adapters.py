@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.schemas import LaunchCommand
 
-__all__ = ["ENGINES", "AdapterError", "EngineCommand", "build", "served_model"]
+__all__ = ["ENGINES", "AdapterError", "EngineCommand", "ProgressProbe", "build", "progress_probe", "served_model"]
 
 
 class AdapterError(ConfigError):
@@ -356,3 +356,42 @@ def served_model(cmd: LaunchCommand) -> str:
         if value.strip():
             return value
     return cmd.model
+
+
+@dataclass(frozen=True)
+class ProgressProbe:
+    """The canary the agent sends a ready leader: ``body`` POSTed to ``path``."""
+
+    path: str
+    body: dict
+    # What the answer must carry: "token" (a completion with text or completion_tokens
+    # >= 1) or "embedding" (a non-empty data[0].embedding).
+    expects: str
+
+
+# vLLM flags that make it a pooling model, which answers /v1/embeddings and refuses
+# /v1/completions ("--runner pooling", "--convert embed"; "--task embed" in older releases).
+_VLLM_POOLING = {("--runner", "pooling"), ("--convert", "embed"), ("--task", "embed"), ("--task", "embedding")}
+
+
+def _flag_values(args: list[str]) -> set[tuple[str, str]]:
+    out = set()
+    for i, arg in enumerate(args):
+        flag = _norm_flag(arg)
+        if flag is None:
+            continue
+        if "=" in arg:
+            out.add((flag, arg.split("=", 1)[1]))
+        elif i + 1 < len(args):
+            out.add((flag, args[i + 1]))
+    return out
+
+
+def progress_probe(cmd: LaunchCommand, prompt: str) -> ProgressProbe:
+    """The one-request canary for this member's leader: a one-token completion, or for
+    a vLLM pooling (embedding) model, which has no completions route, one embedding.
+    Either makes the engine run the model once, through every rank."""
+    model = served_model(cmd)
+    if cmd.engine == "vllm" and _flag_values(list(cmd.engine_args)) & _VLLM_POOLING:
+        return ProgressProbe("/v1/embeddings", {"model": model, "input": prompt}, "embedding")
+    return ProgressProbe("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1}, "token")

@@ -120,10 +120,22 @@ PEER_LOST_PATTERNS = tuple(
         r"\brank \d+ lost\b",  # llmgw sim leader: "rank 1 lost (no word from ...)"
         r"\blost the leader\b",  # llmgw sim worker: "lost the leader (...)"
         r"Connection closed by (remote )?peer",  # Gloo's pair.cc; NCCL's socket errors as users report them
+        # Gloo's pair.cc when a peer's socket was reset (its process killed): what real
+        # vLLM's Worker_PP0 raised on this project's machine when its PP1 rank died,
+        # "Read error [127.0.0.1]:40115: Connection reset by peer. This is typically
+        # caused by a remote worker hanging ..."; a write to it fails as "writev <addr>: ...".
+        r"\b(Read error|writev) \S+: (Connection reset by peer|Broken pipe)\b",
         r"ncclRemoteError|remote process exited or there was a network error",  # NCCL
         r"Watchdog caught collective operation timeout",  # torch ProcessGroupNCCL watchdog
     )
 )
+
+
+def says_peer_lost(line: str) -> bool:
+    """Whether one line of an engine's output says a peer of its group is gone for good."""
+    return any(p.search(line) for p in PEER_LOST_PATTERNS)
+
+
 # The canary: one token of a real generation.
 CANARY_PROMPT = "ping"
 # A gateway's traffic entry is forgotten after this many probe intervals without a report.
@@ -160,6 +172,18 @@ def _refuse(code: str, reason: str) -> CommandAck:
 
 def _indices(values) -> str:
     return ",".join(str(v) for v in sorted(values)) or "none"
+
+
+def _judge_embedding(raw: bytes) -> str | None:
+    """None when ``raw`` is an OpenAI embeddings answer with a non-empty vector."""
+    try:
+        data = json.loads(raw).get("data") or []
+        vector = data[0].get("embedding") if data and isinstance(data[0], dict) else None
+    except (ValueError, AttributeError):
+        return f"failed: the answer is not an OpenAI embeddings answer: {raw[:120]!r}"
+    if isinstance(vector, list) and vector:
+        return None
+    return f"failed: the answer carries no embedding: {raw[:120]!r}"
 
 
 @dataclass(eq=False)
@@ -933,9 +957,11 @@ class Supervisor:
             self._set_state(e, EngineState.STALLED, detail, detail=detail)
 
     async def _ask_token(self, e: Engine) -> str | None:
-        """One-token completion from the leader: None when a token came, else what happened instead."""
-        url = e.spec.health_url.rsplit("/health", 1)[0] + "/v1/completions"
-        body = {"model": adapters.served_model(e.cmd), "prompt": CANARY_PROMPT, "max_tokens": 1}
+        """One-token completion (an embedding, for a pooling model) from the leader:
+        None when it came, else what happened instead."""
+        probe = adapters.progress_probe(e.cmd, CANARY_PROMPT)
+        url = e.spec.health_url.rsplit("/health", 1)[0] + probe.path
+        body = probe.body
         timeout_s = self.cfg.probe_timeout
         try:
             async with self._session().post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s), allow_redirects=False) as r:
@@ -946,6 +972,8 @@ class Supervisor:
             return f"got no token in {format_duration(timeout_s)}"
         except (aiohttp.ClientError, OSError) as err:
             return f"failed: {str(err) or type(err).__name__}"
+        if probe.expects == "embedding":
+            return _judge_embedding(raw)
         try:
             answer = json.loads(raw)
             choices = answer.get("choices") or []
@@ -1030,7 +1058,7 @@ class Supervisor:
         e.log_offset = start + end + 1
         for raw in data[: end + 1].splitlines():
             text = raw.decode("utf-8", errors="replace").strip()
-            if any(p.search(text) for p in PEER_LOST_PATTERNS):
+            if says_peer_lost(text):
                 return text[:500]
         return None
 

@@ -25,7 +25,6 @@ from llmgw.shared.procnet import listening_on
 from llmgw.shared.schemas import Lease, Replica
 
 from . import simcluster
-from .demo import DEMO_MODEL
 
 
 @dataclass
@@ -128,6 +127,15 @@ def report(story: Story, addresses: dict[str, str], say=print) -> None:
         say(f"  measured: lost at t+{story.lost_at - t0:.1f}s, replacement ready at t+{story.replacement_ready_at - t0:.1f}s")
 
 
+def _start_allowance(cluster, args) -> float:
+    """How long a replacement may take to load: the sim's load time, or a real engine's start."""
+    if cluster.engine == "vllm":
+        from .realvllm import STARTUP_TIMEOUT
+
+        return STARTUP_TIMEOUT
+    return args.engine_load_time * 4
+
+
 async def run_seed_scenario(cluster, args) -> Story:
     nc, js = await cluster.connect()
     try:
@@ -135,10 +143,10 @@ async def run_seed_scenario(cluster, args) -> Story:
         story = await observe_seed_story(
             js,
             gateway_url=cluster.gateway_url,
-            model=DEMO_MODEL,
+            model=cluster.demo_model,
             addresses=addresses,
             cluster_dir=cluster.dir,
-            timeout=args.node_lost_after + args.engine_load_time * 4 + 60,
+            timeout=args.node_lost_after + _start_allowance(cluster, args) + 60,
             say=cluster.say,
         )
     finally:
@@ -313,8 +321,8 @@ async def run_fabric_scenario(cluster, args) -> FabricStory:
     nc, js = await cluster.connect()
     try:
         story = await observe_fabric_story(
-            js, gateway_url=cluster.gateway_url, model=DEMO_MODEL, agent_config=victim.config,
-            timeout=(args.discovery_interval or 10.0) + args.engine_load_time * 4 + 60, say=cluster.say,
+            js, gateway_url=cluster.gateway_url, model=cluster.demo_model, agent_config=victim.config,
+            timeout=(args.discovery_interval or 10.0) + _start_allowance(cluster, args) + 60, say=cluster.say,
         )  # fmt: skip
     finally:
         await nc.close()

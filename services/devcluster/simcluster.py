@@ -25,6 +25,7 @@ import signal
 import stat
 import string
 import subprocess
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -413,25 +414,36 @@ def write_node(root: Path, pki_dir: Path, server_url: str | list[str], spec: Sim
 
 
 def processes_of(node_id: str, cluster: str | None = None) -> list[int]:
-    """Every live process carrying ``LLMGW_SIM_NODE=<node_id>`` (agent and engines) —
+    """Every live process (zombies are not) carrying ``LLMGW_SIM_NODE=<node_id>`` (agent and engines) —
     and, given ``cluster``, ``LLMGW_SIM_CLUSTER=<cluster>`` too: two clusters on one
     machine both have a node01, and one's ``kill-node`` or ``down`` must not touch
     the other's."""
     markers = [f"{SIM_ENV}={node_id}".encode()]
     if cluster is not None:
         markers.append(f"{CLUSTER_ENV}={cluster}".encode())
-    pids = []
+    marked: set[int] = set()
+    stats: dict[int, procfs.ProcStat] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        pid = int(entry)
+        st = procfs.stat(pid)
+        if st is None or st.state in ("Z", "X"):
+            continue  # gone, or dead and waiting to be reaped: nothing runs there
+        stats[pid] = st
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = f.read().split(b"\0")
         except OSError:
             continue
         if all(m in env for m in markers):
-            pids.append(int(entry))
-    return pids
+            marked.add(pid)
+    # A process that renames itself (vLLM's VLLM::EngineCore and VLLM::Worker_PP0,
+    # through setproctitle) writes its title over the memory /proc/<pid>/environ
+    # reads, so its marker is gone. It is still in the session its engine's
+    # wrapper leads and the process group its engine leads: every member of a
+    # session or group a marked process leads is the node's too.
+    return sorted(marked | {pid for pid, st in stats.items() if st.sid in marked or st.pgid in marked})
 
 
 def kill_node(node_id: str, cluster: str | None = None) -> list[int]:
@@ -443,6 +455,17 @@ def kill_node(node_id: str, cluster: str | None = None) -> list[int]:
         except ProcessLookupError:
             pass
     return pids
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds for ``pids`` to be gone (or zombies); those still running."""
+    deadline = time.monotonic() + timeout
+    left = list(pids)
+    while True:
+        left = [p for p in left if (st := procfs.stat(p)) is not None and st.state not in ("Z", "X")]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
 
 
 def cluster_env(cluster_dir, node_id: str) -> dict[str, str]:
@@ -511,6 +534,22 @@ def running_engines(node_id: str, work_dir: Path) -> list[SimEngine]:
         c = spec.command
         out.append(SimEngine(node_id, c.replica_id, c.generation, c.rank, c.engine, pids.pid, pids.start_time))
     out.sort(key=lambda e: (e.replica_id, -e.generation, e.rank))
+    return out
+
+
+def vllm_engine_cores(e: SimEngine) -> list[int]:
+    """The ``VLLM::EngineCore`` processes of a vLLM leader: children it starts and
+    names through setproctitle (``/proc/<pid>/comm`` keeps 15 bytes of it)."""
+    if not procfs.is_alive(e.pid, e.start_time):
+        return []
+    out = []
+    for pid in sorted(procfs.tree(e.pid) - {e.pid}):
+        try:
+            with open(f"/proc/{pid}/comm", "rb") as f:
+                if f.read().startswith(b"VLLM::EngineCor"):
+                    out.append(pid)
+        except OSError:
+            continue
     return out
 
 

@@ -45,7 +45,7 @@ from llmgw.shared.natsconf import check_cluster_size
 from llmgw.shared.natsserver import NatsCluster, NatsServer, free_port
 from llmgw.shared.schemas import DeploymentSpec, Lease, NodeAddrRequest, NodeRecord, Replica, encode
 
-from . import simcluster
+from . import realvllm, simcluster
 from .demo import DEMO_MODEL
 from .simcluster import SimNode, Timings
 
@@ -122,6 +122,10 @@ class Cluster:
     gateway_url: str = ""
     gateway_urls: list[str] = field(default_factory=list)
     ha: bool = False
+    # The engine the demo runs ("sim" or "vllm") and, for vllm, the environment
+    # every agent runs with (realvllm.prepare: the vllm command, the model cache).
+    engine: str = "sim"
+    agent_env: dict[str, str] = field(default_factory=dict)
     t0: float = field(default_factory=time.monotonic)
 
     @property
@@ -197,9 +201,14 @@ class Cluster:
         probe = getattr(args, "probe_interval", None)
         stall_after = getattr(args, "stall_after", None)
         hang_timeout = getattr(args, "hang_timeout", None)
+        self.engine = getattr(args, "engine", None) or "sim"
+        stop_timeout = min(10.0, max(1.0, hb * 2))
+        if self.engine == "vllm":
+            # A real engine gets the time its SIGTERM takes measured, and more (realvllm.STOP_TIMEOUT).
+            stop_timeout = max(stop_timeout, realvllm.STOP_TIMEOUT)
         self.timings = Timings(
             heartbeat_interval=hb,
-            stop_timeout=min(10.0, max(1.0, hb * 2)),
+            stop_timeout=stop_timeout,
             health_interval=min(1.0, max(0.1, hb / 2)),
             reconnect_base=min(0.5, hb),
             reconnect_max=max(1.0, min(5.0, hb * 2)),
@@ -236,6 +245,8 @@ class Cluster:
                     "metrics_listen": f"127.0.0.1:{free_port()}",
                     "scheduler": {
                         "reconcile_interval": format_duration(min(1.0, hb)),
+                        # The simulated nodes are one machine: a port goes to one of them at a time.
+                        "nodes_share_ports": True,
                         "leader_ttl": format_duration(max(1.0, hb * 2)),
                         **({"hang_timeout": format_duration(hang_timeout)} if hang_timeout else {}),
                     },
@@ -275,6 +286,10 @@ class Cluster:
         if net != "127.0.1":
             self.say(f"127.0.1.0/24 is in use on this machine (another cluster's engines?): this cluster's nodes use {net}.0/24")
         specs = [dataclasses.replace(s, mgmt_addr=f"{net}.{s.mgmt_addr.rsplit('.', 1)[1]}") for s in specs]
+        if self.engine == "vllm":
+            vllm = realvllm.find_vllm(getattr(args, "vllm", None))
+            self.agent_env = realvllm.prepare(self.dir, vllm)
+            self.say(f"real vLLM: {vllm}; the model {realvllm.MODEL} written to {self.agent_env['HF_HUB_CACHE']} (no weights: --load-format dummy)")
         self.nodes = [simcluster.write_node(self.dir, self.dir / "pki", self.server_setting, s, self.timings) for s in specs]
         self.say(
             f"onboarded {len(self.nodes)} simulated nodes: "
@@ -290,6 +305,9 @@ class Cluster:
             "nats_monitor_url": self.first_server.monitor_url,
             "operator_config": str(self.operator_config.resolve()),
             "dir": str(self.dir.resolve()),
+            "engine": self.engine,
+            # What every agent runs with on top of its own environment ('llmgw sim start-node' too).
+            "agent_env": self.agent_env,
             "nodes": [
                 {
                     "node_id": n.spec.node_id,
@@ -344,7 +362,8 @@ class Cluster:
         self.say("started " + ", ".join(names) + (" (health-b and scheduler-b stand by; gateway-b is a second gateway)" if self.ha else ""))
 
     def start_agent(self, node: SimNode) -> None:
-        self._spawn(f"agent-{node.spec.node_id}", self.llmgw("agent", "--config", str(node.config)), env=simcluster.cluster_env(self.dir, node.spec.node_id))
+        env = {**self.agent_env, **simcluster.cluster_env(self.dir, node.spec.node_id)}
+        self._spawn(f"agent-{node.spec.node_id}", self.llmgw("agent", "--config", str(node.config)), env=env)
 
     def check_alive(self) -> None:
         for name, p in self.procs.items():
@@ -389,16 +408,23 @@ class Cluster:
 
     async def wait_replicas(self, js, deployment: str, count: int, timeout: float) -> dict[str, Replica]:
         replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS, wait=timeout), Replica).start()
-        deadline = time.monotonic() + timeout
-        last = None
+        started = time.monotonic()
+        deadline = started + timeout
+        last, said = None, started
         try:
             while True:
                 self.check_alive()
                 mine = {k: r for k, r in replicas.items.items() if r.deployment == deployment}
-                summary = ", ".join(f"{r.id} {r.state}" + (f" on {r.fabric}" if r.fabric else "") for r in sorted(mine.values(), key=lambda r: r.id))
+                summary = ", ".join(
+                    f"{r.id} {r.state}" + (f" on {r.fabric}" if r.fabric else "") + _engines(r) for r in sorted(mine.values(), key=lambda r: r.id)
+                )
+                now = time.monotonic()
                 if summary != last:
                     self.say(f"replicas: {summary or 'none yet'}")
-                    last = summary
+                    last, said = summary, now
+                elif now - said >= 30:  # a real engine's start is minutes of nothing to report
+                    self.say(f"replicas: {summary or 'none yet'} (still waiting, {now - started:.0f}s)")
+                    said = now
                 ready = {k: r for k, r in mine.items() if r.state == "ready"}
                 if len(ready) >= count:
                     return ready
@@ -431,32 +457,55 @@ class Cluster:
                 await asyncio.sleep(0.2)
         self.say(f"recorded the addresses of {len(self.nodes)} nodes with the registry")
 
-    async def apply_demo(self, nc, load_time: float, peer_timeout: float | None = None) -> DeploymentSpec:
-        spec = DeploymentSpec(
-            name="demo",
-            model=DEMO_MODEL,
-            engine="sim",
-            replicas=2,
-            nodes_per_replica=2,
-            gpus_per_node=4,
-            engine_args=["--load-time", format_duration(load_time), *(["--peer-timeout", format_duration(peer_timeout)] if peer_timeout else [])],
-            startup_timeout=max(60.0, load_time * 4),
-        )
-        for _ in range(100):
-            try:
-                await nc.request(S.api("scheduler", "apply"), encode(spec), timeout=2)
-                break
-            except Exception:
-                self.check_alive()
-                await asyncio.sleep(0.2)
-        else:
-            raise UpError("the scheduler did not accept the demo deployment; see its log")
-        self.say(f"applied deployment demo: 2 replicas × 2 nodes × 4 GPUs of {DEMO_MODEL} on sim (load time {format_duration(load_time)})")
-        return spec
+    def demo_specs(self, load_time: float, peer_timeout: float | None = None) -> list[DeploymentSpec]:
+        """The demo's deployments: two 2 × 4-GPU replicas of the sim, or on real vLLM
+        what this machine holds (``realvllm.demo_deployments``)."""
+        if self.engine == "vllm":
+            return realvllm.demo_deployments()
+        return [
+            DeploymentSpec(
+                name="demo",
+                model=DEMO_MODEL,
+                engine="sim",
+                replicas=2,
+                nodes_per_replica=2,
+                gpus_per_node=4,
+                engine_args=["--load-time", format_duration(load_time), *(["--peer-timeout", format_duration(peer_timeout)] if peer_timeout else [])],
+                startup_timeout=max(60.0, load_time * 4),
+            )
+        ]
+
+    @property
+    def demo_model(self) -> str:
+        return realvllm.MODEL if self.engine == "vllm" else DEMO_MODEL
+
+    async def apply_demo(self, nc, load_time: float, peer_timeout: float | None = None) -> list[DeploymentSpec]:
+        specs = self.demo_specs(load_time, peer_timeout)
+        for spec in specs:
+            for _ in range(100):
+                try:
+                    await nc.request(S.api("scheduler", "apply"), encode(spec), timeout=2)
+                    break
+                except Exception:
+                    self.check_alive()
+                    await asyncio.sleep(0.2)
+            else:
+                raise UpError(f"the scheduler did not accept the demo deployment {spec.name}; see its log")
+            shape = f"{spec.replicas} replica{'s' if spec.replicas != 1 else ''} × {spec.nodes_per_replica} node{'s' if spec.nodes_per_replica != 1 else ''} × {spec.gpus_per_node} GPU{'s' if spec.gpus_per_node != 1 else ''}"
+            how = f"load time {format_duration(load_time)}" if spec.engine == "sim" else " ".join(spec.engine_args)
+            self.say(f"applied deployment {spec.name}: {shape} of {spec.model} on {spec.engine} ({how})")
+        return specs
 
     # -- teardown -------------------------------------------------------------------
     def stop_all(self) -> None:
         stop_recorded(self.dir, [n.spec.node_id for n in self.nodes], say=self.say)
+
+
+def _engines(r: Replica) -> str:
+    """A starting replica's members as their agents last reported them: "[node01 starting, node02 joined]"."""
+    if r.state not in ("launching", "waiting-for-workers"):
+        return ""
+    return " [" + ", ".join(f"{m.node_id} {m.engine_state or 'launched'}" for m in r.members) + "]"
 
 
 def stop_recorded(d: Path, node_ids: list[str] | None = None, say=print) -> int:
@@ -487,8 +536,12 @@ def stop_recorded(d: Path, node_ids: list[str] | None = None, say=print) -> int:
         stopped += len(live)
         if group and group[0].startswith("agent-"):
             # Engines outlive agents by design; a simulated machine going away takes them too.
-            for node in node_ids:
-                stopped += len(simcluster.kill_node(node, str(d.resolve())))
+            killed = [pid for node in node_ids for pid in simcluster.kill_node(node, str(d.resolve()))]
+            stopped += len(killed)
+            # SIGKILL is sent, not done: a vLLM worker freeing gigabytes takes a moment to go.
+            left = simcluster.wait_gone(killed, 10.0)
+            if left:
+                say(f"still running 10s after SIGKILL: pids {', '.join(map(str, left))} (stuck in the kernel?)")
     servers = [procs[n] for n in order if n.startswith("nats-server") and _alive(procs[n]["pid"], procs[n].get("start"))]
     for nats in servers:
         _signal(nats["pid"], signal.SIGTERM)
@@ -561,8 +614,12 @@ async def _bring_up(cluster: Cluster, args) -> None:
         cluster.say(f"started {len(cluster.nodes)} agents")
         await cluster.wait_nodes(js, timeout=max(60.0, args.heartbeat_interval * 6))
         if not args.no_demo:
-            await cluster.apply_demo(nc, args.engine_load_time, getattr(args, "engine_peer_timeout", None))
-            await cluster.wait_replicas(js, "demo", 2, timeout=max(120.0, args.engine_load_time * 4 + 30))
+            specs = await cluster.apply_demo(nc, args.engine_load_time, getattr(args, "engine_peer_timeout", None))
+            if cluster.engine == "vllm":
+                cluster.say(f"real vLLM engines take a minute or two to start here (up to {format_duration(realvllm.STARTUP_TIMEOUT)})")
+            for spec in specs:
+                timeout = spec.startup_timeout + 30 if spec.engine != "sim" else max(120.0, args.engine_load_time * 4 + 30)
+                await cluster.wait_replicas(js, spec.name, spec.replicas, timeout=timeout)
     finally:
         await nc.close()
 
@@ -580,7 +637,7 @@ def _ready_banner(cluster: Cluster, args) -> None:
     print("Try:")
     if not args.no_demo:
         print(f"  curl -s {cluster.gateway_url}/v1/chat/completions -H 'content-type: application/json' \\")
-        print(f'       -d \'{{"model": "{DEMO_MODEL}", "messages": [{{"role": "user", "content": "hello"}}]}}\'')
+        print(f'       -d \'{{"model": "{cluster.demo_model}", "messages": [{{"role": "user", "content": "hello"}}]}}\'')
     print(f"  llmgw ctl nodes --config {cfg}")
     print(f"  llmgw ctl replicas --config {cfg}")
     print(f"  llmgw tui --config {cfg}")
@@ -593,6 +650,10 @@ def up(args) -> int:
     if getattr(args, "supervise", None):
         return supervise_detached(Path(args.supervise).resolve())
     _durations(args)
+    if getattr(args, "vllm", None) and getattr(args, "engine", "sim") != "vllm":
+        raise ConfigError(f"--vllm {args.vllm} names the vllm command for --engine vllm; this cluster's engine is {args.engine}")
+    if getattr(args, "engine", "sim") == "vllm":
+        realvllm.find_vllm(getattr(args, "vllm", None))  # no vLLM to run: say so before touching DIR
     simcluster.layout(args.nodes, args.fabrics, args.gpus_per_node)  # refuse bad sizes before touching DIR
     check_cluster_size(getattr(args, "nats_servers", 1))
     d = Path(args.dir).resolve()  # children run elsewhere (cwd=DIR): every path they get is absolute
@@ -759,6 +820,16 @@ def _cluster_nodes(d: Path) -> dict[str, dict]:
     return {n["node_id"]: n for n in data["nodes"]}
 
 
+def _agent_env(d: Path) -> dict[str, str]:
+    """What ``up`` gave every agent on top of its environment (cluster.json ``agent_env``):
+    for ``--engine vllm``, the vllm command and the model cache."""
+    try:
+        env = json.loads((d / "cluster.json").read_text()).get("agent_env") or {}
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {}
+
+
 def _nats_proc_name(server: str) -> str:
     return f"nats-server-{server}"
 
@@ -844,7 +915,7 @@ def sim(args) -> int:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, **simcluster.cluster_env(d, args.node)},
+            env={**os.environ, **_agent_env(d), **simcluster.cluster_env(d, args.node)},
             cwd=d,
         )
     pids_file = d / "pids.json"
@@ -954,8 +1025,10 @@ def _stall_replica(d: Path, nodes: dict[str, dict], replica: str, *, stall: bool
             f"no running leader engine of replica {replica!r} in {d}" + (f" (running replicas: {', '.join(sorted(seen))})" if seen else " (no engine runs)")
         )
     e = max(leaders, key=lambda x: x.generation)
+    if e.engine == "vllm":
+        return _stall_vllm(e, replica, d, stall=stall)
     if e.engine != "sim":
-        raise UpError(f"replica {replica} runs engine {e.engine!r}: only the sim engine stalls on SIGUSR1 (it would end a real one)")
+        raise UpError(f"replica {replica} runs engine {e.engine!r}: only the sim and vLLM can be stalled (SIGUSR1 would end another)")
     sig = signal.SIGUSR1 if stall else signal.SIGUSR2
     if not simcluster.signal_engine(e, sig, group=False):
         raise UpError(f"the leader engine pid {e.pid} ({e.label}) on {e.node_id} is gone; nothing sent")
@@ -964,4 +1037,28 @@ def _stall_replica(d: Path, nodes: dict[str, dict], replica: str, *, stall: bool
         print(f"undo with: llmgw sim unstall-replica {replica} --dir {d}")
     else:
         print(f"SIGUSR2 sent to the leader engine pid {e.pid} ({e.label}) on {e.node_id}: it produces tokens again")
+    return 0
+
+
+def _stall_vllm(e: simcluster.SimEngine, replica: str, d: Path, *, stall: bool) -> int:
+    """A silent stall of real vLLM: SIGSTOP (SIGCONT to undo) its leader's engine core
+    alone. The API server in front of it keeps answering /health 200 — vLLM's health
+    check asks only whether the core has died — while no request makes progress."""
+    cores = simcluster.vllm_engine_cores(e)
+    if not cores:
+        raise UpError(f"the leader of {replica} (pid {e.pid}, {e.label}) on {e.node_id} has no VLLM::EngineCore process (still starting, or gone)")
+    sig = signal.SIGSTOP if stall else signal.SIGCONT
+    for pid in cores:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            raise UpError(f"the engine core pid {pid} of {replica} is gone; nothing sent") from None
+    what = ", ".join(map(str, cores))
+    if stall:
+        print(
+            f"SIGSTOP sent to the engine core of {replica}'s leader (pid {what}, {e.label}) on {e.node_id}: no token is produced, silently; /health still answers 200"
+        )
+        print(f"undo with: llmgw sim unstall-replica {replica} --dir {d}")
+    else:
+        print(f"SIGCONT sent to the engine core of {replica}'s leader (pid {what}) on {e.node_id}: it produces tokens again")
     return 0

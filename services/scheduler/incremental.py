@@ -207,6 +207,8 @@ class LiveView(ClusterView):
             self._port_refs.setdefault(nid, Counter()).update(ports)
             node.used_gpus.update(m.gpus)
             node.used_ports.update(ports)
+            if self.ports.shared_by_nodes:
+                self.host_ports.update(ports)
             self._index(nid)
         self._respread(rid)
         self.version += 1
@@ -223,6 +225,10 @@ class LiveView(ClusterView):
             gpus, ports = self._gpu_refs[nid], self._port_refs[nid]
             gpus.subtract(m.gpus)
             ports.subtract(p for p in (m.rendezvous_port, m.http_port) if p)
+            if self.ports.shared_by_nodes:
+                self.host_ports.subtract(p for p in (m.rendezvous_port, m.http_port) if p)
+                for k in [k for k, c in self.host_ports.items() if c <= 0]:
+                    del self.host_ports[k]
             for refs, used in ((gpus, node.used_gpus), (ports, node.used_ports)):
                 for k in [k for k, c in refs.items() if c <= 0]:
                     del refs[k]

@@ -174,7 +174,7 @@ class ReconcileConfig:
     def from_section(cls, sc) -> ReconcileConfig:
         """From ``cfg.scheduler`` (``shared.config.SchedulerSection``)."""
         return cls(
-            ports=PortRange(base=sc.port_base, count=sc.port_count),
+            ports=PortRange(base=sc.port_base, count=sc.port_count, shared_by_nodes=sc.nodes_share_ports),
             hang_timeout=sc.hang_timeout,
             backoff_base=sc.backoff_base,
             backoff_max=sc.backoff_max,

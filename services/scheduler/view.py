@@ -48,6 +48,12 @@ class PortRange:
 
     base: int = 20000
     count: int = 1000
+    # Every node is one host (``llmgw up``'s simulated nodes share one machine):
+    # a port held on any node is not handed out on another. Real engines bind
+    # some ports on every address of their host — vLLM's rendezvous (torch's
+    # TCPStore) listens on ``*:master_port`` — so two "nodes" of one machine
+    # given the same port collide, and the second launch is refused port_busy.
+    shared_by_nodes: bool = False
 
     def __post_init__(self) -> None:
         if self.count < PORTS_PER_LEADER:
@@ -211,6 +217,8 @@ class ClusterView:
         # Placement's memo of this view, made by placement on first use
         # (``placement.cache_of``); None until then.
         self.placement: PlacementCache | None = None
+        # With ``ports.shared_by_nodes``: how many held members use each port, on any node.
+        self.host_ports: Counter = Counter()
 
     @classmethod
     def build(
@@ -252,7 +260,10 @@ class ClusterView:
         for m in replica.members:
             node = self._node(m.node_id)
             node.used_gpus.update(m.gpus)
-            node.used_ports.update(p for p in (m.rendezvous_port, m.http_port) if p)
+            ports = [p for p in (m.rendezvous_port, m.http_port) if p]
+            node.used_ports.update(ports)
+            if self.ports.shared_by_nodes:
+                self.host_ports.update(ports)
         if replica.state in LIVE and replica.members:
             self.spread[(replica.deployment, self.group_of(replica))] += 1
 
@@ -280,12 +291,22 @@ class ClusterView:
         return node.free_gpu_count()
 
     def free_ports(self, node: NodeView, n: int) -> list[int]:
-        """The ``n`` lowest ports of the range not held on ``node``."""
+        """The ``n`` lowest ports of the range not held on ``node`` — nor, when the
+        nodes share one host's ports, on any other node.
+
+        Which nodes can take a leader (``index_key``, the port filter) is still
+        judged on each node's own ports: should the shared pool run out, the
+        node's own free ports are handed out, and an agent that finds one held
+        refuses the launch (port_busy) as it would on any machine.
+        """
+        shared = self.host_ports if self.ports.shared_by_nodes else None
         out: list[int] = []
         port = self.ports.base
         end = self.ports.base + self.ports.count
         while len(out) < n and port < end:
-            if port not in node.used_ports:
+            if port not in node.used_ports and (shared is None or port not in shared):
                 out.append(port)
             port += 1
+        if len(out) < n and shared is not None:
+            out = [p for p in range(self.ports.base, end) if p not in node.used_ports][:n]
         return out
