@@ -74,6 +74,7 @@ import aiohttp
 import yaml
 
 from bench.gateway import pct, wait_http
+from llmgw.shared.durations import format_duration
 from llmgw.shared.natsserver import NatsServer, free_port
 from tests.gateway_helpers import HOST, Board, Sim, metric_sum, replica
 
@@ -148,6 +149,7 @@ class Result:
     ttft: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     errors: int = 0
+    why: dict = field(default_factory=dict)  # what went wrong -> how many times (printed under the table)
     seconds: float = 0.0
     served: list[float] = field(default_factory=list)  # per engine
     hits: float = 0.0
@@ -160,18 +162,29 @@ async def one(session: aiohttp.ClientSession, url: str, body: bytes, into: Resul
     first = None
     try:
         async with session.post(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}) as r:
-            tail = b""
+            head = tail = b""
             async for chunk in r.content.iter_any():
                 if first is None:
                     first = time.perf_counter()
-                tail = (tail + chunk)[-64:]
-            ok = r.status == 200 and b"[DONE]" in tail
+                if len(head) < 400:
+                    head += chunk[: 400 - len(head)]
+                tail = (tail + chunk)[-600:]  # an error event (the gateway's, then [DONE]) fits
             rid = r.headers.get("x-llmgw-replica")
-    except aiohttp.ClientError:
-        ok = False
+            if r.status != 200:
+                why = f"HTTP {r.status}: {head.decode(errors='replace').strip()[:300]}"
+            elif b"[DONE]" not in tail:
+                why = f"stream ended without [DONE] after {time.perf_counter() - t0:.1f}s"
+            elif b'data: {"error"' in tail:
+                event = tail[tail.index(b'data: {"error"') :].split(b"\n\n")[0]
+                why = f"an error event in the stream: {event.decode(errors='replace')[6:306]}"
+            else:
+                why = "" if first is not None else "no chunk"
+    except aiohttp.ClientError as e:
+        why = f"{type(e).__name__}: {e}"[:100]
     end = time.perf_counter()
-    if not ok or first is None:
+    if why:
         into.errors += 1
+        into.why[why] = into.why.get(why, 0) + 1
         return
     into.ttft.append(first - t0)
     into.e2e.append(end - t0)
@@ -220,10 +233,11 @@ async def run_policy(session: aiohttp.ClientSession, sims: list[Sim], urls: list
     return res
 
 
-def start_gateway(work: Path, nats: NatsServer, name: str, routing: str, procs: list) -> tuple[str, subprocess.Popen, Path]:
+def start_gateway(work: Path, nats: NatsServer, name: str, routing: str, procs: list, stall_after: str | None = None) -> tuple[str, subprocess.Popen, Path]:
     tls = nats.tls_for(name, "gateway")
     port = free_port(HOST)
-    conf = {"server": nats.url, "tls": {"ca": tls.ca, "cert": tls.cert, "key": tls.key}, "gateway": {"listen": f"{HOST}:{port}", "routing": routing}}
+    gateway = {"listen": f"{HOST}:{port}", "routing": routing, **({"stall_after": stall_after} if stall_after else {})}
+    conf = {"server": nats.url, "tls": {"ca": tls.ca, "cert": tls.cert, "key": tls.key}, "gateway": gateway}
     (work / f"{name}.yaml").write_text(yaml.safe_dump(conf))
     log = work / f"{name}.log"
     with open(log, "wb") as out:
@@ -338,6 +352,10 @@ async def main() -> int:
     ap.add_argument("--vllm", metavar="PATH", help="with --engine vllm: the vllm command (default: the installer's)")
     ap.add_argument("--seconds", type=float, help="length of one run (default 14, vllm 40; --long-prompts: of one turn, default 14)")
     ap.add_argument("--rate", type=float, help="mean arrival rate, requests/s (default 16, vllm 3)")
+    ap.add_argument(
+        "--stall-after",
+        help="the gateways' gateway.stall_after (default: the gateway's 5s; vllm: llmgw up --engine vllm's 30s, above a CPU engine's worst time to first token here)",
+    )
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--systems", type=int, default=4, help="long system prompts shared by the users (default 4)")
     ap.add_argument("--system-tokens", type=int, help="words of each system prompt (default 1000, vllm 150)")
@@ -407,6 +425,8 @@ async def main() -> int:
             from llmgw.services.devcluster import realvllm
 
             command = str(realvllm.find_vllm(args.vllm))
+            if args.stall_after is None:
+                args.stall_after = format_duration(realvllm.STALL_AFTER)
             env = await asyncio.to_thread(engine_env, VLLM_MAX_MODEL_LEN)
             model = realvllm.MODEL
             engines: list = [Vllm(command, work, f"engine{i}", max_model_len=VLLM_MAX_MODEL_LEN, env=env) for i in range(REPLICAS)]
@@ -424,7 +444,7 @@ async def main() -> int:
             await board.put(replica(f"{args.engine}-{i}", model, s.endpoint))
         gateways: dict[str, list[str]] = {}
         for name, policy in names:
-            url, p, log = start_gateway(work, nats, name, policy, procs)
+            url, p, log = start_gateway(work, nats, name, policy, procs, args.stall_after)
             if gateway_cpus is not None:
                 pin(p.pid, gateway_cpus)
             await wait_http(f"{url}/v1/models", p, name, log)
@@ -471,6 +491,7 @@ async def main() -> int:
                   f"{args.system_tokens} words, {sum(1 for c in convs if c[0].conv < 0)} one-offs; {REPLICAS} engines: "
                   + (f"real vLLM ({model}, --max-model-len {VLLM_MAX_MODEL_LEN}, prefix caching on, 1 GiB of KV cache each); "
                      if vllm else f"prefill {args.prefill_rate:g} tok/s, prefix cache {args.kv_cache_tokens} tokens, decode {args.token_rate:g} tok/s; ")
+                  + (f"gateway.stall_after {args.stall_after}; " if args.stall_after else "")
                   + f"load average {os.getloadavg()[0]:.1f}\n")  # fmt: skip
             runs: list[tuple[str, int, list[str]]] = []
             for p in policies:
@@ -493,13 +514,16 @@ async def main() -> int:
                     "policy": policy, "gateways": ngw, "ttft_p50_ms": pct(r.ttft, 0.5) * 1e3, "ttft_p99_ms": pct(r.ttft, 0.99) * 1e3,
                     "e2e_p50_ms": pct(r.e2e, 0.5) * 1e3, "e2e_p99_ms": pct(r.e2e, 0.99) * 1e3, "rps": len(r.e2e) / r.seconds,
                     "hit_ratio": r.hits / r.queries if r.queries else 0.0, "max_over_mean": max(r.served) / mean if mean else 0.0,
-                    "served": r.served, "split_conversations": split if ngw else None, "errors": r.errors,
+                    "served": r.served, "split_conversations": split if ngw else None, "errors": r.errors, "errors_why": r.why,
                 }  # fmt: skip
                 rows.append(row)
                 gw_cell = "none (client rotates)" if not ngw else str(ngw)
                 split_cell = "–" if not ngw else f"{split} of {len(r.replicas_seen)}"
                 print(f"| {policy} | {gw_cell} | {row['ttft_p50_ms']:.1f} | {row['ttft_p99_ms']:.1f} | {row['e2e_p50_ms']:.1f} | {row['e2e_p99_ms']:.1f} | "
                       f"{row['rps']:.1f} | {row['hit_ratio']:.3f} | {row['max_over_mean']:.2f} | {' '.join(str(int(x)) for x in r.served)} | {split_cell} | {r.errors} |")  # fmt: skip
+            for row in rows:  # an error is a figure too: say what it was
+                for why, n in row["errors_why"].items():
+                    print(f"  errors, {row['policy']} through {row['gateways'] or 'no'} gateway(s): {n} x {why}")
             by = {(r["policy"], r["gateways"]): r for r in rows}
             if ("prefix", 1) in by and ("least-outstanding", 1) in by:
                 px, lo = by[("prefix", 1)], by[("least-outstanding", 1)]
