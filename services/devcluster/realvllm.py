@@ -59,6 +59,13 @@ STARTUP_TIMEOUT = 600.0
 # The agents' stop_timeout (SIGTERM, then SIGKILL) for real vLLM: measured SIGTERM times
 # are in docs/performance.md; this leaves them room on a loaded machine.
 STOP_TIMEOUT = 15.0
+# The stall watch's silence (agents and gateway) unless --stall-after says otherwise. On
+# a GPU a stream's tokens come every few tens of milliseconds, and 5 s of silence from
+# every stream of a replica is a stall. vLLM on CPU, several engines sharing few cores,
+# is silent that long while it only prefills: under bench/routing.py's load on two cores,
+# time to first token reached 18 s at p99, and a 5 s watch ended 2 to 17 healthy streams
+# in 120 (docs/performance.md). So it must exceed the worst time to first token.
+STALL_AFTER = 30.0
 
 
 def _cache() -> Path:

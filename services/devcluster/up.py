@@ -206,6 +206,8 @@ class Cluster:
         if self.engine == "vllm":
             # A real engine gets the time its SIGTERM takes measured, and more (realvllm.STOP_TIMEOUT).
             stop_timeout = max(stop_timeout, realvllm.STOP_TIMEOUT)
+            if stall_after is None:  # a CPU engine's prefill is silence (realvllm.STALL_AFTER)
+                stall_after = realvllm.STALL_AFTER
         self.timings = Timings(
             heartbeat_interval=hb,
             stop_timeout=stop_timeout,
