@@ -15,12 +15,15 @@ from textual.widgets import Static
 from .palette import GPU_CELL_STYLE, NODE_STATE_STYLE
 
 KEYS = (
-    ("↑ ↓  j k", "move between nodes"),
+    ("↑ ↓  j k", "move between nodes (or fabrics, replicas, events: the panel in focus)"),
+    ("PgUp PgDn  Home End", "a page, the first, the last"),
+    ("← →  [ ]", "the previous / next fabric's nodes"),
     ("⏎ / double click", "node detail: inventory, replicas, recent events"),
     ("c", "cordon the selected node: it takes no new replicas"),
     ("u", "uncordon: it takes replicas again"),
     ("d", "drain: its replicas move off, then it takes none"),
-    ("/", "filter nodes, replicas and events (Esc clears)"),
+    ("/", "filter nodes, replicas and events (Esc clears); a node's name jumps to it"),
+    ("e", 'every event of each summarised herd ("9,840 nodes joined in 1m00s"), and back'),
     ("tab", "next panel"),
     ("?", "this help"),
     ("q", "quit"),

@@ -76,6 +76,7 @@ class NodeDetail(Screen[None]):
     def __init__(self, view: NodeDetailView) -> None:
         super().__init__()
         self.node_id = view.node_id
+        self.timeline_seen = -1  # the timeline's version this view was built from
         self.set_reactive(NodeDetail.view, view)
 
     def compose(self) -> ComposeResult:

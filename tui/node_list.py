@@ -1,0 +1,225 @@
+"""Every node, one row each, grouped under its fabric: a virtual list over the folded cluster.
+
+Only the rows on screen are ever built (``model.node_view``). Scrolling,
+paging, jumping to a fabric and the filter move an index over the model's
+sorted rows; none of them touches a widget per node, so they cost the same at
+10 nodes and at 10,000.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import ClassVar
+
+from rich.text import Text
+from textual.binding import Binding, BindingType
+from textual.message import Message
+
+from .cluster import Changes, ClusterModel
+from .model import STATE_ORDER, MarkBook, NodeView, node_view, ordered_counts
+from .palette import GPU_CELL_STYLE, NODE_STATE_STYLE
+from .virtual import VirtualList
+
+# GPU cells come in groups of four, so "GPU 5" can be counted at a glance.
+CELL_GROUP = 4
+STATE_WIDTH = 8  # "cordoned", "draining"
+
+
+def row_text(view: NodeView, name_width: int, width: int) -> Text:
+    """The row as text; wider rows also show free GPUs, the address and any fabric problem."""
+    text = Text(no_wrap=True, overflow="ellipsis")
+    text.append(f"{view.node_id:<{name_width}} ")
+    text.append(f"{view.state:<{STATE_WIDTH}}", style=NODE_STATE_STYLE.get(view.state, ""))
+    text.append(f" {view.lease_age:>6} ")
+    for i, cell in enumerate(view.cells):
+        if i and i % CELL_GROUP == 0:
+            text.append(" ")
+        text.append(cell.mark, style=GPU_CELL_STYLE.get(cell.tone, ""))
+    if view.admin:
+        text.append(f"  {view.admin}", style=NODE_STATE_STYLE.get(view.admin, ""))
+    if width - text.cell_len >= 24:
+        text.append(f"  {view.gpus_free}/{len(view.cells)} free  {view.mgmt_addr}", style="dim")
+    if view.problem:
+        text.append(f"  ! {view.problem}", style="bold red")
+    if view.admin_reason:  # last: the row's end is cut with an ellipsis when narrow
+        text.append(f"  ({view.admin_reason})", style=NODE_STATE_STYLE.get(view.state, "") if view.state in ("cordoned", "draining") else "dim")
+    return text
+
+
+def state_counts(counts) -> Text:
+    """ "498 ready · 2 lost", each count in its state's colour, most urgent first."""
+    text = Text()
+    for i, (state, n) in enumerate(counts):
+        if i:
+            text.append(" · ", style="dim")
+        text.append(f"{n:,} {state}", style=NODE_STATE_STYLE.get(state, ""))
+    return text
+
+
+class NodeList(VirtualList):
+    """Rows (fabric, node) under a header line per fabric; the cursor rests on rows only."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("enter", "open", "Detail", key_display="⏎"),
+        Binding("left,[", "fabric(-1)", "Fabric", show=False),
+        Binding("right,]", "fabric(1)", "Fabric", show=False),
+    ]
+
+    class Highlighted(Message):
+        """The cursor rests on this node: cordon, uncordon and drain act on it."""
+
+        def __init__(self, node_id: str, fabric: str) -> None:
+            super().__init__()
+            self.node_id = node_id
+            self.fabric = fabric
+
+    class Opened(Message):
+        """The operator asked for this node's detail."""
+
+        def __init__(self, node_id: str) -> None:
+            super().__init__()
+            self.node_id = node_id
+
+    def __init__(self, model: ClusterModel, marks: MarkBook, clock, **kw) -> None:
+        super().__init__(**kw)
+        self.model = model
+        self.marks = marks
+        self.clock = clock
+        self.now = clock()
+        self.pattern = ""
+        self.matched = 0  # rows matching the filter
+        self.lines: list[tuple[str, str]] = []  # (fabric, node id); node id "" for a fabric's header
+        self.heads: list[int] = []  # the indices of the header lines
+        self.name_width = 8
+        self._drawn_width = 0
+
+    def on_mount(self) -> None:
+        self.border_title = "Nodes"
+
+    # -- the lines --------------------------------------------------------------
+
+    def rebuild(self, pattern: str) -> None:
+        """Lines from the model's rows (those matching ``pattern``); the cursor stays on its node."""
+        keep = self.current()
+        self.pattern = pattern
+        rows = self.model.matching_rows(pattern)
+        lines: list[tuple[str, str]] = []
+        heads: list[int] = []
+        fabric = None
+        for _, fab, node in rows:
+            if fab != fabric:
+                heads.append(len(lines))
+                lines.append((fab, ""))
+                fabric = fab
+            lines.append((fab, node))
+        self.lines, self.heads = lines, heads
+        self.matched = len(rows)
+        self.name_width = max(8, *(len(n) for n in self.model.nodes)) if self.model.nodes else 8
+        if keep is not None and keep in lines:
+            self.cursor = lines.index(keep)
+        elif pattern:
+            self.cursor = 1  # the first match
+        self.set_count(len(lines))
+        self.reveal(self.cursor)
+        self._titles()
+        if self.current() != keep:
+            self.cursor_moved()
+
+    def update(self, changes: Changes, now: float) -> None:
+        """A frame: redraw if any row on screen changed (or the clock moved the ages)."""
+        self.now = now
+        shown = {node for _, node in self.lines[self.top : self.top + self.height]}
+        small, large = (changes.nodes, shown) if len(changes.nodes) < len(shown) else (shown, changes.nodes)
+        if any(n in large for n in small) or changes.totals:
+            self.refresh()
+            self._titles()
+
+    def tick(self, now: float) -> None:
+        self.now = now
+        self.refresh()
+
+    def selectable(self, index: int) -> bool:
+        return bool(self.lines[index][1]) if index < len(self.lines) else False
+
+    def current(self) -> tuple[str, str] | None:
+        if self.cursor < len(self.lines) and self.lines[self.cursor][1]:
+            return self.lines[self.cursor]
+        return None
+
+    @property
+    def node_id(self) -> str:
+        cur = self.current()
+        return cur[1] if cur else ""
+
+    @property
+    def fabric(self) -> str:
+        cur = self.current()
+        return cur[0] if cur else ""
+
+    def line_text(self, index: int, width: int) -> Text:
+        fabric, node = self.lines[index]
+        if not node:
+            return self._header(fabric)
+        if node not in self.model.facts:
+            return Text(node, style="dim")
+        return row_text(node_view(self.model, fabric, node, self.now, self.marks), self.name_width, width)
+
+    def _header(self, fabric: str) -> Text:
+        t = self.model.totals.get(fabric)
+        text = Text(f"── {fabric}", style="bold")
+        if t is None:
+            return text
+        text.append(f" · {t.node_count:,} node{'s' if t.node_count != 1 else ''}: ", style="dim")
+        text.append_text(state_counts(ordered_counts(t.nodes, STATE_ORDER)))
+        text.append(f" · {t.gpus_free:,}/{t.gpus_total:,} GPUs free", style="dim")
+        return text
+
+    def _titles(self) -> None:
+        if self.pattern:
+            self.border_title = f'Nodes matching "{self.pattern}" · {self.matched:,} of {len(self.model.facts):,}'
+        else:
+            self.border_title = f"Nodes · {self.fabric}" if self.fabric else "Nodes"
+        if self.matched and self.current() is not None:
+            row = self.cursor + 1 - bisect.bisect_right(self.heads, self.cursor)  # rows above it, headers not counted
+            self.border_subtitle = f"{row:,}/{self.matched:,}"
+        else:
+            self.border_subtitle = "no node matches" if self.pattern else ""
+
+    # -- keys --------------------------------------------------------------------
+
+    def cursor_moved(self) -> None:
+        cur = self.current()
+        self._titles()
+        if cur is not None:
+            self.post_message(self.Highlighted(cur[1], cur[0]))
+
+    def action_open(self) -> None:
+        self.opened()
+
+    def opened(self) -> None:
+        if self.node_id:
+            self.post_message(self.Opened(self.node_id))
+
+    def action_fabric(self, delta: int) -> None:
+        """The first row of the previous or next fabric."""
+        if not self.heads:
+            return
+        k = max(0, bisect.bisect_right(self.heads, self.cursor) - 1) + delta
+        if 0 <= k < len(self.heads):
+            self.show_fabric(self.lines[self.heads[k]][0])
+
+    def show_fabric(self, fabric: str) -> None:
+        """Put the cursor on ``fabric``'s first row, its header at the top of the list."""
+        head = next((i for i in self.heads if self.lines[i][0] == fabric), None)
+        if head is None:
+            return
+        self.scroll_to(y=head, animate=False, force=True)
+        self.move_to(head + 1)
+
+    def select(self, node_id: str) -> bool:
+        """Put the cursor on ``node_id``'s (first) row; False when it is not listed."""
+        for i, (_, node) in enumerate(self.lines):
+            if node == node_id:
+                self.move_to(i)
+                return True
+        return False
