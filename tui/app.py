@@ -32,7 +32,7 @@ from llmgw.shared.errors import LlmgwError
 from llmgw.shared.schemas import Event
 
 from .banner import ConnectionBanner
-from .cluster import ClusterModel
+from .cluster import ClusterModel, narrows
 from .confirm import Confirm
 from .events import EventLog
 from .fabric_table import FabricTable
@@ -290,11 +290,12 @@ class LlmgwApp(App[None]):
         """The filter narrows nodes, replicas and events at once, on the model, not on widgets."""
         if pattern == self.pattern:
             return
+        narrow = narrows(pattern, self.pattern)  # a letter typed on: search only the last matches
         self.pattern = pattern
-        self.node_list.rebuild(pattern)
-        self.replicas.rebuild(pattern, self._rebuilding, self.clock())
+        self.node_list.rebuild(pattern, narrow)
+        self.replicas.rebuild(pattern, self._rebuilding, self.clock(), narrow)
         self.event_log.pattern = pattern
-        self.event_log.rebuild()
+        self.event_log.rebuild(narrow=narrow)
 
     def on_filter_bar_closed(self, message: FilterBar.Closed) -> None:
         self.filter_bar.set_class(not message.cleared, "-shown")

@@ -44,8 +44,16 @@ class ConnectionBanner(Static):
     now: reactive[float] = reactive(0.0)
     behind: reactive[str] = reactive("")
 
+    _shown: tuple[str, str] | None = None
+
     def _update_banner(self) -> None:
-        cls, text = banner_text(self.status, self.waiting, self.now, self.behind)
+        # Called once a second for the ages: a banner that says the same is not redrawn
+        # (an update lays the screen out again).
+        shown = banner_text(self.status, self.waiting, self.now, self.behind)
+        if shown == self._shown:
+            return
+        self._shown = shown
+        cls, text = shown
         for c in ("-down", "-back", "-info", "-behind"):
             self.set_class(c == cls, c)
         self.update(text)

@@ -39,7 +39,7 @@ class NodeFacts:
     state: str
     fabrics: tuple[str, ...]  # the panels its row sits in (NO_FABRIC when none)
     gpus: GpuCounts
-    hay: str  # node id, state word, address, the replicas holding its GPUs; lower case
+    hay: str  # node id, its fabrics, state word, address, the replicas holding its GPUs; lower case
 
 
 @dataclass
@@ -95,6 +95,15 @@ class Changes:
         return bool(self.nodes) or self.order or self.facts or self.totals or self.replicas or self.deployments
 
 
+def narrows(new: str, old: str) -> bool:
+    """Whether everything ``new`` matches, ``old`` matched too (``old`` typed on to ``new``)."""
+    return bool(old.strip()) and new.lower().startswith(old.lower()) and len(new.split()) >= len(old.split())
+
+
+def members_text(replica: Replica) -> str:
+    return " ".join(f"{m.node_id}:{m.rank}" for m in sorted(replica.members, key=lambda m: m.rank)) or "-"
+
+
 def row_key(fabric: str, node_id: str) -> tuple[bool, str, str]:
     """Rows sort by fabric (nodes on no fabric last), then node id."""
     return (fabric == NO_FABRIC, fabric, node_id)
@@ -129,6 +138,9 @@ class ClusterModel:
         self.members_now: dict[str, set[str]] = {}
         self.members_seen: dict[str, set[str]] = {}
         self.rows: list[tuple[bool, str, str]] = []  # row_key of every (fabric, node), sorted
+        self.name_width = 0  # the longest node id seen
+        # replica -> (its members as text, what a filter searches), kept with the record
+        self.replica_text: dict[str, tuple[str, str]] = {}
         self.changes = Changes()
         self.versions = Counter[str]()  # bumped per fold: "order", "facts", "replicas", ...
 
@@ -166,6 +178,7 @@ class ClusterModel:
                 self._refresh(node_id)
             return
         self.nodes[node_id] = record
+        self.name_width = max(self.name_width, len(node_id))
         self._refresh(node_id)
 
     def _lease(self, node_id: str, lease: Lease | None) -> None:
@@ -195,8 +208,11 @@ class ClusterModel:
             self._claim(rid, old, -1, touched)
         if new is None:
             del self.replicas[rid]
+            del self.replica_text[rid]
         else:
             self.replicas[rid] = new
+            members = members_text(new)
+            self.replica_text[rid] = (members, " ".join((rid, new.deployment, new.fabric or "", members, new.state)).lower())
             self._claim(rid, new, +1, touched)
         for node_id in touched:
             self.changes.nodes.add(node_id)
@@ -279,7 +295,7 @@ class ClusterModel:
         counts = gpu_counts((g.index for g in record.gpus), (g for g, who in claims.items() if who), gpu_blocks(record))
         holders = sorted({rid for who in claims.values() for rid in who})
         fabrics = tuple(sorted({f.name for f in record.fabrics})) or (NO_FABRIC,)
-        hay = " ".join([node_id, word, record.mgmt_addr, *holders]).lower()
+        hay = " ".join([node_id, *fabrics, word, record.mgmt_addr, *holders]).lower()
         return NodeFacts(state=word, fabrics=fabrics, gpus=counts, hay=hay)
 
     # -- reading --------------------------------------------------------------------
@@ -303,19 +319,18 @@ class ClusterModel:
     def fabric_names(self) -> list[str]:
         return sorted(self.totals, key=lambda f: (f == NO_FABRIC, f))
 
-    def matching_rows(self, pattern: str) -> list[tuple[bool, str, str]]:
-        """The rows whose node matches every word of ``pattern`` (case-insensitive), in row order."""
+    def matching_rows(self, pattern: str, among: list[tuple[bool, str, str]] | None = None) -> list[tuple[bool, str, str]]:
+        """The rows whose node matches every word of ``pattern`` (case-insensitive), in row
+        order; ``among``: only those rows (the matches of a pattern this one narrows)."""
         words = pattern.lower().split()
+        rows = self.rows if among is None else among
         if not words:
-            return self.rows
+            return rows
         facts = self.facts
-        out = []
-        for key in self.rows:
-            hay = facts[key[2]].hay
-            fabric = key[1].lower()
-            if all(w in hay or w in fabric for w in words):
-                out.append(key)
-        return out
+        if len(words) == 1:  # the common case, typed letter by letter: no generator per row
+            w = words[0]
+            return [key for key in rows if w in facts[key[2]].hay]
+        return [key for key in rows if all(w in facts[key[2]].hay for w in words)]
 
 
 def fold_all(model: ClusterModel, bucket: str, items: Iterable[tuple[str, object | None]]) -> ClusterModel:

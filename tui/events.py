@@ -42,6 +42,7 @@ class EventLog(VirtualList):
         self.expand = False
         self.lines: list[tuple[str, object]] = []  # one per line on screen: stories are wrapped into several
         self._built = (-1, "", False, 0)
+        self._matched: list[tuple[str, object]] = []
 
     def on_mount(self) -> None:
         self.border_title = "Events"
@@ -50,22 +51,29 @@ class EventLog(VirtualList):
     def at_end(self) -> bool:
         return self.top + self.height >= self.count
 
-    def rebuild(self, force: bool = False) -> None:
+    def rebuild(self, force: bool = False, narrow: bool = False) -> None:
+        """The lines again, when the timeline, the filter or the width changed (``narrow``: as NodeList.rebuild)."""
         width = self.scrollable_content_region.width
         key = (self.timeline.version, self.pattern, self.expand, width)
         if key == self._built and not force:
             return
         follow = self.at_end or not self.count
+        among = self._matched if narrow and key[0] == self._built[0] and key[2:] == self._built[2:] else None
         self._built = key
-        lines: list[tuple[str, object]] = []
-        for kind, item in event_lines(self.timeline, self.pattern, self.expand):
-            if kind == "story" and isinstance(item, Told):
-                text = story_line(item.story)
-                stamp, body = text.divide([STORY_INDENT])
-                for i, part in enumerate(body.wrap(self.app.console, max(10, width - STORY_INDENT))):
-                    lines.append(("text", (stamp if i == 0 else Text(" " * STORY_INDENT)) + part))
-            else:
-                lines.append((kind, item))
+        matched = event_lines(self.timeline, self.pattern, self.expand, among)
+        self._matched = matched
+        if not self.timeline.told:
+            lines = matched  # nothing to wrap: the list as it is (tens of thousands when filtering)
+        else:
+            lines = []
+            for kind, item in matched:
+                if kind == "story" and isinstance(item, Told):
+                    text = story_line(item.story)
+                    stamp, body = text.divide([STORY_INDENT])
+                    for i, part in enumerate(body.wrap(self.app.console, max(10, width - STORY_INDENT))):
+                        lines.append(("text", (stamp if i == 0 else Text(" " * STORY_INDENT)) + part))
+                else:
+                    lines.append((kind, item))
         self.lines = lines
         self.set_count(len(lines))
         if follow:

@@ -54,6 +54,17 @@ def fabric_text(cells: list[Text], widths: list[int]) -> Text:
     return text
 
 
+def totals_title(model: ClusterModel) -> str:
+    """The whole cluster in one line: "Fabrics · 10,000 nodes (9,998 ready · 2 lost) · GPUs … · 4,000 replicas (4,000 ready)"."""
+    a = fabric_row("all", model.all)
+    nodes = " · ".join(f"{n:,} {s}" for s, n in a.node_states)
+    replicas = " · ".join(f"{n:,} {s}" for s, n in a.replica_states)
+    return (
+        f"Fabrics · {a.nodes:,} nodes{f' ({nodes})' if nodes else ''} · GPUs {a.gpus_free:,} free · {a.gpus_used:,} used of {a.gpus_total:,}"
+        f" · {a.replicas:,} replicas{f' ({replicas})' if replicas else ''}"
+    )
+
+
 class FabricTable(VirtualList):
     class Chosen(Message):
         """The operator moved to this fabric: the node list shows it."""
@@ -84,8 +95,7 @@ class FabricTable(VirtualList):
         cells = [fabric_cells(fabric_row(n, self.model.totals[n])) for n in names]
         self.widths = [max([0, *(c[i].cell_len for c in cells)]) for i in range(5)]
         self.refresh()
-        a = self.model.all
-        self.border_title = f"Fabrics · {a.node_count:,} nodes · {a.gpus_free:,}/{a.gpus_total:,} GPUs free · {a.replica_count:,} replicas"
+        self.border_title = totals_title(self.model)
 
     def follow(self, fabric: str) -> None:
         """The node list's cursor is in ``fabric``: mark it here without moving the list back."""

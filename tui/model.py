@@ -30,9 +30,9 @@ from llmgw.shared.readmodel import (
 from llmgw.shared.schemas import Event, Replica
 from llmgw.shared.states import ENDING_REPLICA, ReplicaState
 
-from .cluster import NO_FABRIC, ClusterModel, FabricTotals
+from .cluster import NO_FABRIC, ClusterModel, FabricTotals, members_text
 
-__all__ = ["NO_FABRIC", "format_age", "node_state"]  # re-exported: the console's words come from the read model
+__all__ = ["NO_FABRIC", "format_age", "members_text", "node_state"]  # re-exported: the console's words come from the read model
 
 # Replica states grouped by what an operator should feel about them.
 STARTING = (ReplicaState.PENDING, ReplicaState.LAUNCHING, ReplicaState.WAITING)
@@ -237,27 +237,22 @@ class ReplicaView:
     rebuild: bool = False  # the replacement of a failed replica
 
 
-def members_text(replica: Replica) -> str:
-    return " ".join(f"{m.node_id}:{m.rank}" for m in sorted(replica.members, key=lambda m: m.rank)) or "-"
-
-
 # Problems first: at 4,000 replicas the failed one and its replacement must not
 # be row 3,000 of the table.
 TONE_RANK = {"failing": 0, "backoff": 1, "starting": 2, "degraded": 3, "ready": 4, "gone": 5}
 
 
-def replica_order(model: ClusterModel, pattern: str = "") -> list[str]:
-    """The ids of the replicas the table lists, problems first, then by deployment and generation."""
+def replica_order(model: ClusterModel, pattern: str = "", among: list[str] | None = None) -> list[str]:
+    """The ids of the replicas the table lists, problems first, then by deployment and
+    generation; ``among``: only those (the matches of a pattern this one narrows)."""
     words = pattern.lower().split()
-    out = []
-    for r in model.replicas.values():
-        if words:
-            hay = " ".join((r.id, r.deployment, r.fabric or "", members_text(r), r.state)).lower()
-            if not all(w in hay for w in words):
-                continue
-        out.append(r)
-    out.sort(key=lambda r: (TONE_RANK[replica_tone(r.state)], r.deployment, r.generation, r.id))
-    return [r.id for r in out]
+    text = model.replica_text
+    ids = list(model.replicas) if among is None else [rid for rid in among if rid in model.replicas]
+    if words:
+        ids = [rid for rid in ids if all(w in text[rid][1] for w in words)]
+    reps = model.replicas
+    ids.sort(key=lambda rid: (TONE_RANK[replica_tone(reps[rid].state)], reps[rid].deployment, reps[rid].generation, rid))
+    return ids
 
 
 def replica_view(r: Replica, now: float, marks: MarkBook, rebuilding: frozenset[str] = frozenset()) -> ReplicaView:
@@ -266,7 +261,7 @@ def replica_view(r: Replica, now: float, marks: MarkBook, rebuilding: frozenset[
         id=r.id,
         deployment=r.deployment,
         fabric=r.fabric or "-",
-        members=members_text(r),
+        members=members_text(r),  # one row: cheap enough
         state=r.state,
         age=age_since(r.since, now),
         reason=r.reason,

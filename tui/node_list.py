@@ -90,6 +90,8 @@ class NodeList(VirtualList):
         self.matched = 0  # rows matching the filter
         self.lines: list[tuple[str, str]] = []  # (fabric, node id); node id "" for a fabric's header
         self.heads: list[int] = []  # the indices of the header lines
+        self.matched_rows: list[tuple[bool, str, str]] = []
+        self._versions = (-1, -1)  # the model's (order, facts) versions the lines were built from
         self.name_width = 8
         self._drawn_width = 0
 
@@ -98,11 +100,17 @@ class NodeList(VirtualList):
 
     # -- the lines --------------------------------------------------------------
 
-    def rebuild(self, pattern: str) -> None:
-        """Lines from the model's rows (those matching ``pattern``); the cursor stays on its node."""
+    def rebuild(self, pattern: str, narrow: bool = False) -> None:
+        """Lines from the model's rows (those matching ``pattern``); the cursor stays on its node.
+
+        ``narrow``: ``pattern`` only narrows the last one (a letter typed on), so when
+        no row came, went or changed its facts since, only the last matches are searched."""
         keep = self.current()
+        versions = (self.model.versions["order"], self.model.versions["facts"])
+        among = self.matched_rows if narrow and versions == self._versions else None
         self.pattern = pattern
-        rows = self.model.matching_rows(pattern)
+        rows = self.model.matching_rows(pattern, among)
+        self.matched_rows, self._versions = rows, versions
         lines: list[tuple[str, str]] = []
         heads: list[int] = []
         fabric = None
@@ -114,7 +122,7 @@ class NodeList(VirtualList):
             lines.append((fab, node))
         self.lines, self.heads = lines, heads
         self.matched = len(rows)
-        self.name_width = max(8, *(len(n) for n in self.model.nodes)) if self.model.nodes else 8
+        self.name_width = max(8, self.model.name_width)
         if keep is not None and keep in lines:
             self.cursor = lines.index(keep)
         elif pattern:
@@ -126,12 +134,13 @@ class NodeList(VirtualList):
             self.cursor_moved()
 
     def update(self, changes: Changes, now: float) -> None:
-        """A frame: redraw if any row on screen changed (or the clock moved the ages)."""
+        """A frame: redraw the rows on screen whose node changed (and the headers, when counts did)."""
         self.now = now
-        shown = {node for _, node in self.lines[self.top : self.top + self.height]}
-        small, large = (changes.nodes, shown) if len(changes.nodes) < len(shown) else (shown, changes.nodes)
-        if any(n in large for n in small) or changes.totals:
-            self.refresh()
+        top = self.top
+        for y, (_, node) in enumerate(self.lines[top : top + self.height]):
+            if (node and node in changes.nodes) or (not node and changes.totals):
+                self.refresh_line(top + y)
+        if changes.totals:
             self._titles()
 
     def tick(self, now: float) -> None:

@@ -81,19 +81,24 @@ class ReplicaList(VirtualList):
         self.backoffs: tuple[ReplicaView, ...] = ()
         self.rebuilding: frozenset[str] = frozenset()
         self.widths = [len(c) for c in COLUMNS]
+        self._version = -1  # the model's replicas version the rows were built from
 
-    def rebuild(self, pattern: str, rebuilding: frozenset[str], now: float) -> None:
+    def rebuild(self, pattern: str, rebuilding: frozenset[str], now: float, narrow: bool = False) -> None:
+        """The rows again (``narrow``: as NodeList.rebuild)."""
         keep = self.current_id()
         self.now, self.rebuilding = now, rebuilding
-        self.ids = replica_order(self.model, pattern)
+        version = self.model.versions["replicas"]
+        self.ids = replica_order(self.model, pattern, self.ids if narrow and version == self._version else None)
+        self._version = version
         self.backoffs = backoff_views(self.model, now, pattern)
         reps = [self.model.replicas[rid] for rid in self.ids]
+        text = self.model.replica_text
         self.widths = [
             3,
             max([len(COLUMNS[1]), *(len(r.id) for r in reps), *(len(b.id) for b in self.backoffs)]),
             max([len(COLUMNS[2]), *(len(r.deployment) for r in reps), *(len(b.deployment) for b in self.backoffs)]),
             max([len(COLUMNS[3]), 1, *(len(r.fabric or "-") for r in reps)]),
-            max([len(COLUMNS[4]), 1, *(len(" ".join(f"{m.node_id}:{m.rank}" for m in r.members)) for r in reps)]),
+            max([len(COLUMNS[4]), 1, *(len(text[r.id][0]) for r in reps)]),
             max([len(COLUMNS[5]), *(len(r.state) + 2 for r in reps), *(len(b.state) + 2 for b in self.backoffs)]),  # "↻ launching"
             AGE_WIDTH,
             len(COLUMNS[7]),
@@ -155,9 +160,9 @@ class ReplicasPanel(Vertical):
         self.border_title = "Replicas"
         self.border_subtitle = "no replicas"
 
-    def rebuild(self, pattern: str, rebuilding: frozenset[str], now: float) -> None:
-        self.list.rebuild(pattern, rebuilding, now)
-        self.head.update(self.list.header())
+    def rebuild(self, pattern: str, rebuilding: frozenset[str], now: float, narrow: bool = False) -> None:
+        self.list.rebuild(pattern, rebuilding, now, narrow)
+        self.head.update(self.list.header(), layout=False)  # one line, always
         if pattern:
             total = len(self.model.replicas)
             self.border_subtitle = f"{self.list.count:,} of {total:,} match" if self.list.count else "no replica matches"

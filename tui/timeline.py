@@ -39,21 +39,16 @@ MAX_REPLICA_KEYS = 50_000  # replicas whose events are indexed (the oldest forgo
 _WORD = re.compile(r"[\w-]+")
 
 
-@dataclass(eq=False)
 class Seen:
-    """One event as the timeline holds it, numbered in arrival (stream) order."""
+    """One event as the timeline holds it, numbered in arrival (stream) order, with
+    what a filter searches (kind, subject, verb and detail, lower case) made once."""
 
-    event: Event
-    seq: int
-    _hay: str = ""
+    __slots__ = ("event", "hay", "seq")
 
-    @property
-    def hay(self) -> str:
-        """What a filter searches: kind, subject, verb and detail, lower case."""
-        if not self._hay:
-            e = self.event
-            self._hay = f"{e.kind} {e.subject} {e.what} {e.detail}".lower()
-        return self._hay
+    def __init__(self, event: Event, seq: int) -> None:
+        self.event = event
+        self.seq = seq
+        self.hay = f"{event.kind} {event.subject} {event.what} {event.detail}".lower()
 
 
 @dataclass(eq=False)
@@ -111,6 +106,7 @@ class Timeline:
         self.nodes = nodes  # known node ids: a detail naming one files the event under it
         self.entries: deque[Entry] = deque()
         self.held = 0  # events held (singles and herd members)
+        self.told = 0  # stories told among the entries
         self.seq = 0
         self.version = 0  # bumped on every change the panel may show
         self.stories = StoryBook()
@@ -143,6 +139,7 @@ class Timeline:
         told = self.stories.add(ev)
         if told is not None:
             self.entries.append(Told(told))
+            self.told += 1
         self._trim()
         return told
 
@@ -180,6 +177,8 @@ class Timeline:
             self.entries.popleft()
             if isinstance(head, Single):
                 self.held -= 1
+            elif isinstance(head, Told):
+                self.told -= 1
 
     def _index(self, seen: Seen) -> None:
         ev = seen.event
@@ -235,25 +234,39 @@ class Timeline:
 # --------------------------------------------------------------------------
 
 
-def event_lines(timeline: Timeline, pattern: str = "", expand: bool = False) -> list[tuple[str, object]]:
+def event_lines(timeline: Timeline, pattern: str = "", expand: bool = False, among: list[tuple[str, object]] | None = None) -> list[tuple[str, object]]:
     """What the events panel lists, oldest first: ("event", Seen), ("herd", Herd),
     ("member", Seen) under an expanded herd, ("story", Told).
 
-    A filter searches events one by one, herd members included, and the stories.
+    A filter searches events one by one, herd members included, and the stories;
+    ``among``: only those lines (the matches of a pattern this one narrows).
     """
     words = pattern.lower().split()
+    if among is not None and words:
+        return [(k, item) for k, item in among if all(w in _hay(item) for w in words)]
     out: list[tuple[str, object]] = []
+    one = words[0] if len(words) == 1 else None  # typed letter by letter: no generator per event
     for entry in timeline.entries:
         if isinstance(entry, Single):
             if all(w in entry.seen.hay for w in words):
                 out.append(("event", entry.seen))
         elif isinstance(entry, Herd):
-            if words:
+            if one is not None:
+                out.extend([("event", s) for s in entry.members if one in s.hay])
+            elif words:
                 out.extend(("event", s) for s in entry.members if all(w in s.hay for w in words))
             else:
                 out.append(("herd", entry))
                 if expand:
                     out.extend(("member", s) for s in entry.members)
-        elif not words or all(w in entry.story.text().lower() for w in words):
+        elif not words or all(w in _hay(entry) for w in words):
             out.append(("story", entry))
     return out
+
+
+def _hay(item: object) -> str:
+    if isinstance(item, Seen):
+        return item.hay
+    if isinstance(item, Told):
+        return item.story.text().lower()
+    return ""

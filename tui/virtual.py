@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
 from textual import events
 from textual.binding import Binding, BindingType
@@ -52,6 +52,7 @@ class VirtualList(ScrollView, can_focus=True):
         super().__init__(**kw)
         self.count = 0
         self.cursor = 0
+        self._base_style: Style | None = None
 
     # -- what subclasses provide ------------------------------------------------
 
@@ -84,23 +85,34 @@ class VirtualList(ScrollView, can_focus=True):
                 self.cursor = self._step(self.cursor, +1) if self._step(self.cursor, +1) != self.cursor else self._step(self.cursor, -1)
         self.refresh()
 
+    @property
+    def base_style(self) -> Style:
+        """The widget's own style (its background, its colour), computed once per CSS change:
+        ``rich_style`` walks every ancestor, and a frame asks for it per line."""
+        if self._base_style is None:
+            self._base_style = self.rich_style
+        return self._base_style
+
+    def notify_style_update(self) -> None:
+        self._base_style = None
+        super().notify_style_update()
+
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width
         index = self.top + y
-        style = self.rich_style
+        style = self.base_style
         if index >= self.count or width <= 0:
             return Strip.blank(width, style)
-        text = self.line_text(index, width - len(GUTTER) if self.HAS_CURSOR else width)
         if self.HAS_CURSOR:
             on = index == self.cursor and (self.has_focus or self.CURSOR_WHEN_BLURRED)
-            text = Text(CURSOR if on else GUTTER) + text
+            text = Text(CURSOR if on else GUTTER, no_wrap=True, overflow="ellipsis")
+            text.append_text(self.line_text(index, width - len(GUTTER)))
             if on:
-                cls = "virtual-list--cursor" if self.has_focus else "virtual-list--cursor-blurred"
-                text.stylize(self.get_component_rich_style(cls))
-        text.stylize_before(style)
+                text.stylize(self.get_component_rich_style("virtual-list--cursor" if self.has_focus else "virtual-list--cursor-blurred"))
+        else:
+            text = self.line_text(index, width)
         text.truncate(width, overflow="ellipsis")
-        segments = list(text.render(self.app.console))
-        return Strip(segments).crop_extend(0, width, style).simplify() if segments else Strip([Segment(" " * width, style)])
+        return Strip(text.render(self.app.console)).crop_extend(0, width, style).apply_style(style)
 
     def visible_lines(self) -> list[str]:
         """The lines on screen, as plain text (what the screen shows of this widget)."""

@@ -1,0 +1,754 @@
+"""Console benchmark: ``llmgw tui`` in a real terminal, against a cluster of N nodes and R replicas.
+
+Not a test: it prints figures (and ``--json FILE`` writes them, with the
+control plane's). Run from the repository root with the project's virtual
+environment::
+
+    python bench/console.py                                  # 2,000 nodes x 8 GPUs, 1,000 replicas
+    python bench/console.py --nodes 10000 --replicas 4000    # 80,000 GPUs
+    python bench/console.py --nodes 20 --replicas 5 --steady 3s --node-lost-after 3s \\
+        --heartbeat 0.5s --rounds 1 --lease-nodes 3 --lease-cycles 1   # smoke, about a minute
+
+The cluster is ``bench/control_plane.py``'s, built by its own code (every one
+of its flags works here: ``--nodes``, ``--replicas``, ``--heartbeat``,
+``--steady``, ``--until``, ``--no-restart``, ``--dir``, ``--json`` …): a
+real nats-server, the registry, health monitor and scheduler as processes,
+and one simulated agent per node, each on its own TLS connection.
+
+The console is the real one, ``python -m llmgw.services tui --config
+DIR/config/operator.yaml``, in a ``--size`` (200x50) tmux session on a tmux
+server of the bench's own; the bench types into it (``send-keys``) and reads
+the screen back (``capture-pane``) through one tmux control-mode client, so a
+key's latency is from the key sent to the terminal showing its result, as an
+operator sees it. It is started before the agents connect, as an operator who
+opens it during a bring-up would.
+
+What it measures, each phase reported with the machine's load average:
+
+1. bring-up: the console's CPU while 10,000 agents connect and register, and
+   how long after the last lease was ready the screen shows every node ready;
+2. steady state (heartbeats only): the console's CPU and RSS over the control
+   plane bench's steady window, nothing pressed; then ``--rounds`` rounds of
+   keys (below), real cordon and uncordon included; then the lag from a lease
+   change on the bus (the time the server stored it) to its row on screen: the
+   nodes on the first page are taken to suspect and back, ``--lease-nodes``
+   at once, ``--lease-cycles`` times each (a node's agent stops
+   heartbeating until its lease turns suspect, then resumes);
+3. placement of ``--replicas`` replicas: the console's CPU, and keys pressed
+   throughout (cordon asked and cancelled, not sent); then its CPU idle with
+   every replica placed;
+4. the nats-server restart and the herd of agents reconnecting: the same.
+
+Keys, one round: Home, Down x10 (scroll), PageDown x3 and PageUp (page), End
+and Left (jump), ``/`` and a node's name typed letter by letter, Enter (filter:
+each letter until the list title says so), Enter (node detail), Esc (back),
+``c`` (cordon asked), ``y`` or ``n``, ``u`` ``y`` (steady only), ``/`` Esc
+(filter cleared). Esc is reported apart: Textual delivers a lone Esc only
+after ``ESCDELAY`` (100 ms) with no further byte, since Esc also begins a
+key's escape sequence — a terminal convention, not the console's time.
+
+Targets (at 10,000 nodes x 8 GPUs, 4,000 replicas; 2 cores): the console
+<= 10 % of one core in steady state; <= 300 MB RSS; every key answered
+<= 100 ms p99 in steady state and <= 250 ms p99 during placement and the
+restart herd; a lease change on screen within 1 s p99.
+
+tmux is installed with apt-get when missing (as root); everything started is
+stopped on exit, Ctrl-C or failure (``llmgw down --dir DIR`` if this process
+is killed outright; the tmux server is named ``llmgw-console-bench-PID``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import control_plane as cp
+
+from llmgw.shared import subjects as S
+from llmgw.shared.durations import format_duration
+from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared.schemas import Lease
+
+TARGETS = {"steady_cpu_pct": 10.0, "rss_mib": 300.0, "key_p99_s": 0.100, "busy_key_p99_s": 0.250, "lease_p99_s": 1.0}
+KEY_TIMEOUT = 15.0  # a key whose result is not on screen by then counts as this long
+POLL = 0.005  # seconds between two looks at the screen while a key is out
+PAUSE = 0.05  # between two keys, as a fast typist
+ESC_KINDS = ("back (Esc)", "filter cleared (Esc)")
+
+
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load {one:.2f}/{five:.2f}"
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
+
+
+def rss_mib(pid: int) -> float:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+# --------------------------------------------------------------------------
+# A real terminal: tmux, driven through one control-mode client
+# --------------------------------------------------------------------------
+
+
+def ensure_tmux() -> str:
+    """tmux's path; installed with apt-get when missing and this process may."""
+    path = shutil.which("tmux")
+    if path:
+        return path
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        print("tmux not found: installing it (apt-get install -y tmux)", flush=True)
+        subprocess.run(["apt-get", "install", "-y", "-q", "tmux"], check=False, stdout=subprocess.DEVNULL)
+        if (path := shutil.which("tmux")) is None:
+            subprocess.run(["apt-get", "update", "-q"], check=False, stdout=subprocess.DEVNULL)
+            subprocess.run(["apt-get", "install", "-y", "-q", "tmux"], check=False, stdout=subprocess.DEVNULL)
+            path = shutil.which("tmux")
+    if path is None:
+        raise cp.BenchError("tmux is needed (the console runs in a real terminal): install it, e.g. 'apt-get install -y tmux'")
+    return path
+
+
+class Terminal:
+    """A ``width`` x ``height`` tmux session running one command, on a tmux server of its own."""
+
+    def __init__(self, root: Path, width: int, height: int) -> None:
+        self.root = root
+        self.width, self.height = width, height
+        self.socket = f"llmgw-console-bench-{os.getpid()}"
+        self.conf = root / "tmux.conf"
+        self.tmux = ensure_tmux()
+        self.client: asyncio.subprocess.Process | None = None
+        self.replies: asyncio.Queue[tuple[bool, list[str]]] = asyncio.Queue()
+        self.lock = asyncio.Lock()
+        self.reader: asyncio.Task | None = None
+        self.pid = 0
+
+    def argv(self, *args: str) -> list[str]:
+        return [self.tmux, "-L", self.socket, "-f", str(self.conf), *args]
+
+    async def start(self, command: list[str], env: dict[str, str]) -> int:
+        # No status line (the whole window is the console's), a fixed size whoever
+        # attaches, and a pane that stays after its process ends (to read why).
+        # (tmux 3.3a's server exits at start with window-size in its configuration: set after.)
+        self.conf.write_text(
+            f"set -g status off\nset -g default-size {self.width}x{self.height}\nsetw -g remain-on-exit on\nset -g history-limit 100\nset -g escape-time 0\n"
+        )
+        shell = "exec env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(command)
+        await self._run("new-session", "-d", "-s", "console", "-x", str(self.width), "-y", str(self.height), shell)
+        await self._run("set-option", "-w", "-t", "console", "window-size", "manual")
+        self.pid = int((await self._run("display-message", "-p", "-t", "console", "#{pane_pid}")).strip())
+        self.client = await asyncio.create_subprocess_exec(
+            *self.argv("-C", "attach-session", "-t", "console"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
+        self.reader = asyncio.create_task(self._read())
+        # The attach's own reply comes first: read up to a marker of ours.
+        async with self.lock:
+            self._write("display-message -p llmgw-sync")
+            while True:
+                _, lines = await asyncio.wait_for(self.replies.get(), 10)
+                if "llmgw-sync" in lines:
+                    break
+        await self.command("refresh-client -f no-output")
+        return self.pid
+
+    async def _run(self, *args: str) -> str:
+        p = await asyncio.create_subprocess_exec(*self.argv(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = await p.communicate()
+        if p.returncode:
+            raise cp.BenchError(f"tmux {' '.join(args[:2])}: {err.decode(errors='replace').strip()}")
+        return out.decode()
+
+    async def _read(self) -> None:
+        assert self.client is not None and self.client.stdout is not None
+        block: list[str] | None = None
+        while line := await self.client.stdout.readline():
+            text = line.decode(errors="replace").rstrip("\n")
+            if block is None:
+                if text.startswith("%begin"):
+                    block = []
+                continue  # notifications (%output, %session-changed, …) between replies
+            if text.startswith("%end") or text.startswith("%error"):
+                self.replies.put_nowait((text.startswith("%end"), block))
+                block = None
+            else:
+                block.append(text)
+
+    def _write(self, line: str) -> None:
+        assert self.client is not None and self.client.stdin is not None
+        self.client.stdin.write((line + "\n").encode())
+
+    async def command(self, line: str) -> list[str]:
+        async with self.lock:
+            self._write(line)
+            ok, lines = await asyncio.wait_for(self.replies.get(), 10)
+        if not ok:
+            raise cp.BenchError(f"tmux {line!r}: {' '.join(lines)}")
+        return lines
+
+    async def screen(self) -> str:
+        return "\n".join(await self.command("capture-pane -p -t console"))
+
+    async def keys(self, *keys: str) -> None:
+        """Key names as tmux knows them (Down, PageDown, Enter, Escape, …)."""
+        await self.command("send-keys -t console " + " ".join(shlex.quote(k) for k in keys))
+
+    async def text(self, text: str) -> None:
+        await self.command("send-keys -t console -l " + shlex.quote(text))
+
+    async def dead(self) -> bool:
+        return (await self.command("display-message -p -t console '#{pane_dead}'")) == ["1"]
+
+    async def close(self) -> None:
+        with contextlib.suppress(cp.BenchError):
+            await self._run("kill-server")
+        if self.client is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.client.kill()
+            await self.client.wait()
+        if self.reader is not None:
+            self.reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.reader
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------
+# Reading the console's screen
+# --------------------------------------------------------------------------
+
+_CURSOR = re.compile(r"│▶ (node\d+) ")
+
+
+def cursor_node(screen: str) -> str:
+    m = _CURSOR.search(screen)
+    return m.group(1) if m else ""
+
+
+def row_state(screen: str, node: str) -> str:
+    """A node's state word in its row of the node list ('' when not on screen)."""
+    m = re.search(rf"│[▶ ] {re.escape(node)} +(ready|suspect|lost|cordoned|draining|unknown) ", screen)
+    return m.group(1) if m else ""
+
+
+def rows_shown(screen: str) -> list[str]:
+    return re.findall(r"│[▶ ] (node\d+) +(?:ready|suspect|lost|cordoned|draining|unknown) ", screen)
+
+
+# --------------------------------------------------------------------------
+# The bench
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Keys:
+    """Key latencies by kind (seconds), and the keys whose result never showed."""
+
+    by_kind: dict[str, list[float]] = field(default_factory=dict)
+    missed: list[str] = field(default_factory=list)
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.by_kind.setdefault(kind, []).append(seconds)
+
+    def keys(self) -> list[float]:
+        """Every key but Esc (delivered only after ESCDELAY) and the bus round trips."""
+        return [s for k, v in self.by_kind.items() if k not in ESC_KINDS and "round trip" not in k for s in v]
+
+    def figures(self) -> dict:
+        out = {k: {"n": len(v), "p50_s": percentile(v, 50), "p99_s": percentile(v, 99), "max_s": max(v)} for k, v in self.by_kind.items()}
+        every = self.keys()
+        out["keys"] = {"n": len(every), "p50_s": percentile(every, 50), "p99_s": percentile(every, 99), "max_s": max(every, default=float("nan"))}
+        out["missed"] = self.missed
+        return out
+
+
+class ConsoleBench(cp.Bench):
+    def __init__(self, args, root: Path) -> None:
+        super().__init__(args, root)
+        self.term = Terminal(root, *args.size)
+        self.console_pid = 0
+        self.con: dict = {"size": f"{args.size[0]}x{args.size[1]}"}
+        self.order: list[tuple[str, str]] = []  # (fabric, node) as the console lists them
+
+    # -- the console ------------------------------------------------------------
+
+    def cpu(self) -> float:
+        return cp.cpu_seconds(self.console_pid)
+
+    async def check_console(self) -> None:
+        if await self.term.dead():
+            screen = await self.term.screen()
+            raise cp.BenchError(f"the console exited; its terminal shows:\n{screen[-3000:]}")
+
+    async def connect_agents(self) -> dict[str, float]:
+        """Start the console first, as an operator opening it during a bring-up."""
+        self.order = sorted((ag.fabric, ag.node_id) for ag in self.agents)
+        config = self.root / "config" / "operator.yaml"
+        env = {"TERM": os.environ.get("TERM", "xterm-256color") if os.environ.get("TERM", "dumb") != "dumb" else "xterm-256color", "LLMGW_CONFIG": str(config)}
+        self.console_pid = await self.term.start([sys.executable, "-m", "llmgw.services", "tui", "--config", str(config)], env)
+        self.out(f"the console runs in a {self.con['size']} tmux terminal (pid {self.console_pid}), before any agent connects; {load()}")
+        self.t_console = time.monotonic()
+        self.c_console = self.cpu()
+        return await super().connect_agents()
+
+    async def caught_up(self) -> None:
+        """Until the screen says every node is ready: the console has folded the bring-up."""
+        n = len(self.agents)
+        want = f"{n:,} nodes ({n:,} ready)"
+        t = time.monotonic()
+        while want not in (screen := await self.term.screen()):
+            await self.check_console()
+            if time.monotonic() - t > 300:
+                raise cp.BenchError(f"the console did not show {want!r} within 300 s; it shows:\n{screen}")
+            await asyncio.sleep(0.05)
+        span = time.monotonic() - self.t_console
+        self.con["bringup_cpu_pct"] = 100 * (self.cpu() - self.c_console) / span
+        self.con["bringup_rss_mib"] = rss_mib(self.console_pid)
+        self.con["caught_up_s"] = time.monotonic() - t
+        self.out(
+            f"console: every node ready on screen {self.con['caught_up_s']:.2f}s after the bench saw it; during the bring-up "
+            f"it used {self.con['bringup_cpu_pct']:.1f}% of a core and holds {self.con['bringup_rss_mib']:.0f} MiB; {load()}"
+        )
+
+    async def measure(self, name: str, work) -> float:
+        """The console's CPU (% of one core) while ``work`` runs."""
+        c0, t0 = self.cpu(), time.monotonic()
+        l0 = load()
+        await work
+        pct = 100 * (self.cpu() - c0) / (time.monotonic() - t0)
+        self.con[f"{name}_cpu_pct"] = pct
+        self.con[f"{name}_rss_mib"] = rss_mib(self.console_pid)
+        self.con[f"{name}_load"] = f"{l0} -> {load()}"
+        self.out(f"console, {name}: {pct:.1f}% of one core over {time.monotonic() - t0:.0f}s, {self.con[f'{name}_rss_mib']:.0f} MiB ({l0} -> {load()})")
+        return pct
+
+    # -- keys -------------------------------------------------------------------
+
+    async def key(self, keys: Keys, kind: str, send: Callable, shows: Callable[[str], bool]) -> str:
+        t0 = time.monotonic()
+        await send()
+        while True:
+            screen = await self.term.screen()
+            if shows(screen):
+                keys.add(kind, time.monotonic() - t0)
+                await asyncio.sleep(PAUSE)
+                return screen
+            if time.monotonic() - t0 > KEY_TIMEOUT:
+                keys.add(kind, KEY_TIMEOUT)
+                keys.missed.append(kind)
+                self.out(f"  {kind}: not on screen after {KEY_TIMEOUT:.0f}s; the screen:\n{screen}")
+                await self.check_console()
+                return screen
+            await asyncio.sleep(POLL)
+
+    async def round(self, keys: Keys, target: str, *, confirm: bool) -> None:
+        order = [node for _, node in self.order]
+        first_of = {}
+        for fabric, node in self.order:
+            first_of.setdefault(fabric, node)
+        fabrics = list(first_of)
+        t = self.term
+
+        def press(*k):
+            return lambda: t.keys(*k)
+
+        await self.key(keys, "jump (Home)", press("Home"), lambda s: cursor_node(s) == order[0])
+        for i in range(1, 11):
+            await self.key(keys, "scroll (Down)", press("Down"), lambda s, i=i: cursor_node(s) == order[i])
+        for k in ("PageDown", "PageDown", "PageDown", "PageUp"):
+            before = cursor_node(await t.screen())
+            await self.key(keys, f"page ({k})", press(k), lambda s, b=before: cursor_node(s) not in ("", b))
+        await self.key(keys, "jump (End)", press("End"), lambda s: cursor_node(s) == order[-1])
+        if len(fabrics) > 1:
+            await self.key(keys, "jump (Left: fabric)", press("Left"), lambda s: cursor_node(s) == first_of[fabrics[-2]])
+        await self.key(keys, "filter", press("/"), lambda s: "filter: words to match" in s)
+        for j in range(len(target)):
+            await self.key(keys, "filter", lambda j=j: t.text(target[j]), lambda s, typed=target[: j + 1]: f'Nodes matching "{typed}"' in s)
+        await self.key(keys, "filter", press("Enter"), lambda s: cursor_node(s) == target)
+        await self.key(keys, "detail (Enter)", press("Enter"), lambda s: f"╭─ node {target} " in s and "lease " in s)
+        await self.key(keys, "back (Esc)", press("Escape"), lambda s: f"╭─ node {target} " not in s and cursor_node(s) == target)
+        await self.key(keys, "cordon (c)", press("c"), lambda s: f"Cordon {target}?" in s)
+        if confirm:
+            t0 = time.monotonic()
+            await self.key(keys, "cordon (y)", press("y"), lambda s: f"Cordon {target}?" not in s)
+            await self.key(keys, "cordon round trip (y -> row cordoned, via the registry)", _noop, lambda s: row_state(s, target) == "cordoned")
+            keys.by_kind["cordon round trip (y -> row cordoned, via the registry)"][-1] = time.monotonic() - t0 - PAUSE
+            await self.key(keys, "cordon (u)", press("u"), lambda s: f"Uncordon {target}?" in s)
+            t0 = time.monotonic()
+            await self.key(keys, "cordon (y)", press("y"), lambda s: f"Uncordon {target}?" not in s)
+            await self.key(keys, "cordon round trip (y -> row cordoned, via the registry)", _noop, lambda s: row_state(s, target) == "ready")
+            keys.by_kind["cordon round trip (y -> row cordoned, via the registry)"][-1] = time.monotonic() - t0 - PAUSE
+        else:
+            await self.key(keys, "cordon (n)", press("n"), lambda s: f"Cordon {target}?" not in s)
+        await t.keys("/")
+        await asyncio.sleep(PAUSE)
+        await self.key(keys, "filter cleared (Esc)", press("Escape"), lambda s: "Nodes matching" not in s and "Nodes · " in s)
+
+    def targets(self) -> list[str]:
+        """A node to filter for in each round: the next to last first (node09999 at 10,000), then spread out."""
+        order = [node for _, node in self.order]
+        picks = [order[-2], order[len(order) // 2], order[len(order) // 3], order[1]]
+        return picks
+
+    async def rounds(self, keys: Keys, *, n: int | None = None, until: asyncio.Task | None = None, confirm: bool) -> None:
+        """``n`` rounds, or rounds until ``until`` is done (at least one)."""
+        targets = self.targets()
+        k = 0
+        while True:
+            await self.round(keys, targets[k % len(targets)], confirm=confirm)
+            k += 1
+            if (n is not None and k >= n) or (until is not None and until.done()):
+                return
+
+    def report_keys(self, name: str, keys: Keys) -> None:
+        fig = keys.figures()
+        self.con[f"{name}_keys"] = fig
+        every = fig["keys"]
+        self.out(
+            f"console, {name}: {every['n']} keys answered p50 {1000 * every['p50_s']:.0f} ms, p99 {1000 * every['p99_s']:.0f} ms, max {1000 * every['max_s']:.0f} ms"
+        )
+        for kind, f in fig.items():
+            if kind in ("keys", "missed"):
+                continue
+            self.out(f"  {kind:58s} n={f['n']:4d}  p50 {1000 * f['p50_s']:6.0f} ms  p99 {1000 * f['p99_s']:6.0f} ms  max {1000 * f['max_s']:6.0f} ms")
+        if keys.missed:
+            self.out(f"  not shown within {KEY_TIMEOUT:.0f}s: {', '.join(keys.missed)}")
+
+    # -- a lease change on screen ---------------------------------------------------
+
+    async def lease_lag(self) -> None:
+        """Nodes on the first page go suspect and back; the lag is from the server storing
+        each lease to its row showing the new state."""
+        a = self.args
+        await self.term.keys("Home")
+        await asyncio.sleep(0.5)
+        shown = rows_shown(await self.term.screen())
+        nodes = [n for n in shown if not self.fleet.views[n].silent][: a.lease_nodes]
+        if not nodes:
+            raise cp.BenchError("no node row on screen to change")
+        kv = await open_bucket(self.js, S.BUCKET_LEASES)
+        mirror: KvMirror = KvMirror(kv, Lease)
+        stored: dict[str, list[tuple[str, float]]] = {n: [] for n in nodes}  # node -> (state, server time) of each write
+        changed = asyncio.Event()
+
+        def on_lease(key, old, new):
+            if key in stored and new is not None and mirror.entry is not None and (old is None or old.state != new.state):
+                stored[key].append((new.state, mirror.entry.created.timestamp()))
+                changed.set()
+
+        mirror.listeners.append(on_lease)
+        await mirror.start(timeout=60)
+        samples: list[float] = []
+        pending: dict[str, tuple[str, float, asyncio.Event]] = {}  # node -> (state expected on screen, stored at, shown)
+
+        async def watch_screen(stop: asyncio.Event) -> None:
+            while not stop.is_set() or pending:
+                screen = await self.term.screen()
+                now = time.time()
+                for node, (state, at, shown) in list(pending.items()):
+                    if row_state(screen, node) == state:
+                        samples.append(now - at)
+                        del pending[node]
+                        shown.set()
+                await asyncio.sleep(POLL)
+
+        async def cycle(node: str, delay: float) -> None:
+            await asyncio.sleep(delay)
+            for _ in range(a.lease_cycles):
+                for want, act in (("suspect", self.fleet.silence), ("ready", self.fleet.resume)):
+                    seen = len(stored[node])
+                    await act(node)
+                    deadline = time.monotonic() + a.node_lost_after + 30
+                    while not any(s == want for s, _ in stored[node][seen:]):
+                        if time.monotonic() > deadline:
+                            raise cp.BenchError(f"{node}'s lease did not turn {want}")
+                        changed.clear()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(changed.wait(), 0.5)
+                    state, at = next((s, t) for s, t in stored[node][seen:] if s == want)
+                    shown = asyncio.Event()
+                    pending[node] = (state, at, shown)
+                    await asyncio.wait_for(shown.wait(), 60)
+
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch_screen(stop))
+        l0 = load()
+        try:
+            spread = a.heartbeat
+            await asyncio.gather(*(cycle(n, spread * i / len(nodes)) for i, n in enumerate(nodes)))
+        finally:
+            stop.set()
+            await asyncio.wait_for(watcher, 30)
+            await mirror.stop()
+        self.con["lease_lag"] = {
+            "n": len(samples),
+            "p50_s": percentile(samples, 50),
+            "p99_s": percentile(samples, 99),
+            "max_s": max(samples),
+            "load": f"{l0} -> {load()}",
+        }
+        f = self.con["lease_lag"]
+        self.out(
+            f"console: a lease change (server store -> its row on screen), {len(nodes)} nodes to suspect and back {a.lease_cycles}x: "
+            f"n={f['n']} p50 {1000 * f['p50_s']:.0f} ms, p99 {1000 * f['p99_s']:.0f} ms, max {1000 * f['max_s']:.0f} ms ({l0} -> {load()})"
+        )
+
+    # -- phases -----------------------------------------------------------------
+
+    async def run(self) -> None:
+        until = cp.PHASES.index(self.args.until)
+        try:
+            await self.bring_up()
+            await self.caught_up()
+            if until >= cp.PHASES.index("steady"):
+                await self.steady_phase()
+            if until >= cp.PHASES.index("placement"):
+                await self.placement_phase()
+            if until >= cp.PHASES.index("restart") and self.args.restart and self.args.nats_servers == 1:
+                await self.restart_phase()
+            self.con["rss_peak_mib"] = cp.peak_mib(self.console_pid)
+            self.out(f"console: peak RSS {self.con['rss_peak_mib']:.0f} MiB")
+        finally:
+            with contextlib.suppress(Exception):
+                self.con.setdefault("rss_peak_mib", cp.peak_mib(self.console_pid))
+            await self.term.close()
+            t = time.monotonic()
+            await self.close()
+            self.out(f"closed {len(self.agents)} agent connections in {time.monotonic() - t:.1f}s")
+
+    async def steady_phase(self) -> None:
+        await self.measure("steady", self.steady())
+        await self.check_console()
+        keys = Keys()
+        l0 = load()
+        await self.rounds(keys, n=self.args.rounds, confirm=True)
+        self.con["steady_keys_load"] = f"{l0} -> {load()}"
+        self.report_keys("steady", keys)
+        await self.lease_lag()
+
+    async def placement_phase(self) -> None:
+        keys = Keys()
+        placing = asyncio.create_task(self.placement_only())
+        l0 = load()
+
+        async def both():
+            await self.rounds(keys, until=placing, confirm=False)
+            await placing
+
+        await self.measure("placement", both())
+        self.con["placement_keys_load"] = f"{l0} -> {load()}"
+        self.report_keys("placement", keys)
+        await self.measure("placed", asyncio.sleep(self.args.steady))
+
+    async def placement_only(self) -> None:
+        """The control plane bench's placement phase (its own steady window after it included)."""
+        await self.placement()
+
+    async def restart_phase(self) -> None:
+        keys = Keys()
+        restarting = asyncio.create_task(self.nats_restart())
+        l0 = load()
+
+        async def both():
+            await self.rounds(keys, until=restarting, confirm=False)
+            await restarting
+
+        await self.measure("restart", both())
+        self.con["restart_keys_load"] = f"{l0} -> {load()}"
+        self.report_keys("restart", keys)
+
+
+async def _noop() -> None:
+    return None
+
+
+# --------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------
+
+
+def console_summary(args, con: dict) -> str:
+    def row(phase, what, value, target="", ok=None):
+        mark = "" if ok is None else ("ok" if ok else "MISSED")
+        return f"| {phase:10s} | {what:58s} | {value:>22s} | {target:>9s} | {mark:6s} |"
+
+    def ms(f):
+        return f"{1000 * f['p50_s']:.0f} / {1000 * f['p99_s']:.0f} ms (n={f['n']})"
+
+    lines = [
+        "",
+        "== CONSOLE SUMMARY ==",
+        f"nodes {args.nodes} x {args.gpus} GPUs, {args.replicas} replicas, terminal {con.get('size')} (tmux); {os.cpu_count()} cores",
+        f"| {'phase':10s} | {'figure':58s} | {'value':>22s} | {'target':>9s} | {'':6s} |",
+        "|" + "-" * 12 + "|" + "-" * 60 + "|" + "-" * 24 + "|" + "-" * 11 + "|" + "-" * 8 + "|",
+    ]
+    if "bringup_cpu_pct" in con:
+        lines.append(row("bring-up", "console CPU, % of one core", f"{con['bringup_cpu_pct']:.1f} %"))
+        lines.append(row("bring-up", "every node ready on screen after the bench saw it", f"{con['caught_up_s']:.2f} s"))
+    if "steady_cpu_pct" in con:
+        lines.append(
+            row(
+                "steady",
+                f"console CPU, nothing pressed ({con['steady_load']})",
+                f"{con['steady_cpu_pct']:.1f} %",
+                "<= 10 %",
+                con["steady_cpu_pct"] <= TARGETS["steady_cpu_pct"],
+            )
+        )
+        lines.append(row("steady", "console RSS", f"{con['steady_rss_mib']:.0f} MiB"))
+    for phase, target, limit in (
+        ("steady", "<= 100 ms", TARGETS["key_p99_s"]),
+        ("placement", "<= 250 ms", TARGETS["busy_key_p99_s"]),
+        ("restart", "<= 250 ms", TARGETS["busy_key_p99_s"]),
+    ):
+        fig = con.get(f"{phase}_keys")
+        if not fig:
+            continue
+        if phase != "steady":
+            lines.append(row(phase, f"console CPU, keys pressed ({con[f'{phase}_load']})", f"{con[f'{phase}_cpu_pct']:.1f} %"))
+        lines.append(row(phase, "keys p50 / p99 (every key but Esc)", ms(fig["keys"]), target, fig["keys"]["p99_s"] <= limit and not fig["missed"]))
+        for kind, f in fig.items():
+            if kind not in ("keys", "missed"):
+                lines.append(row("", f"  {kind}", ms(f)))
+    if "lease_lag" in con:
+        f = con["lease_lag"]
+        lines.append(row("steady", f"a lease change on screen p50 / p99 ({f['load']})", ms(f), "<= 1 s", f["p99_s"] <= TARGETS["lease_p99_s"]))
+    if "placed_cpu_pct" in con:
+        lines.append(row("placed", f"console CPU, every replica placed ({con['placed_load']})", f"{con['placed_cpu_pct']:.1f} %"))
+    if "rss_peak_mib" in con:
+        lines.append(row("all", "console peak RSS", f"{con['rss_peak_mib']:.0f} MiB", "<= 300 MB", con["rss_peak_mib"] * 1.048576 <= TARGETS["rss_mib"]))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\nThe cluster is")[0],
+        epilog="Every other flag is bench/control_plane.py's (see its --help): --nodes, --replicas, --steady, --until, --dir, --json …",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--size", default="200x50", help="the terminal, COLUMNSxLINES (default 200x50)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of keys in steady state (default 5, about 30 keys each)")
+    p.add_argument("--lease-nodes", type=int, default=30, help="nodes on the first page taken to suspect and back at once (default 30)")
+    p.add_argument("--lease-cycles", type=int, default=3, help="times each (default 3: two lease changes each time)")
+    own, rest = p.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        p.print_help()
+        raise SystemExit(0)
+    m = re.fullmatch(r"(\d+)x(\d+)", own.size)
+    if not m or int(m.group(1)) < 80 or int(m.group(2)) < 24:
+        p.error(f"--size {own.size!r}: COLUMNSxLINES, at least 80x24")
+    if own.rounds < 1 or own.lease_nodes < 1 or own.lease_cycles < 1:
+        p.error("--rounds, --lease-nodes and --lease-cycles: at least 1")
+    if "--floor" in rest:
+        p.error("--floor runs no control plane: there is nothing for the console to show")
+    args = cp.parse_args(rest)
+    if args.nats_servers > 1:
+        p.error("--nats-servers: the console bench runs one server (its restart phase restarts it)")
+    args.size = (int(m.group(1)), int(m.group(2)))
+    args.rounds, args.lease_nodes, args.lease_cycles = own.rounds, own.lease_nodes, own.lease_cycles
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv_full = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    args = parse_args(argv_full[1:])
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("asyncio").setLevel(logging.ERROR)
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="llmgw-consolebench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(
+        f"llmgw console bench: work dir {root} (if this process is killed: llmgw down --dir {root}; tmux -L llmgw-console-bench-{os.getpid()} kill-server)",
+        flush=True,
+    )
+    print(f"{load()} at the start; steady window {format_duration(args.steady)}", flush=True)
+    try:
+        print(cp.raise_fd_limit(args.nodes), flush=True)
+    except cp.BenchError as e:
+        print(f"FAILED: {e}", flush=True)
+        return 1
+    bench = ConsoleBench(args, root)
+    rc = 0
+
+    async def go():
+        task = asyncio.current_task()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        await bench.run()
+
+    try:
+        asyncio.run(go())
+    except KeyboardInterrupt:
+        bench.out("interrupted")
+        rc = 130
+    except asyncio.CancelledError:
+        bench.out("terminated")
+        rc = 143
+    except cp.BenchError as e:
+        bench.out(f"FAILED: {e}")
+        rc = 1
+    except Exception as e:
+        bench.out(f"FAILED: {type(e).__name__}: {e}")
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
+    finally:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            subprocess.run(bench.term.argv("kill-server"), check=False, capture_output=True)  # if run() never got to it
+            t = time.monotonic()
+            cp.stop_processes(bench.cluster)
+            bench.out(f"stopped the services and nats-server in {time.monotonic() - t:.1f}s")
+        finally:
+            signal.signal(signal.SIGINT, old)
+        if args.keep or args.dir or rc == 1:
+            print(f"work dir kept: {root} (logs in {root / 'logs'})")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    print(cp.summary(args, bench.fig, argv_full), flush=True)
+    print(console_summary(args, bench.con), flush=True)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"args": {k: v for k, v in vars(args).items()}, "cores": os.cpu_count(), "rc": rc, **bench.fig.values, "console": bench.con},
+                indent=2,
+                default=str,
+            )
+            + "\n"
+        )
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
