@@ -148,6 +148,7 @@ class Terminal:
         self.lock = asyncio.Lock()
         self.reader: asyncio.Task | None = None
         self.pid = 0
+        self.syncs = 0
 
     def argv(self, *args: str) -> list[str]:
         return [self.tmux, "-L", self.socket, "-f", str(self.conf), *args]
@@ -167,13 +168,6 @@ class Terminal:
             *self.argv("-C", "attach-session", "-t", "console"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
         )
         self.reader = asyncio.create_task(self._read())
-        # The attach's own reply comes first: read up to a marker of ours.
-        async with self.lock:
-            self._write("display-message -p llmgw-sync")
-            while True:
-                _, lines = await asyncio.wait_for(self.replies.get(), 10)
-                if "llmgw-sync" in lines:
-                    break
         await self.command("refresh-client -f no-output")
         return self.pid
 
@@ -190,7 +184,8 @@ class Terminal:
         while line := await self.client.stdout.readline():
             text = line.decode(errors="replace").rstrip("\n")
             if block is None:
-                if text.startswith("%begin"):
+                # Only answers to this client's commands (flags 1), not the attach's own.
+                if text.startswith("%begin") and text.rsplit(" ", 1)[-1] == "1":
                     block = []
                 continue  # notifications (%output, %session-changed, …) between replies
             if text.startswith("%end") or text.startswith("%error"):
@@ -204,15 +199,41 @@ class Terminal:
         self.client.stdin.write((line + "\n").encode())
 
     async def command(self, line: str) -> list[str]:
+        """Run one tmux command; its output lines.
+
+        Each command is followed by a marker of ours (``display-message -p
+        llmgw-N``): tmux answers each in a block of its own, in order, so the
+        command's answer is the block before the marker's, whatever came before it
+        (a late answer to a command that timed out)."""
         async with self.lock:
-            self._write(line)
-            ok, lines = await asyncio.wait_for(self.replies.get(), 10)
+            self.syncs += 1
+            marker = f"llmgw-{self.syncs}"
+            self._write(f"{line} ; display-message -p {marker}")
+            previous: tuple[bool, list[str]] | None = None
+            try:
+                async with asyncio.timeout(30):
+                    while True:
+                        reply = await self.replies.get()
+                        if reply[1] == [marker]:
+                            break
+                        previous = reply
+            except TimeoutError:
+                raise cp.BenchError(f"tmux did not answer {line!r} within 30s") from None
+        if previous is None:
+            raise cp.BenchError(f"tmux {line!r}: no answer before the next command's")
+        ok, lines = previous
         if not ok:
             raise cp.BenchError(f"tmux {line!r}: {' '.join(lines)}")
         return lines
 
     async def screen(self) -> str:
-        return "\n".join(await self.command("capture-pane -p -t console"))
+        for attempt in range(3):  # an answer tmux left out is asked again
+            try:
+                return "\n".join(await self.command("capture-pane -p -t console"))
+            except cp.BenchError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     async def keys(self, *keys: str) -> None:
         """Key names as tmux knows them (Down, PageDown, Enter, Escape, …)."""
@@ -238,6 +259,8 @@ class Terminal:
         if self.pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):  # a server killed outright leaves its socket
+            (Path(os.environ.get("TMUX_TMPDIR", "/tmp")) / f"tmux-{os.getuid()}" / self.socket).unlink()
 
 
 # --------------------------------------------------------------------------
@@ -497,15 +520,45 @@ class ConsoleBench(cp.Bench):
                     pending[node] = (state, at, shown)
                     await asyncio.wait_for(shown.wait(), 60)
 
+        async def progress() -> None:
+            while True:
+                await asyncio.sleep(10)
+                if watcher.done():
+                    raise cp.BenchError(f"watching the screen stopped: {watcher.exception()!r}")
+                self.out(f"  lease changes on screen so far: {len(samples)} of {2 * len(nodes) * a.lease_cycles}; waiting for {len(pending)} row(s) ({load()})")
+                if pending and os.environ.get("LLMGW_BENCH_DEBUG"):
+                    node, (state, _, _) = next(iter(pending.items()))
+                    screen = await self.term.screen()
+                    self.out(f"  {node} expected {state}, row: {[line for line in screen.splitlines() if node in line]}")
+
         stop = asyncio.Event()
         watcher = asyncio.create_task(watch_screen(stop))
         l0 = load()
+        bound = a.lease_cycles * (2 * a.node_lost_after + 2 * a.heartbeat + 60) + a.heartbeat
         try:
-            spread = a.heartbeat
-            await asyncio.gather(*(cycle(n, spread * i / len(nodes)) for i, n in enumerate(nodes)))
+            async with asyncio.timeout(bound):
+                async with asyncio.TaskGroup() as tg:  # one failing stops the others
+                    reporter = tg.create_task(progress())
+
+                    async def every_cycle() -> None:
+                        async with asyncio.TaskGroup() as cycles:
+                            for i, n in enumerate(nodes):
+                                cycles.create_task(cycle(n, a.heartbeat * i / len(nodes)))
+                        reporter.cancel()
+
+                    tg.create_task(every_cycle())
+        except TimeoutError:
+            raise cp.BenchError(f"the lease changes did not all reach the screen within {bound:.0f}s ({len(samples)} did)") from None
+        except ExceptionGroup as group:
+            first = group.exceptions[0]
+            while isinstance(first, ExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
         finally:
             stop.set()
-            await asyncio.wait_for(watcher, 30)
+            pending.clear()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watcher, 30)
             await mirror.stop()
         self.con["lease_lag"] = {
             "n": len(samples),

@@ -702,8 +702,9 @@ def test_10000_nodes_filtered_snapshot(big_server, utc, snap_compare):
 def test_10000_nodes_node_detail_snapshot(big_server, utc, snap_compare):
     async def run_before(pilot):
         await BIG_LOADED(pilot)
-        await pilot.press("slash", *"node09999", "enter")
-        await until(pilot, lambda: pilot.app.node_list.node_id, "node09999", what="node09999 under the cursor")
+        # a lost node holding a replica, with its bring-up events
+        await pilot.press("slash", *"node00006", "enter")
+        await until(pilot, lambda: pilot.app.node_list.node_id, "node00006", what="node00006 under the cursor")
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(pilot.app.screen, NodeDetail), what="its detail")
         await still(pilot)

@@ -16,6 +16,7 @@ runs in a worker of its own so the screen never freezes.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -57,6 +58,13 @@ SUBTITLE = {"connecting": "connecting …", "unreachable": "NATS unreachable", "
 
 # At most one frame per FRAME seconds: bus updates are folded as they come and drawn together.
 FRAME = 0.25
+# The cluster's records (hundreds of thousands of objects at 10,000 nodes) live as
+# long as the console. Python's full garbage collection walks every object it
+# tracks: tens to hundreds of milliseconds here, at moments no one chooses — a key
+# pressed then waited for it. So what is held after a bucket is read, and every
+# minute, is moved out of the collector's way (gc.freeze); records replaced later
+# are still freed when their last reference goes, as nothing in them is cyclic.
+FREEZE_EVERY = 60  # ticks (seconds)
 
 
 class LlmgwApp(App[None]):
@@ -99,6 +107,7 @@ class LlmgwApp(App[None]):
         self.pattern = ""
         self.selected_node = ""
         self.frames = 0
+        self.ticks = 0
         self._frame_due: asyncio.TimerHandle | None = None
         self._last_frame = 0.0
         self._rebuilding: frozenset[str] = frozenset()
@@ -141,6 +150,7 @@ class LlmgwApp(App[None]):
     def bucket_loaded(self, bucket: str, items: Mapping[str, object]) -> None:
         self.model.replace(bucket, items)
         self.loaded.add(bucket)
+        gc.freeze()
         self.frame_soon()
 
     def bucket_changed(self, bucket: str, key: str, value: object | None, stored: float | None) -> None:
@@ -154,6 +164,7 @@ class LlmgwApp(App[None]):
             self.timeline.add(ev)
         if replayed:
             self.history_loaded = True
+            gc.freeze()
         if stored is not None:
             self.lag.arrived(stored, time.time())
         self.frame_soon()
@@ -205,6 +216,9 @@ class LlmgwApp(App[None]):
 
     def tick(self) -> None:
         """Ages move on with the clock even when nothing on the bus does."""
+        self.ticks += 1
+        if self.ticks % FREEZE_EVERY == 0:
+            gc.freeze()
         now = self.clock()
         self.banner.now = now
         self.node_list.tick(now)

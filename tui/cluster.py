@@ -142,6 +142,9 @@ class ClusterModel:
         # replica -> (its members as text, what a filter searches), kept with the record
         self.replica_text: dict[str, tuple[str, str]] = {}
         self.changes = Changes()
+        # node -> how many times its row may have changed (the screen keeps drawn rows by it)
+        self.row_versions: dict[str, int] = {}
+        self.replica_versions: dict[str, int] = {}  # replica -> how many times it changed
         self.versions = Counter[str]()  # bumped per fold: "order", "facts", "replicas", ...
 
     # -- folding ------------------------------------------------------------------
@@ -172,6 +175,11 @@ class ClusterModel:
         changes, self.changes = self.changes, Changes()
         return changes
 
+    def _touch(self, node_id: str) -> None:
+        """The node's row may look different: noted for the frame, and its version moves on."""
+        self.changes.nodes.add(node_id)
+        self.row_versions[node_id] = self.row_versions.get(node_id, 0) + 1
+
     def _node(self, node_id: str, record: NodeRecord | None) -> None:
         if record is None:
             if self.nodes.pop(node_id, None) is not None:
@@ -188,7 +196,7 @@ class ClusterModel:
             self.leases[node_id] = lease
         if node_id in self.nodes:
             # A ready lease's checkpoint changes only its age: the row, not the facts.
-            self.changes.nodes.add(node_id)
+            self._touch(node_id)
             self._refresh(node_id)
 
     def _deployment(self, name: str, spec: DeploymentSpec | None) -> None:
@@ -215,8 +223,9 @@ class ClusterModel:
             self.replica_text[rid] = (members, " ".join((rid, new.deployment, new.fabric or "", members, new.state)).lower())
             self._claim(rid, new, +1, touched)
         for node_id in touched:
-            self.changes.nodes.add(node_id)
+            self._touch(node_id)
             self._refresh(node_id)
+        self.replica_versions[rid] = self.replica_versions.get(rid, 0) + 1
         self.changes.replicas = True
         self.versions["replicas"] += 1
 
@@ -260,7 +269,7 @@ class ClusterModel:
         new = self._facts(node_id, record) if record is not None else None
         if new == old:
             return
-        self.changes.nodes.add(node_id)
+        self._touch(node_id)
         self.changes.facts = True
         self.versions["facts"] += 1
         self.changes.totals = True

@@ -7,6 +7,7 @@ are drawn. ``e`` shows every event of every herd, and back.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Hashable
 
 from rich.text import Text
 from textual import events
@@ -81,6 +82,14 @@ class EventLog(VirtualList):
         self.border_title = "Events" + (" · every event" if self.expand else "") + (f' matching "{self.pattern}"' if self.pattern else "")
         story = self.timeline.current_story()
         self.border_subtitle = f"rebuilding: {story}" if story else ""
+
+    def line_key(self, index: int) -> Hashable | None:
+        kind, item = self.lines[index]
+        if isinstance(item, Seen):  # an event never changes
+            return (kind, item.seq)
+        if isinstance(item, Herd):  # a herd's line does, as it grows
+            return (kind, item.serial, item.count, self.expand)
+        return None
 
     def line_text(self, index: int, width: int) -> Text:
         kind, item = self.lines[index]

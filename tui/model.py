@@ -250,8 +250,9 @@ def replica_order(model: ClusterModel, pattern: str = "", among: list[str] | Non
     ids = list(model.replicas) if among is None else [rid for rid in among if rid in model.replicas]
     if words:
         ids = [rid for rid in ids if all(w in text[rid][1] for w in words)]
-    reps = model.replicas
-    ids.sort(key=lambda rid: (TONE_RANK[replica_tone(reps[rid].state)], reps[rid].deployment, reps[rid].generation, rid))
+    if among is None:  # the matches of a pattern narrowed are in order already
+        reps = model.replicas
+        ids.sort(key=lambda rid: (TONE_RANK[replica_tone(reps[rid].state)], reps[rid].deployment, reps[rid].generation, rid))
     return ids
 
 

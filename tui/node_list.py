@@ -9,6 +9,7 @@ sorted rows; none of them touches a widget per node, so they cost the same at
 from __future__ import annotations
 
 import bisect
+from collections.abc import Hashable
 from typing import ClassVar
 
 from rich.text import Text
@@ -164,6 +165,12 @@ class NodeList(VirtualList):
     def fabric(self) -> str:
         cur = self.current()
         return cur[0] if cur else ""
+
+    def line_key(self, index: int) -> Hashable | None:
+        fabric, node = self.lines[index]
+        if not node:
+            return None  # a header: a few, and its counts change with any row
+        return (fabric, node, self.model.row_versions.get(node, 0), self.now, self.name_width)
 
     def line_text(self, index: int, width: int) -> Text:
         fabric, node = self.lines[index]

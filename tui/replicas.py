@@ -7,6 +7,8 @@ the order (problems first) is recomputed only when a replica changed.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -126,6 +128,12 @@ class ReplicaList(VirtualList):
         if index < len(self.backoffs):
             return self.backoffs[index]
         return replica_view(self.model.replicas[self.ids[index - len(self.backoffs)]], self.now, self.marks, self.rebuilding)
+
+    def line_key(self, index: int) -> Hashable | None:
+        if index < len(self.backoffs):
+            return None
+        rid = self.ids[index - len(self.backoffs)]
+        return (rid, self.model.replica_versions.get(rid, 0), self.marks.get(rid), rid in self.rebuilding, self.now, tuple(self.widths))
 
     def line_text(self, index: int, width: int) -> Text:
         return join_cells(replica_cells(self.view(index)), self.widths)

@@ -58,6 +58,7 @@ class Single:
 
 @dataclass(eq=False)
 class Herd:
+    serial: int  # unique in the timeline: the screen keeps its drawn line by it
     kind: str
     what: str
     first: float  # event time of the first and the last member
@@ -84,6 +85,7 @@ class Herd:
 @dataclass(eq=False)
 class Told:
     story: Rebuild
+    serial: int = 0
 
 
 Entry = Single | Herd | Told
@@ -138,7 +140,7 @@ class Timeline:
         self.held += 1
         told = self.stories.add(ev)
         if told is not None:
-            self.entries.append(Told(told))
+            self.entries.append(Told(told, self.seq))
             self.told += 1
         self._trim()
         return told
@@ -149,7 +151,7 @@ class Timeline:
     def _gather(self, run: _Run) -> None:
         """The run became a herd: its single lines become one, where the first was."""
         first = run.singles[0].seen
-        herd = Herd(first.event.kind, first.event.what, first.event.time, first.event.time)
+        herd = Herd(self.seq, first.event.kind, first.event.what, first.event.time, first.event.time)
         members = {id(s) for s in run.singles}
         for s in run.singles:
             herd.add(s.seen)
@@ -243,6 +245,8 @@ def event_lines(timeline: Timeline, pattern: str = "", expand: bool = False, amo
     """
     words = pattern.lower().split()
     if among is not None and words:
+        if len(words) == 1:
+            return [(k, item) for k, item in among if words[0] in _hay(item)]
         return [(k, item) for k, item in among if all(w in _hay(item) for w in words)]
     out: list[tuple[str, object]] = []
     one = words[0] if len(words) == 1 else None  # typed letter by letter: no generator per event
@@ -265,7 +269,7 @@ def event_lines(timeline: Timeline, pattern: str = "", expand: bool = False, amo
 
 
 def _hay(item: object) -> str:
-    if isinstance(item, Seen):
+    if type(item) is Seen:
         return item.hay
     if isinstance(item, Told):
         return item.story.text().lower()

@@ -12,6 +12,7 @@ Subclasses say how many lines there are (``set_count``), what a line says
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import ClassVar
 
 from rich.style import Style
@@ -22,6 +23,8 @@ from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
+# Lines kept as drawn, at most: a few screens' worth.
+DRAWN_KEPT = 600
 CURSOR = "▶ "  # the cursor row's gutter: visible in plain text too (a screen reader, a capture)
 GUTTER = "  "
 
@@ -53,6 +56,7 @@ class VirtualList(ScrollView, can_focus=True):
         self.count = 0
         self.cursor = 0
         self._base_style: Style | None = None
+        self._drawn: dict[Hashable, Strip] = {}  # line_key -> the line as drawn
 
     # -- what subclasses provide ------------------------------------------------
 
@@ -61,6 +65,13 @@ class VirtualList(ScrollView, can_focus=True):
 
     def selectable(self, index: int) -> bool:
         return True
+
+    def line_key(self, index: int) -> Hashable | None:
+        """What line ``index`` looks like depends on, all of it (None: draw it every time).
+
+        A line drawn is kept by this key: a cursor move or a title change repaints
+        the whole list, and the lines that did not change then cost a lookup."""
+        return None
 
     def cursor_moved(self) -> None:
         """The cursor rests on another line (or the same line means another thing)."""
@@ -95,6 +106,7 @@ class VirtualList(ScrollView, can_focus=True):
 
     def notify_style_update(self) -> None:
         self._base_style = None
+        self._drawn.clear()
         super().notify_style_update()
 
     def render_line(self, y: int) -> Strip:
@@ -103,8 +115,21 @@ class VirtualList(ScrollView, can_focus=True):
         style = self.base_style
         if index >= self.count or width <= 0:
             return Strip.blank(width, style)
+        on = self.HAS_CURSOR and index == self.cursor and (self.has_focus or self.CURSOR_WHEN_BLURRED)
+        key = self.line_key(index)
+        if key is not None:
+            key = (key, on, on and self.has_focus, width)
+            if (strip := self._drawn.get(key)) is not None:
+                return strip
+        strip = self._draw_line(index, width, on, style)
+        if key is not None:
+            if len(self._drawn) > DRAWN_KEPT:
+                self._drawn.clear()
+            self._drawn[key] = strip
+        return strip
+
+    def _draw_line(self, index: int, width: int, on: bool, style: Style) -> Strip:
         if self.HAS_CURSOR:
-            on = index == self.cursor and (self.has_focus or self.CURSOR_WHEN_BLURRED)
             text = Text(CURSOR if on else GUTTER, no_wrap=True, overflow="ellipsis")
             text.append_text(self.line_text(index, width - len(GUTTER)))
             if on:
