@@ -164,11 +164,16 @@ class Terminal:
         await self._run("new-session", "-d", "-s", "console", "-x", str(self.width), "-y", str(self.height), shell)
         await self._run("set-option", "-w", "-t", "console", "window-size", "manual")
         self.pid = int((await self._run("display-message", "-p", "-t", "console", "#{pane_pid}")).strip())
+        # no-output: the pane's output is not copied to this client (a screenful is one
+        # long %output line); the screen is read with capture-pane instead.
         self.client = await asyncio.create_subprocess_exec(
-            *self.argv("-C", "attach-session", "-t", "console"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+            *self.argv("-C", "attach-session", "-f", "no-output", "-t", "console"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            limit=1 << 24,
         )
         self.reader = asyncio.create_task(self._read())
-        await self.command("refresh-client -f no-output")
         return self.pid
 
     async def _run(self, *args: str) -> str:
@@ -213,7 +218,12 @@ class Terminal:
             try:
                 async with asyncio.timeout(30):
                     while True:
-                        reply = await self.replies.get()
+                        if self.reader is not None and self.reader.done():
+                            raise cp.BenchError(f"the tmux control client stopped: {self.reader.exception() or 'it exited'}")
+                        try:
+                            reply = await asyncio.wait_for(self.replies.get(), 1)
+                        except TimeoutError:
+                            continue
                         if reply[1] == [marker]:
                             break
                         previous = reply
@@ -279,6 +289,23 @@ def row_state(screen: str, node: str) -> str:
     """A node's state word in its row of the node list ('' when not on screen)."""
     m = re.search(rf"│[▶ ] {re.escape(node)} +(ready|suspect|lost|cordoned|draining|unknown) ", screen)
     return m.group(1) if m else ""
+
+
+def list_height(screen: str) -> int:
+    """How many lines the node list shows (between its borders)."""
+    rows = screen.splitlines()
+    top = next(i for i, line in enumerate(rows) if line.startswith("╭─ Nodes"))
+    return next(i for i in range(top + 1, len(rows)) if rows[i].startswith("╰")) - top - 1
+
+
+def paged(lines: list[str], node: str, height: int, delta: int) -> str:
+    """Where PageDown (+1) / PageUp (-1) puts the cursor: a page of lines on, onto the
+    nearest row (a header is skipped forwards, else backwards), within the list."""
+    i = max(0, min(len(lines) - 1, lines.index(node) + delta * height))
+    if lines[i]:
+        return lines[i]
+    after = next((lines[j] for j in range(i + 1, len(lines)) if lines[j]), "")
+    return after or next(lines[j] for j in range(i - 1, -1, -1) if lines[j])
 
 
 def rows_shown(screen: str) -> list[str]:
@@ -405,9 +432,14 @@ class ConsoleBench(cp.Bench):
         await self.key(keys, "jump (Home)", press("Home"), lambda s: cursor_node(s) == order[0])
         for i in range(1, 11):
             await self.key(keys, "scroll (Down)", press("Down"), lambda s, i=i: cursor_node(s) == order[i])
+        lines = self.lines()
         for k in ("PageDown", "PageDown", "PageDown", "PageUp"):
-            before = cursor_node(await t.screen())
-            await self.key(keys, f"page ({k})", press(k), lambda s, b=before: cursor_node(s) not in ("", b))
+            screen = await t.screen()
+            now, height = cursor_node(screen), list_height(screen)
+            want = paged(lines, now, height, +1 if k == "PageDown" else -1)
+            if want == now:
+                continue  # already on the last (first) page: nothing would show
+            await self.key(keys, f"page ({k})", press(k), lambda s, w=want: cursor_node(s) == w)
         await self.key(keys, "jump (End)", press("End"), lambda s: cursor_node(s) == order[-1])
         if len(fabrics) > 1:
             await self.key(keys, "jump (Left: fabric)", press("Left"), lambda s: cursor_node(s) == first_of[fabrics[-2]])
@@ -433,6 +465,16 @@ class ConsoleBench(cp.Bench):
         await t.keys("/")
         await asyncio.sleep(PAUSE)
         await self.key(keys, "filter cleared (Esc)", press("Escape"), lambda s: "Nodes matching" not in s and "Nodes · " in s)
+
+    def lines(self) -> list[str]:
+        """The node list's lines as the console lays them out: a header ("") before each fabric's rows."""
+        out, fabric = [], None
+        for fab, node in self.order:
+            if fab != fabric:
+                out.append("")
+                fabric = fab
+            out.append(node)
+        return out
 
     def targets(self) -> list[str]:
         """A node to filter for in each round: the next to last first (node09999 at 10,000), then spread out."""
@@ -489,47 +531,74 @@ class ConsoleBench(cp.Bench):
         mirror.listeners.append(on_lease)
         await mirror.start(timeout=60)
         samples: list[float] = []
-        pending: dict[str, tuple[str, float, asyncio.Event]] = {}  # node -> (state expected on screen, stored at, shown)
+        shown_upto = {n: 0 for n in nodes}  # node -> how many of its lease changes its row has shown
+        all_shown = asyncio.Event()
 
         async def watch_screen(stop: asyncio.Event) -> None:
-            while not stop.is_set() or pending:
+            """A row showing a lease's state shows that change and every earlier one
+            (a suspect lease turned ready again within one frame is drawn ready)."""
+            while not stop.is_set():
                 screen = await self.term.screen()
                 now = time.time()
-                for node, (state, at, shown) in list(pending.items()):
-                    if row_state(screen, node) == state:
-                        samples.append(now - at)
-                        del pending[node]
-                        shown.set()
+                for node in nodes:
+                    changes, done = stored[node], shown_upto[node]
+                    if done == len(changes):
+                        continue
+                    state = row_state(screen, node)
+                    last = next((j for j in range(len(changes) - 1, done - 1, -1) if changes[j][0] == state), None)
+                    if last is not None:
+                        samples.extend(now - at for _, at in changes[done : last + 1])
+                        shown_upto[node] = last + 1
+                        all_shown.set()
                 await asyncio.sleep(POLL)
+
+        async def stored_state(node: str, want: str, since: int) -> None:
+            deadline = time.monotonic() + a.node_lost_after + 30
+            while not any(st == want for st, _ in stored[node][since:]):
+                if time.monotonic() > deadline:
+                    raise cp.BenchError(f"{node}'s lease did not turn {want}")
+                changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), 0.5)
 
         async def cycle(node: str, delay: float) -> None:
             await asyncio.sleep(delay)
             for _ in range(a.lease_cycles):
+                # Silent until its row shows the lease suspect (or lost, should the screen
+                # be later than the monitor's lost_after), then heartbeating again until its
+                # row shows it ready: each change is seen on a row that showed the one before.
                 for want, act in (("suspect", self.fleet.silence), ("ready", self.fleet.resume)):
                     seen = len(stored[node])
                     await act(node)
-                    deadline = time.monotonic() + a.node_lost_after + 30
-                    while not any(s == want for s, _ in stored[node][seen:]):
-                        if time.monotonic() > deadline:
-                            raise cp.BenchError(f"{node}'s lease did not turn {want}")
-                        changed.clear()
+                    await stored_state(node, want, seen)
+                    deadline = time.monotonic() + 60
+                    while shown_upto[node] < len(stored[node]):
+                        all_shown.clear()
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(changed.wait(), 0.5)
-                    state, at = next((s, t) for s, t in stored[node][seen:] if s == want)
-                    shown = asyncio.Event()
-                    pending[node] = (state, at, shown)
-                    await asyncio.wait_for(shown.wait(), 60)
+                            await asyncio.wait_for(all_shown.wait(), 1)
+                        if time.monotonic() > deadline:
+                            await self.check_console()
+                            screen = await self.term.screen()
+                            row = [line for line in screen.splitlines() if f" {node} " in line]
+                            raise cp.BenchError(
+                                f"{node}'s lease changed ({stored[node][shown_upto[node] :]}) and its row did not show it in 60 s: {row}; "
+                                f"the screen's top: {screen.splitlines()[:3]}"
+                            )
+
+        def pending() -> list[str]:
+            return [n for n in nodes if shown_upto[n] < len(stored[n])]
 
         async def progress() -> None:
             while True:
                 await asyncio.sleep(10)
                 if watcher.done():
                     raise cp.BenchError(f"watching the screen stopped: {watcher.exception()!r}")
-                self.out(f"  lease changes on screen so far: {len(samples)} of {2 * len(nodes) * a.lease_cycles}; waiting for {len(pending)} row(s) ({load()})")
-                if pending and os.environ.get("LLMGW_BENCH_DEBUG"):
-                    node, (state, _, _) = next(iter(pending.items()))
+                waiting = pending()
+                self.out(f"  lease changes on screen so far: {len(samples)}; {len(waiting)} row(s) behind their lease ({load()})")
+                if waiting and os.environ.get("LLMGW_BENCH_DEBUG"):
+                    node = waiting[0]
                     screen = await self.term.screen()
-                    self.out(f"  {node} expected {state}, row: {[line for line in screen.splitlines() if node in line]}")
+                    self.out(f"  {node}: stored {stored[node]}, shown {shown_upto[node]}; row: {[line for line in screen.splitlines() if node in line]}")
 
         stop = asyncio.Event()
         watcher = asyncio.create_task(watch_screen(stop))
@@ -556,7 +625,6 @@ class ConsoleBench(cp.Bench):
             raise first from None
         finally:
             stop.set()
-            pending.clear()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(watcher, 30)
             await mirror.stop()
