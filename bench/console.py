@@ -36,8 +36,10 @@ What it measures, each phase reported with the machine's load average:
    heartbeating until its lease turns suspect, then resumes);
 3. placement of ``--replicas`` replicas: the console's CPU, and keys pressed
    throughout (cordon asked and cancelled, not sent); then its CPU idle with
-   every replica placed;
-4. the nats-server restart and the herd of agents reconnecting: the same.
+   every replica placed; then the console quits (q) and a new one is opened
+   on the whole cluster, as an operator arriving now: the time until every
+   node and replica is on screen, its CPU and memory (it stays for phase 4);
+4. the nats-server restart and the herd of agents reconnecting: the same as 3.
 
 Keys, one round: Home, Down x10 (scroll), PageDown x3 and PageUp (page), End
 and Left (jump), ``/`` and a node's name typed letter by letter, Enter (filter:
@@ -245,6 +247,11 @@ class Terminal:
                     raise
         raise AssertionError("unreachable")
 
+    async def respawn(self) -> int:
+        """The command again, in the same terminal (its process had ended); its pid."""
+        await self.command("respawn-pane -t console")
+        return int((await self.command("display-message -p -t console '#{pane_pid}'"))[0])
+
     async def keys(self, *keys: str) -> None:
         """Key names as tmux knows them (Down, PageDown, Enter, Escape, …)."""
         await self.command("send-keys -t console " + " ".join(shlex.quote(k) for k in keys))
@@ -289,6 +296,11 @@ def row_state(screen: str, node: str) -> str:
     """A node's state word in its row of the node list ('' when not on screen)."""
     m = re.search(rf"│[▶ ] {re.escape(node)} +(ready|suspect|lost|cordoned|draining|unknown) ", screen)
     return m.group(1) if m else ""
+
+
+def fabrics_title(screen: str) -> str:
+    """The fabrics panel's title: the whole cluster's aggregates."""
+    return next((line for line in screen.splitlines() if line.startswith("╭─ Fabrics")), "")
 
 
 def list_height(screen: str) -> int:
@@ -403,6 +415,7 @@ class ConsoleBench(cp.Bench):
 
     async def key(self, keys: Keys, kind: str, send: Callable, shows: Callable[[str], bool]) -> str:
         t0 = time.monotonic()
+        check_at = t0 + 2
         await send()
         while True:
             screen = await self.term.screen()
@@ -410,6 +423,9 @@ class ConsoleBench(cp.Bench):
                 keys.add(kind, time.monotonic() - t0)
                 await asyncio.sleep(PAUSE)
                 return screen
+            if time.monotonic() > check_at:  # a console that died answers nothing: say so at once
+                await self.check_console()
+                check_at += 2
             if time.monotonic() - t0 > KEY_TIMEOUT:
                 keys.add(kind, KEY_TIMEOUT)
                 keys.missed.append(kind)
@@ -652,10 +668,11 @@ class ConsoleBench(cp.Bench):
                 await self.steady_phase()
             if until >= cp.PHASES.index("placement"):
                 await self.placement_phase()
+                await self.reopen()
             if until >= cp.PHASES.index("restart") and self.args.restart and self.args.nats_servers == 1:
                 await self.restart_phase()
-            self.con["rss_peak_mib"] = cp.peak_mib(self.console_pid)
-            self.out(f"console: peak RSS {self.con['rss_peak_mib']:.0f} MiB")
+            self.con["rss_peak_mib"] = max(self.con.get("rss_peak_mib", 0.0), cp.peak_mib(self.console_pid))
+            self.out(f"console: peak RSS {self.con['rss_peak_mib']:.0f} MiB (of both consoles)")
         finally:
             with contextlib.suppress(Exception):
                 self.con.setdefault("rss_peak_mib", cp.peak_mib(self.console_pid))
@@ -687,6 +704,39 @@ class ConsoleBench(cp.Bench):
         self.con["placement_keys_load"] = f"{l0} -> {load()}"
         self.report_keys("placement", keys)
         await self.measure("placed", asyncio.sleep(self.args.steady))
+
+    async def reopen(self) -> None:
+        """An operator opening the console now, on the whole cluster: the first console
+        quits (q), a new one starts in the same terminal; until it shows every node and
+        replica, its CPU and memory."""
+        self.con["rss_peak_mib"] = cp.peak_mib(self.console_pid)
+        before = fabrics_title(await self.term.screen())
+        await self.term.keys("q")
+        t = time.monotonic()
+        while not await self.term.dead():
+            if time.monotonic() - t > 30:
+                raise cp.BenchError("the console did not quit on q within 30 s")
+            await asyncio.sleep(0.05)
+        self.out(f"console: quit on q in {time.monotonic() - t:.2f}s; it showed {before.strip('╭─╮ ')}")
+        # everything on screen: the whole cluster's aggregates as the first console had them
+        l0, t = load(), time.monotonic()
+        self.console_pid = await self.term.respawn()
+        while True:
+            screen = await self.term.screen()
+            if fabrics_title(screen) == before:
+                break
+            await self.check_console()
+            if time.monotonic() - t > 120:
+                raise cp.BenchError(f"the new console did not show {before!r} within 120 s; it shows:\n{screen}")
+            await asyncio.sleep(0.02)
+        self.con["open_s"] = time.monotonic() - t
+        self.con["open_cpu_s"] = self.cpu()
+        self.con["open_rss_mib"] = rss_mib(self.console_pid)
+        self.con["open_load"] = f"{l0} -> {load()}"
+        self.out(
+            f"console: opened on {len(self.agents):,} nodes and {self.args.replicas:,} replicas, everything on screen in {self.con['open_s']:.2f}s "
+            f"({self.con['open_cpu_s']:.2f} CPU-s, {self.con['open_rss_mib']:.0f} MiB; {self.con['open_load']})"
+        )
 
     async def placement_only(self) -> None:
         """The control plane bench's placement phase (its own steady window after it included)."""
@@ -761,6 +811,10 @@ def console_summary(args, con: dict) -> str:
     if "lease_lag" in con:
         f = con["lease_lag"]
         lines.append(row("steady", f"a lease change on screen p50 / p99 ({f['load']})", ms(f), "<= 1 s", f["p99_s"] <= TARGETS["lease_p99_s"]))
+    if "open_s" in con:
+        lines.append(row("opened", f"a new console: every node and replica on screen ({con['open_load']})", f"{con['open_s']:.2f} s"))
+        lines.append(row("opened", "  its CPU until then", f"{con['open_cpu_s']:.2f} s"))
+        lines.append(row("opened", "  its RSS then", f"{con['open_rss_mib']:.0f} MiB"))
     if "placed_cpu_pct" in con:
         lines.append(row("placed", f"console CPU, every replica placed ({con['placed_load']})", f"{con['placed_cpu_pct']:.1f} %"))
     if "rss_peak_mib" in con:

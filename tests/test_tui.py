@@ -455,6 +455,19 @@ async def test_a_herd_of_events_is_one_line_and_every_event_one_key_away(nats_se
         await until(pilot, lambda: "node110" not in app.event_log.text(), what="summarised again")
 
 
+async def test_a_replica_deleted_between_two_frames_is_drawn_as_gone_not_a_crash(nats_server, writers):
+    """A repaint (a key, the clock) may come after a fold and before the frame that lists
+    the rows again: the row of a replica deleted meanwhile says so."""
+    await writers.seed(seed_state())
+    app = console(nats_server)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await until(pilot, lambda: set(table_rows(app)) == {"demo-g1", "demo-g2"} and app._frame_due is None, what="the replicas listed")
+        app.frame = 60.0  # the next frame: not in this test's time
+        app.bucket_changed("replicas", "demo-g1", None, None)  # as the feed folds a deletion
+        lines = app.replicas.list.visible_lines()
+        assert any("demo-g1 (gone)" in line for line in lines), lines
+
+
 async def test_a_console_that_falls_behind_the_bus_says_so(nats_server, writers):
     await writers.seed(seed_state())
     app = console(nats_server, behind_after=1.0)

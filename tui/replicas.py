@@ -124,10 +124,13 @@ class ReplicaList(VirtualList):
         i = self.cursor - len(self.backoffs)
         return self.ids[i] if i < len(self.ids) else None
 
-    def view(self, index: int) -> ReplicaView:
+    def view(self, index: int) -> ReplicaView | None:
+        """The row's view; None for a replica deleted since the rows were listed (the
+        next frame lists them again; a repaint may come first)."""
         if index < len(self.backoffs):
             return self.backoffs[index]
-        return replica_view(self.model.replicas[self.ids[index - len(self.backoffs)]], self.now, self.marks, self.rebuilding)
+        replica = self.model.replicas.get(self.ids[index - len(self.backoffs)])
+        return replica_view(replica, self.now, self.marks, self.rebuilding) if replica is not None else None
 
     def line_key(self, index: int) -> Hashable | None:
         if index < len(self.backoffs):
@@ -136,14 +139,17 @@ class ReplicaList(VirtualList):
         return (rid, self.model.replica_versions.get(rid, 0), self.marks.get(rid), rid in self.rebuilding, self.now, tuple(self.widths))
 
     def line_text(self, index: int, width: int) -> Text:
-        return join_cells(replica_cells(self.view(index)), self.widths)
+        view = self.view(index)
+        if view is None:
+            return Text(f"   {self.ids[index - len(self.backoffs)]} (gone)", style="dim")
+        return join_cells(replica_cells(view), self.widths)
 
     def header(self) -> Text:
         return Text(GUTTER) + join_cells([Text(c, style="dim") for c in COLUMNS], self.widths)
 
     def rows(self) -> dict[str, list[str]]:
         """Every row's cells as plain text, by replica id (tests; the screen draws only what is visible)."""
-        return {v.id: [c.plain for c in replica_cells(v)] for v in (self.view(i) for i in range(self.count))}
+        return {v.id: [c.plain for c in replica_cells(v)] for v in (self.view(i) for i in range(self.count)) if v is not None}
 
 
 class ReplicasPanel(Vertical):
