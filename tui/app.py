@@ -26,7 +26,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Footer, Header
+from textual.widgets import Header
 
 from llmgw.shared.config import ServiceConfig
 from llmgw.shared.errors import LlmgwError
@@ -40,6 +40,7 @@ from .fabric_table import FabricTable
 from .feed import ConnectionStatus, Feed
 from .filter_bar import FilterBar
 from .help import Help
+from .keys_line import MAIN, KeysLine
 from .lag import SHOW_AFTER, Lag
 from .model import MarkBook, NodeDetailView, node_detail
 from .node_detail import NodeDetail
@@ -132,9 +133,14 @@ class LlmgwApp(App[None]):
             with Vertical(id="right"):
                 yield self.replicas
                 yield self.event_log
-        yield Footer()
+        yield KeysLine(MAIN)
 
     def on_mount(self) -> None:
+        # Composed once, shown again and again (each composed anew cost a key dearly).
+        self.detail, self.confirm, self.help = NodeDetail(), Confirm(), Help()
+        self.install_screen(self.detail, "detail")
+        self.install_screen(self.confirm, "confirm")
+        self.install_screen(self.help, "help")
         self.follow_bus()
         self.set_interval(1.0, self.tick)
 
@@ -249,9 +255,10 @@ class LlmgwApp(App[None]):
 
     def on_node_list_opened(self, message: NodeList.Opened) -> None:
         self.selected_node = message.node_id
-        screen = NodeDetail(self.detail_view(message.node_id, self.clock()))
-        screen.timeline_seen = self.timeline.version
-        self.push_screen(screen)
+        if self.detail in self.screen_stack:
+            return
+        self.detail.show(self.detail_view(message.node_id, self.clock()), self.timeline.version)
+        self.push_screen("detail")
 
     def on_fabric_table_chosen(self, message: FabricTable.Chosen) -> None:
         self.node_list.show_fabric(message.fabric)
@@ -280,7 +287,8 @@ class LlmgwApp(App[None]):
             else:
                 self.notify(f"{verb} {node}: cancelled", timeout=3)
 
-        self.push_screen(Confirm(question.format(node=node), consequence), answered)
+        self.confirm.ask(question.format(node=node), consequence)
+        self.push_screen("confirm", answered)
 
     @work(group="admin")
     async def send_admin(self, verb: str, node: str) -> None:
@@ -327,7 +335,8 @@ class LlmgwApp(App[None]):
         except LlmgwError:
             who = "?"
         status = self.status.state if self.status else "connecting"
-        self.push_screen(Help(f"{', '.join(self.cfg.server)} as {who} ({status}); config {self.cfg.source or '-'}"))
+        self.help.show(f"{', '.join(self.cfg.server)} as {who} ({status}); config {self.cfg.source or '-'}")
+        self.push_screen("help")
 
 
 def main(args) -> int:

@@ -17,10 +17,19 @@ class Confirm(ModalScreen[bool]):
         Binding("n,escape", "answer(False)", "No"),
     ]
 
-    def __init__(self, question: str, consequence: str) -> None:
+    def __init__(self, question: str = "", consequence: str = "") -> None:
         super().__init__()
         self.question = question
         self.consequence = consequence
+
+    def ask(self, question: str, consequence: str) -> Confirm:
+        """The same screen asks again (the app installs one: a screen composed anew for
+        every question cost a key hundreds of milliseconds on a busy machine)."""
+        self.question, self.consequence = question, consequence
+        if self.is_mounted:
+            self.query_one("#question", Static).update(question)
+            self.query_one("#consequence", Static).update(consequence)
+        return self
 
     def compose(self) -> ComposeResult:
         with Vertical(id="confirm"):
@@ -32,6 +41,9 @@ class Confirm(ModalScreen[bool]):
 
     def on_mount(self) -> None:
         self.query_one("#no", Button).focus()  # Enter on its own changes nothing
+
+    def on_screen_resume(self) -> None:
+        self.query_one("#no", Button).focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "yes")

@@ -8,6 +8,8 @@ here moves the node list to that fabric.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from rich.text import Text
 from textual.message import Message
 
@@ -99,6 +101,8 @@ class FabricTable(VirtualList):
 
     def follow(self, fabric: str) -> None:
         """The node list's cursor is in ``fabric``: mark it here without moving the list back."""
+        if fabric == self.focus_fabric and self.names and self.names[self.cursor] == fabric:
+            return  # a move within the same fabric: nothing here changes
         self.focus_fabric = fabric
         if fabric in self.names:
             self._quiet = True
@@ -106,6 +110,11 @@ class FabricTable(VirtualList):
                 self.move_to(self.names.index(fabric))
             finally:
                 self._quiet = False
+
+    def line_key(self, index: int) -> Hashable | None:
+        name = self.names[index]
+        t = self.model.totals.get(name)
+        return (fabric_row(name, t), tuple(self.widths)) if t is not None else None
 
     def line_text(self, index: int, width: int) -> Text:
         name = self.names[index]

@@ -55,13 +55,20 @@ def help_table(connection: str) -> Table:
 class Help(ModalScreen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,question_mark,q", "close", "Close")]
 
-    def __init__(self, connection: str) -> None:
+    def __init__(self, connection: str = "") -> None:
         super().__init__()
         self.connection = connection
 
+    def show(self, connection: str) -> Help:
+        """The same screen again, with where the console is connected now."""
+        self.connection = connection
+        if self.is_mounted:
+            self.query_one("#help-table", Static).update(help_table(connection))
+        return self
+
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help"):
-            yield Static(help_table(self.connection))
+            yield Static(help_table(self.connection), id="help-table")
 
     def on_mount(self) -> None:
         self.query_one("#help").border_title = "llmgw console — help"

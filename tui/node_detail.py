@@ -12,8 +12,9 @@ from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
 from textual.reactive import reactive
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Static
+from textual.widgets import Header, Static
 
+from .keys_line import DETAIL, KeysLine
 from .lines import event_line
 from .model import NodeDetailView, replica_tone
 from .palette import NODE_STATE_STYLE, REPLICA_TONE_STYLE
@@ -73,17 +74,27 @@ class NodeDetail(Screen[None]):
 
     view: reactive[NodeDetailView | None] = reactive(None)
 
-    def __init__(self, view: NodeDetailView) -> None:
+    def __init__(self, view: NodeDetailView | None = None) -> None:
         super().__init__()
-        self.node_id = view.node_id
+        self.node_id = view.node_id if view else ""
         self.timeline_seen = -1  # the timeline's version this view was built from
         self.set_reactive(NodeDetail.view, view)
+
+    def show(self, view: NodeDetailView, timeline_seen: int) -> NodeDetail:
+        """Another node, on the same screen (installed once by the app: composing one per
+        Enter cost a key hundreds of milliseconds on a busy machine)."""
+        self.node_id, self.timeline_seen = view.node_id, timeline_seen
+        self.view = view
+        if self.is_mounted:
+            self.query_one("#detail").border_title = f"node {self.node_id}"
+            self.query_one("#detail", VerticalScroll).scroll_home(animate=False)
+        return self
 
     def compose(self) -> ComposeResult:
         yield Header()
         with VerticalScroll(id="detail"):
             yield Static(id="detail-body")
-        yield Footer()
+        yield KeysLine(DETAIL)
 
     def on_mount(self) -> None:
         self.query_one("#detail").border_title = f"node {self.node_id}"

@@ -93,6 +93,7 @@ class NodeList(VirtualList):
         self.heads: list[int] = []  # the indices of the header lines
         self.matched_rows: list[tuple[bool, str, str]] = []
         self._versions = (-1, -1)  # the model's (order, facts) versions the lines were built from
+        self._title = self._subtitle = ""
         self.name_width = 8
         self._drawn_width = 0
 
@@ -191,15 +192,17 @@ class NodeList(VirtualList):
         return text
 
     def _titles(self) -> None:
+        # Set only when they change: a border's title repaints the whole list, and the
+        # cursor's moves would repaint it all for nothing. (So no "row 3 of 10,000".)
         if self.pattern:
-            self.border_title = f'Nodes matching "{self.pattern}" · {self.matched:,} of {len(self.model.facts):,}'
+            title = f'Nodes matching "{self.pattern}" · {self.matched:,} of {len(self.model.facts):,}'
         else:
-            self.border_title = f"Nodes · {self.fabric}" if self.fabric else "Nodes"
-        if self.matched and self.current() is not None:
-            row = self.cursor + 1 - bisect.bisect_right(self.heads, self.cursor)  # rows above it, headers not counted
-            self.border_subtitle = f"{row:,}/{self.matched:,}"
-        else:
-            self.border_subtitle = "no node matches" if self.pattern else ""
+            title = f"Nodes · {self.fabric}" if self.fabric else "Nodes"
+        subtitle = "no node matches" if self.pattern and not self.matched else ""
+        if title != self._title:
+            self._title = self.border_title = title
+        if subtitle != self._subtitle:
+            self._subtitle = self.border_subtitle = subtitle
 
     # -- keys --------------------------------------------------------------------
 

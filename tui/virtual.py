@@ -168,11 +168,18 @@ class VirtualList(ScrollView, can_focus=True):
             forward = self._step(index, +1)
             index = forward if forward != index else self._step(index, -1)
         changed = index != self.cursor
-        self.cursor = index
+        if not changed:
+            self.reveal(index)
+            return
+        old, self.cursor = self.cursor, index
+        top = self.top
         self.reveal(index)
-        self.refresh()
-        if changed:
-            self.cursor_moved()
+        if self.top == top:  # not scrolled: only the two lines changed
+            self.refresh_line(old)
+            self.refresh_line(index)
+        else:
+            self.refresh()
+        self.cursor_moved()
 
     def reveal(self, index: int) -> None:
         """Scroll just enough for line ``index`` to be on screen."""
