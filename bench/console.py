@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import re
@@ -358,6 +357,18 @@ class ConsoleBench(cp.Bench):
         self.console_pid = 0
         self.con: dict = {"size": f"{args.size[0]}x{args.size[1]}"}
         self.order: list[tuple[str, str]] = []  # (fabric, node) as the console lists them
+
+    # -- the control plane bench's hooks ----------------------------------------
+
+    def stop_extra(self) -> None:
+        # if run() never got to closing the terminal: its tmux server (and the console with it)
+        subprocess.run(self.term.argv("kill-server"), check=False, capture_output=True)
+
+    def summaries(self) -> list[str]:
+        return [console_summary(self.args, self.con)]
+
+    def json_extra(self) -> dict:
+        return {"console": self.con}
 
     # -- the console ------------------------------------------------------------
 
@@ -691,18 +702,23 @@ class ConsoleBench(cp.Bench):
         self.report_keys("steady", keys)
         await self.lease_lag()
 
-    async def placement_phase(self) -> None:
+    async def busy(self, name: str, phase: asyncio.Task) -> None:
+        """Keys pressed while the control plane bench's ``phase`` runs (no cordon sent),
+        and the console's CPU meanwhile."""
         keys = Keys()
-        placing = asyncio.create_task(self.placement_only())
         l0 = load()
 
         async def both():
-            await self.rounds(keys, until=placing, confirm=False)
-            await placing
+            await self.rounds(keys, until=phase, confirm=False)
+            await phase
 
-        await self.measure("placement", both())
-        self.con["placement_keys_load"] = f"{l0} -> {load()}"
-        self.report_keys("placement", keys)
+        await self.measure(name, both())
+        self.con[f"{name}_keys_load"] = f"{l0} -> {load()}"
+        self.report_keys(name, keys)
+
+    async def placement_phase(self) -> None:
+        # the control plane bench's placement, its own steady window after it included
+        await self.busy("placement", asyncio.create_task(self.placement()))
         await self.measure("placed", asyncio.sleep(self.args.steady))
 
     async def reopen(self) -> None:
@@ -738,22 +754,8 @@ class ConsoleBench(cp.Bench):
             f"({self.con['open_cpu_s']:.2f} CPU-s, {self.con['open_rss_mib']:.0f} MiB; {self.con['open_load']})"
         )
 
-    async def placement_only(self) -> None:
-        """The control plane bench's placement phase (its own steady window after it included)."""
-        await self.placement()
-
     async def restart_phase(self) -> None:
-        keys = Keys()
-        restarting = asyncio.create_task(self.nats_restart())
-        l0 = load()
-
-        async def both():
-            await self.rounds(keys, until=restarting, confirm=False)
-            await restarting
-
-        await self.measure("restart", both())
-        self.con["restart_keys_load"] = f"{l0} -> {load()}"
-        self.report_keys("restart", keys)
+        await self.busy("restart", asyncio.create_task(self.nats_restart()))
 
 
 async def _noop() -> None:
@@ -873,56 +875,7 @@ def main(argv: list[str] | None = None) -> int:
     except cp.BenchError as e:
         print(f"FAILED: {e}", flush=True)
         return 1
-    bench = ConsoleBench(args, root)
-    rc = 0
-
-    async def go():
-        task = asyncio.current_task()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-        await bench.run()
-
-    try:
-        asyncio.run(go())
-    except KeyboardInterrupt:
-        bench.out("interrupted")
-        rc = 130
-    except asyncio.CancelledError:
-        bench.out("terminated")
-        rc = 143
-    except cp.BenchError as e:
-        bench.out(f"FAILED: {e}")
-        rc = 1
-    except Exception as e:
-        bench.out(f"FAILED: {type(e).__name__}: {e}")
-        import traceback
-
-        traceback.print_exc()
-        rc = 1
-    finally:
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            subprocess.run(bench.term.argv("kill-server"), check=False, capture_output=True)  # if run() never got to it
-            t = time.monotonic()
-            cp.stop_processes(bench.cluster)
-            bench.out(f"stopped the services and nats-server in {time.monotonic() - t:.1f}s")
-        finally:
-            signal.signal(signal.SIGINT, old)
-        if args.keep or args.dir or rc == 1:
-            print(f"work dir kept: {root} (logs in {root / 'logs'})")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
-    print(cp.summary(args, bench.fig, argv_full), flush=True)
-    print(console_summary(args, bench.con), flush=True)
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"args": {k: v for k, v in vars(args).items()}, "cores": os.cpu_count(), "rc": rc, **bench.fig.values, "console": bench.con},
-                indent=2,
-                default=str,
-            )
-            + "\n"
-        )
-    return rc
+    return cp.run_bench(ConsoleBench(args, root), argv_full)
 
 
 if __name__ == "__main__":

@@ -764,6 +764,17 @@ class Bench:
         self.metrics: dict[str, str] = {}
 
     # -- output ---------------------------------------------------------------
+    def stop_extra(self) -> None:
+        """What a bench built on this one started besides the cluster, stopped at the end."""
+
+    def summaries(self) -> list[str]:
+        """Summaries printed after this bench's own."""
+        return []
+
+    def json_extra(self) -> dict:
+        """Figures written to --json beside this bench's own."""
+        return {}
+
     def out(self, msg: str) -> None:
         print(f"[{time.monotonic() - self.t0:7.1f}s] {msg}", flush=True)
 
@@ -1872,7 +1883,14 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as e:
         print(f"FAILED: {e}", flush=True)
         return 1
-    bench = Bench(args, root)
+    return run_bench(Bench(args, root), argv_full)
+
+
+def run_bench(bench: Bench, argv_full: list[str]) -> int:
+    """Run ``bench`` to its end, stop everything it started (also on Ctrl-C, SIGTERM or
+    failure), print its summary and write ``--json``; the exit code. bench/console.py
+    runs its own Bench through this too (``stop_extra``, ``summaries``, ``json_extra``)."""
+    args, root = bench.args, bench.root
     rc = 0
 
     async def go():
@@ -1901,6 +1919,7 @@ def main(argv: list[str] | None = None) -> int:
         # Ignore further Ctrl-C while cleaning up, so nothing is left running.
         old = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
+            bench.stop_extra()
             t = time.monotonic()
             stop_processes(bench.cluster)
             bench.out(f"stopped the services and nats-server in {time.monotonic() - t:.1f}s")
@@ -1911,9 +1930,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(root, ignore_errors=True)
     print(summary(args, bench.fig, argv_full), flush=True)
+    for text in bench.summaries():
+        print(text, flush=True)
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"args": {k: v for k, v in vars(args).items()}, "cores": os.cpu_count(), "rc": rc, **bench.fig.values}, indent=2, default=str) + "\n"
+            json.dumps(
+                {"args": {k: v for k, v in vars(args).items()}, "cores": os.cpu_count(), "rc": rc, **bench.fig.values, **bench.json_extra()},
+                indent=2,
+                default=str,
+            )
+            + "\n"
         )
     return rc
 
