@@ -70,6 +70,7 @@ import re
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -334,18 +335,40 @@ class Keys:
 
     by_kind: dict[str, list[float]] = field(default_factory=dict)
     missed: list[str] = field(default_factory=list)
+    # kind -> the console's CPU seconds from each key sent to its result shown: with the
+    # latency, whether a slow key was work or a wait for a core (/proc counts in 10 ms ticks:
+    # read the mean over many)
+    cpu_by_kind: dict[str, list[float]] = field(default_factory=dict)
 
-    def add(self, kind: str, seconds: float) -> None:
+    def add(self, kind: str, seconds: float, cpu: float | None = None) -> None:
         self.by_kind.setdefault(kind, []).append(seconds)
+        if cpu is not None:
+            self.cpu_by_kind.setdefault(kind, []).append(cpu)
 
     def keys(self) -> list[float]:
         """Every key but Esc (delivered only after ESCDELAY) and the bus round trips."""
         return [s for k, v in self.by_kind.items() if k not in ESC_KINDS and "round trip" not in k for s in v]
 
     def figures(self) -> dict:
-        out = {k: {"n": len(v), "p50_s": percentile(v, 50), "p99_s": percentile(v, 99), "max_s": max(v)} for k, v in self.by_kind.items()}
+        out = {
+            k: {
+                "n": len(v),
+                "p50_s": percentile(v, 50),
+                "p99_s": percentile(v, 99),
+                "max_s": max(v),
+                "cpu_mean_s": statistics.fmean(self.cpu_by_kind.get(k) or [0.0]),
+            }
+            for k, v in self.by_kind.items()
+        }
         every = self.keys()
-        out["keys"] = {"n": len(every), "p50_s": percentile(every, 50), "p99_s": percentile(every, 99), "max_s": max(every, default=float("nan"))}
+        cpu = [c for k, v in self.cpu_by_kind.items() if k not in ESC_KINDS and "round trip" not in k for c in v]
+        out["keys"] = {
+            "n": len(every),
+            "p50_s": percentile(every, 50),
+            "p99_s": percentile(every, 99),
+            "max_s": max(every, default=float("nan")),
+            "cpu_mean_s": statistics.fmean(cpu or [0.0]),
+        }
         out["missed"] = self.missed
         return out
 
@@ -425,13 +448,14 @@ class ConsoleBench(cp.Bench):
     # -- keys -------------------------------------------------------------------
 
     async def key(self, keys: Keys, kind: str, send: Callable, shows: Callable[[str], bool]) -> str:
+        c0 = self.cpu()
         t0 = time.monotonic()
         check_at = t0 + 2
         await send()
         while True:
             screen = await self.term.screen()
             if shows(screen):
-                keys.add(kind, time.monotonic() - t0)
+                keys.add(kind, time.monotonic() - t0, self.cpu() - c0)
                 await asyncio.sleep(PAUSE)
                 return screen
             if time.monotonic() > check_at:  # a console that died answers nothing: say so at once
@@ -524,12 +548,16 @@ class ConsoleBench(cp.Bench):
         self.con[f"{name}_keys"] = fig
         every = fig["keys"]
         self.out(
-            f"console, {name}: {every['n']} keys answered p50 {1000 * every['p50_s']:.0f} ms, p99 {1000 * every['p99_s']:.0f} ms, max {1000 * every['max_s']:.0f} ms"
+            f"console, {name}: {every['n']} keys answered p50 {1000 * every['p50_s']:.0f} ms, p99 {1000 * every['p99_s']:.0f} ms, "
+            f"max {1000 * every['max_s']:.0f} ms; the console's CPU per key {1000 * every['cpu_mean_s']:.1f} ms on average"
         )
         for kind, f in fig.items():
             if kind in ("keys", "missed"):
                 continue
-            self.out(f"  {kind:58s} n={f['n']:4d}  p50 {1000 * f['p50_s']:6.0f} ms  p99 {1000 * f['p99_s']:6.0f} ms  max {1000 * f['max_s']:6.0f} ms")
+            self.out(
+                f"  {kind:58s} n={f['n']:4d}  p50 {1000 * f['p50_s']:6.0f} ms  p99 {1000 * f['p99_s']:6.0f} ms  max {1000 * f['max_s']:6.0f} ms  "
+                f"CPU {1000 * f['cpu_mean_s']:5.1f} ms"
+            )
         if keys.missed:
             self.out(f"  not shown within {KEY_TIMEOUT:.0f}s: {', '.join(keys.missed)}")
 
@@ -775,6 +803,9 @@ def console_summary(args, con: dict) -> str:
     def ms(f):
         return f"{1000 * f['p50_s']:.0f} / {1000 * f['p99_s']:.0f} ms (n={f['n']})"
 
+    def cpu(f):
+        return f"{1000 * f.get('cpu_mean_s', 0.0):.1f} ms"
+
     lines = [
         "",
         "== CONSOLE SUMMARY ==",
@@ -807,6 +838,7 @@ def console_summary(args, con: dict) -> str:
         if phase != "steady":
             lines.append(row(phase, f"console CPU, keys pressed ({con[f'{phase}_load']})", f"{con[f'{phase}_cpu_pct']:.1f} %"))
         lines.append(row(phase, "keys p50 / p99 (every key but Esc)", ms(fig["keys"]), target, fig["keys"]["p99_s"] <= limit and not fig["missed"]))
+        lines.append(row(phase, "  the console's CPU per key, mean (sent -> shown)", cpu(fig["keys"])))
         for kind, f in fig.items():
             if kind not in ("keys", "missed"):
                 lines.append(row("", f"  {kind}", ms(f)))

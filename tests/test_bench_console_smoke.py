@@ -41,7 +41,7 @@ def test_console_bench_measures_every_phase_and_cleans_up(tmp_path):
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in summary.splitlines() if line.startswith("| ")][1:]
     assert all(len(c) == 5 for c in rows), rows
     for _phase, what, value, target, check in rows:
-        assert re.fullmatch(r"\d+(\.\d+)? (s|%|MiB)|\d+ / \d+ ms \(n=\d+\)", value), (what, value)
+        assert re.fullmatch(r"\d+(\.\d+)? (s|ms|%|MiB)|\d+ / \d+ ms \(n=\d+\)", value), (what, value)
         assert (target == "") == (check == ""), (what, target, check)
         assert check in ("", "ok", "MISSED")
     targeted = {c[0]: c[1] for c in rows if c[3]}

@@ -530,12 +530,16 @@ async def test_cordon_through_the_key_binding_reaches_the_registry(nats_server, 
             await until(pilot, lambda: app.selected_node, "node02", what="node02 selected")
             # drain, but think better of it: nothing is sent
             await pilot.press("d")
-            await until(pilot, lambda: isinstance(app.screen, Confirm), what="the question")
+            await until(pilot, lambda: app.screen.query_one(Confirm).asking, what="the question")
             await pilot.press("n")
-            await until(pilot, lambda: not isinstance(app.screen, Confirm), what="the question gone")
+            await until(pilot, lambda: not app.screen.query_one(Confirm).asking, what="the question gone")
             # cordon, confirmed
             await pilot.press("c")
-            await until(pilot, lambda: isinstance(app.screen, Confirm) and "Cordon node02?" in str(app.screen.question), what="the question about node02")
+            await until(
+                pilot,
+                lambda: app.screen.query_one(Confirm).asking and "Cordon node02?" in app.screen.query_one(Confirm).question,
+                what="the question about node02",
+            )
             await pilot.press("y")
             await until(pilot, lambda: row(app, "node02").startswith("node02   cordoned"), what="node02 cordoned on screen")
             record = decode((await writers.nodes.get("node02")).value, NodeRecord)
@@ -547,7 +551,11 @@ async def test_cordon_through_the_key_binding_reaches_the_registry(nats_server, 
             await pilot.press("enter")
             await until(pilot, lambda: isinstance(app.screen, NodeDetail), what="the detail")
             await pilot.press("u")
-            await until(pilot, lambda: isinstance(app.screen, Confirm) and "Uncordon node02?" in str(app.screen.question), what="the question about node02")
+            await until(
+                pilot,
+                lambda: app.screen.query_one(Confirm).asking and "Uncordon node02?" in app.screen.query_one(Confirm).question,
+                what="the question about node02",
+            )
             await pilot.press("y")
             await until(pilot, lambda: isinstance(app.screen, NodeDetail) and app.screen.view.admin == "active", what="node02 active in its detail")
     finally:

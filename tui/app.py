@@ -34,13 +34,12 @@ from llmgw.shared.schemas import Event
 
 from .banner import ConnectionBanner
 from .cluster import ClusterModel, narrows
-from .confirm import Confirm
+from .confirm import MAIN, Confirm
 from .events import EventLog
 from .fabric_table import FabricTable
 from .feed import ConnectionStatus, Feed
 from .filter_bar import FilterBar
 from .help import Help
-from .keys_line import MAIN, KeysLine
 from .lag import SHOW_AFTER, Lag
 from .model import MarkBook, NodeDetailView, node_detail
 from .node_detail import NodeDetail
@@ -118,7 +117,7 @@ class LlmgwApp(App[None]):
     def compose(self) -> ComposeResult:
         # Kept by reference: queries look at the current screen, which may be a node's detail.
         self.banner = ConnectionBanner(id="banner")
-        self.filter_bar = FilterBar(id="filter")
+        self.filter_bar = FilterBar(self.filter_changed, id="filter")
         self.fabric_table = FabricTable(self.model, id="fabrics")
         self.node_list = NodeList(self.model, self.marks, self.clock, id="nodes")
         self.replicas = ReplicasPanel(self.model, self.marks, id="replicas")
@@ -133,13 +132,12 @@ class LlmgwApp(App[None]):
             with Vertical(id="right"):
                 yield self.replicas
                 yield self.event_log
-        yield KeysLine(MAIN)
+        yield Confirm(MAIN)
 
     def on_mount(self) -> None:
         # Composed once, shown again and again (each composed anew cost a key dearly).
-        self.detail, self.confirm, self.help = NodeDetail(), Confirm(), Help()
+        self.detail, self.help = NodeDetail(), Help()
         self.install_screen(self.detail, "detail")
-        self.install_screen(self.confirm, "confirm")
         self.install_screen(self.help, "help")
         self.follow_bus()
         self.set_interval(1.0, self.tick)
@@ -267,11 +265,15 @@ class LlmgwApp(App[None]):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # While a question or the help is up, its own keys answer; nothing else starts.
-        if isinstance(self.screen, (Confirm, Help)) and action in ("admin", "filter", "help", "herds"):
+        if (isinstance(self.screen, Help) or self.asking()) and action in ("admin", "filter", "help", "herds"):
             return False
         if action in ("filter", "herds") and isinstance(self.screen, NodeDetail):
             return False
         return True
+
+    def asking(self) -> bool:
+        """Whether the screen asks a question (its keys answer it; nothing else starts)."""
+        return any(c.asking for c in self.screen.query(Confirm))
 
     def action_admin(self, verb: str) -> None:
         node = self.screen.node_id if isinstance(self.screen, NodeDetail) else self.selected_node
@@ -280,15 +282,14 @@ class LlmgwApp(App[None]):
             return
         question, consequence = ADMIN[verb]
 
-        def answered(yes: bool | None) -> None:
+        def answered(yes: bool) -> None:
             if yes:
                 self.notify(f"{verb} {node}: sent", timeout=3)
                 self.send_admin(verb, node)
             else:
                 self.notify(f"{verb} {node}: cancelled", timeout=3)
 
-        self.confirm.ask(question.format(node=node), consequence)
-        self.push_screen("confirm", answered)
+        self.screen.query_one(Confirm).ask(question.format(node=node), consequence, answered)
 
     @work(group="admin")
     async def send_admin(self, verb: str, node: str) -> None:
@@ -300,13 +301,10 @@ class LlmgwApp(App[None]):
         self.notify(f"node {record.node_id} is now {record.admin}", timeout=5)
 
     def action_filter(self) -> None:
-        bar = self.filter_bar
-        bar.add_class("-shown")
-        bar.focus()
+        self.filter_bar.focus()
 
-    def on_input_changed(self, event: FilterBar.Changed) -> None:
-        if isinstance(event.input, FilterBar):
-            self.set_pattern(event.value.strip())
+    def filter_changed(self, value: str) -> None:
+        self.set_pattern(value.strip())
 
     def set_pattern(self, pattern: str) -> None:
         """The filter narrows nodes, replicas and events at once, on the model, not on widgets."""
@@ -314,13 +312,13 @@ class LlmgwApp(App[None]):
             return
         narrow = narrows(pattern, self.pattern)  # a letter typed on: search only the last matches
         self.pattern = pattern
-        self.node_list.rebuild(pattern, narrow)
-        self.replicas.rebuild(pattern, self._rebuilding, self.clock(), narrow)
-        self.event_log.pattern = pattern
-        self.event_log.rebuild(narrow=narrow)
+        with self.batch_update():  # one frame for the letter and the three lists
+            self.node_list.rebuild(pattern, narrow)
+            self.replicas.rebuild(pattern, self._rebuilding, self.clock(), narrow)
+            self.event_log.pattern = pattern
+            self.event_log.rebuild(narrow=narrow)
 
     def on_filter_bar_closed(self, message: FilterBar.Closed) -> None:
-        self.filter_bar.set_class(not message.cleared, "-shown")
         self.node_list.focus()
 
     def action_herds(self) -> None:

@@ -141,6 +141,7 @@ class ClusterModel:
         self.name_width = 0  # the longest node id seen
         # replica -> (its members as text, what a filter searches), kept with the record
         self.replica_text: dict[str, tuple[str, str]] = {}
+        self.replica_widths = dict.fromkeys(("id", "deployment", "fabric", "members", "state"), 0)
         self.changes = Changes()
         # node -> how many times its row may have changed (the screen keeps drawn rows by it)
         self.row_versions: dict[str, int] = {}
@@ -221,6 +222,10 @@ class ClusterModel:
             self.replicas[rid] = new
             members = members_text(new)
             self.replica_text[rid] = (members, " ".join((rid, new.deployment, new.fabric or "", members, new.state)).lower())
+            # the widest of each column ever seen: the table's columns, without a walk of 4,000 rows
+            w = self.replica_widths
+            w["id"], w["deployment"] = max(w["id"], len(rid)), max(w["deployment"], len(new.deployment))
+            w["fabric"], w["members"], w["state"] = max(w["fabric"], len(new.fabric or "-")), max(w["members"], len(members)), max(w["state"], len(new.state))
             self._claim(rid, new, +1, touched)
         for node_id in touched:
             self._touch(node_id)

@@ -34,6 +34,8 @@ def herd_line(herd: Herd, expanded: bool) -> Text:
 class EventLog(VirtualList):
     """Newest at the bottom; it follows new events unless scrolled up."""
 
+    FIXED_HEIGHT = True
+
     HAS_CURSOR = False
 
     def __init__(self, timeline: Timeline, **kw) -> None:

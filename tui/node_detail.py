@@ -14,7 +14,7 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Header, Static
 
-from .keys_line import DETAIL, KeysLine
+from .confirm import DETAIL, Confirm
 from .lines import event_line
 from .model import NodeDetailView, replica_tone
 from .palette import NODE_STATE_STYLE, REPLICA_TONE_STYLE
@@ -94,7 +94,7 @@ class NodeDetail(Screen[None]):
         yield Header()
         with VerticalScroll(id="detail"):
             yield Static(id="detail-body")
-        yield KeysLine(DETAIL)
+        yield Confirm(DETAIL)
 
     def on_mount(self) -> None:
         self.query_one("#detail").border_title = f"node {self.node_id}"

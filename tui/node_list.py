@@ -60,6 +60,8 @@ def state_counts(counts) -> Text:
 class NodeList(VirtualList):
     """Rows (fabric, node) under a header line per fabric; the cursor rests on rows only."""
 
+    FIXED_HEIGHT = True
+
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("enter", "open", "Detail", key_display="⏎"),
         Binding("left,[", "fabric(-1)", "Fabric", show=False),

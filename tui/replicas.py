@@ -93,15 +93,14 @@ class ReplicaList(VirtualList):
         self.ids = replica_order(self.model, pattern, self.ids if narrow and version == self._version else None)
         self._version = version
         self.backoffs = backoff_views(self.model, now, pattern)
-        reps = [self.model.replicas[rid] for rid in self.ids]
-        text = self.model.replica_text
+        w, b = self.model.replica_widths, self.backoffs
         self.widths = [
             3,
-            max([len(COLUMNS[1]), *(len(r.id) for r in reps), *(len(b.id) for b in self.backoffs)]),
-            max([len(COLUMNS[2]), *(len(r.deployment) for r in reps), *(len(b.deployment) for b in self.backoffs)]),
-            max([len(COLUMNS[3]), 1, *(len(r.fabric or "-") for r in reps)]),
-            max([len(COLUMNS[4]), 1, *(len(text[r.id][0]) for r in reps)]),
-            max([len(COLUMNS[5]), *(len(r.state) + 2 for r in reps), *(len(b.state) + 2 for b in self.backoffs)]),  # "↻ launching"
+            max([len(COLUMNS[1]), w["id"], *(len(v.id) for v in b)]),
+            max([len(COLUMNS[2]), w["deployment"], *(len(v.deployment) for v in b)]),
+            max(len(COLUMNS[3]), w["fabric"]),
+            max(len(COLUMNS[4]), w["members"]),
+            max([len(COLUMNS[5]), w["state"] + 2, *(len(v.state) + 2 for v in b)]),  # "↻ launching"
             AGE_WIDTH,
             len(COLUMNS[7]),
         ]

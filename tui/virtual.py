@@ -47,6 +47,9 @@ class VirtualList(ScrollView, can_focus=True):
 
     # False: a log to scroll through, no row to act on.
     HAS_CURSOR: ClassVar[bool] = True
+    # True: the list's height does not follow its length (1fr) and its scrollbar is
+    # always there (overflow-y: scroll), so a new length never lays the screen out again.
+    FIXED_HEIGHT: ClassVar[bool] = False
     # False: the cursor is drawn only while the list has the focus (a row marked
     # in a list not in use reads as "selected", and it is not).
     CURSOR_WHEN_BLURRED: ClassVar[bool] = True
@@ -57,6 +60,7 @@ class VirtualList(ScrollView, can_focus=True):
         self.cursor = 0
         self._base_style: Style | None = None
         self._drawn: dict[Hashable, Strip] = {}  # line_key -> the line as drawn
+        self._drawn_style: Style | None = None  # the widget's style those lines were drawn in
 
     # -- what subclasses provide ------------------------------------------------
 
@@ -88,8 +92,19 @@ class VirtualList(ScrollView, can_focus=True):
 
     def set_count(self, count: int) -> None:
         """The list now has ``count`` lines; the cursor stays within them. Redraws."""
-        self.count = count
-        self.virtual_size = Size(max(1, self.scrollable_content_region.width), count)
+        old, self.count = self.count, count
+        size = Size(max(1, self.scrollable_content_region.width), count)
+        height = self.scrollable_content_region.height
+        if self.is_mounted and height and (self.FIXED_HEIGHT or (old > height and count > height)):
+            # Full before and after: the widget's size and its scrollbar stay as they are,
+            # so the screen need not be laid out again (setting virtual_size does that, and
+            # a filter typed at 10,000 nodes changed three lists' lengths per letter).
+            self.set_reactive(VirtualList.virtual_size, size)
+            self._scroll_update(size)
+            if self.scroll_y > count - height:
+                self.scroll_to(y=count - height, animate=False, force=True)
+        else:
+            self.virtual_size = size
         if self.HAS_CURSOR and count:
             self.cursor = min(self.cursor, count - 1)
             if not self.selectable(self.cursor):
@@ -105,14 +120,18 @@ class VirtualList(ScrollView, can_focus=True):
         return self._base_style
 
     def notify_style_update(self) -> None:
+        # (A focus change restyles the border; the lines keep their style, and their
+        # cache, unless the widget's own style changed: render_line compares.)
         self._base_style = None
-        self._drawn.clear()
         super().notify_style_update()
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width
         index = self.top + y
         style = self.base_style
+        if style != self._drawn_style:
+            self._drawn.clear()
+            self._drawn_style = style
         if index >= self.count or width <= 0:
             return Strip.blank(width, style)
         on = self.HAS_CURSOR and index == self.cursor and (self.has_focus or self.CURSOR_WHEN_BLURRED)
@@ -144,10 +163,12 @@ class VirtualList(ScrollView, can_focus=True):
         return [self.render_line(y).text.rstrip() for y in range(self.height) if self.top + y < self.count]
 
     def on_focus(self) -> None:
-        self.refresh()
+        if self.HAS_CURSOR and self.count:
+            self.refresh_line(self.cursor)  # the cursor's colour says where the keys go
 
     def on_blur(self) -> None:
-        self.refresh()
+        if self.HAS_CURSOR and self.count:
+            self.refresh_line(self.cursor)
 
     # -- the cursor -------------------------------------------------------------
 
