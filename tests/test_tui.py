@@ -19,6 +19,7 @@ import threading
 import time
 
 import pytest
+from textual import events
 
 from llmgw.services import registry as registry_mod
 from llmgw.shared import bus
@@ -382,6 +383,37 @@ async def test_the_seed_nodes_appear_under_their_fabrics(nats_server, writers):
         await until(pilot, lambda: isinstance(app.screen, Help), what="the help")
         await pilot.press("escape")
         await until(pilot, lambda: not isinstance(app.screen, Help), what="the help closed")
+
+
+def typed_at_once(app, *keys: tuple[str, str | None]) -> None:
+    """Keys that reach the console together, as when it was busy or the typist fast:
+    all in its queue before the first is handled (``pilot.press`` waits after each)."""
+    for key, character in keys:
+        event = events.Key(key, character)
+        event.set_sender(app)
+        app._driver.send_message(event)  # as the terminal's reader hands keys over
+
+
+async def test_keys_typed_faster_than_the_console_reads_go_where_the_keys_before_them_left_the_focus(nats_server, writers):
+    await writers.seed(seed_state())
+    app = console(nats_server)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await until(pilot, lambda: (cursor_on(app), app.focused is app.node_list), ("node01", True), what="node01 selected")
+        # a filter typed and kept, then Enter for the detail: the second Enter is the list's
+        typed_at_once(app, ("slash", "/"), *((c, c) for c in "node04"), ("enter", "\r"), ("enter", "\r"))
+        await until(pilot, lambda: isinstance(app.screen, NodeDetail), what="the detail screen")
+        assert app.screen.view.node_id == "node04"
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, NodeDetail), what="the detail closed")
+        # "/" and Esc at once clear the filter and leave the keys after them to the list
+        typed_at_once(app, ("slash", "/"), ("escape", "\x1b"), ("home", None), ("down", None))
+        await until(
+            pilot, lambda: (len(nodes_shown(app)), cursor_on(app), app.focused is app.node_list), (4, "node02", True), what="the filter gone, the cursor moved"
+        )
+        assert app.filter_bar.value == "" and app.pattern == ""
+        # a question answered at once gives the focus back before the next key
+        typed_at_once(app, ("c", "c"), ("n", "n"), ("down", None))
+        await until(pilot, lambda: (cursor_on(app), app.screen.query_one(Confirm).asking), ("node03", False), what="the question gone, the cursor moved")
 
 
 async def test_a_lease_going_lost_turns_node02_lost_within_a_second(nats_server, writers):

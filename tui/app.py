@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import ClassVar
 
-from textual import work
+from textual import events, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
@@ -39,6 +39,7 @@ from .events import EventLog
 from .fabric_table import FabricTable
 from .feed import ConnectionStatus, Feed
 from .filter_bar import FilterBar
+from .focus import focus_now
 from .help import Help
 from .lag import SHOW_AFTER, Lag
 from .model import MarkBook, NodeDetailView, node_detail
@@ -73,14 +74,22 @@ class LlmgwApp(App[None]):
     ENABLE_COMMAND_PALETTE = False
     AUTO_FOCUS = "NodeList"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]  # noqa: RUF012 - Textual declares it `ClassVar[...] | None`, which mypy reads as an instance variable a ClassVar may not override
+    # Every key is handled whole, in the app's own turn, in the order typed. Textual
+    # hands a key to the focused widget through that widget's queue and looks at the
+    # next key at once, so a key that moves the focus or opens a screen ("/", Enter,
+    # c) would leave the keys already waiting behind it (Esc, y, the letters of a
+    # filter — a busy console or a fast typist) with the widget it left. So the
+    # console's bindings are all priority bindings (Textual runs those in the app's
+    # turn), their effects happen at once (focus_now, callbacks rather than
+    # messages), and the filter line takes its keys from on_event below.
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("c", "admin('cordon')", "Cordon"),
-        Binding("u", "admin('uncordon')", "Uncordon"),
-        Binding("d", "admin('drain')", "Drain"),
-        Binding("slash", "filter", "Filter", key_display="/"),
-        Binding("e", "herds", "Every event"),
-        Binding("question_mark", "help", "Help", key_display="?"),
-        Binding("q", "quit", "Quit"),
+        Binding("c", "admin('cordon')", "Cordon", priority=True),
+        Binding("u", "admin('uncordon')", "Uncordon", priority=True),
+        Binding("d", "admin('drain')", "Drain", priority=True),
+        Binding("slash", "filter", "Filter", key_display="/", priority=True),
+        Binding("e", "herds", "Every event", priority=True),
+        Binding("question_mark", "help", "Help", key_display="?", priority=True),
+        Binding("q", "quit", "Quit", priority=True),
     ]
 
     def __init__(
@@ -117,9 +126,9 @@ class LlmgwApp(App[None]):
     def compose(self) -> ComposeResult:
         # Kept by reference: queries look at the current screen, which may be a node's detail.
         self.banner = ConnectionBanner(id="banner")
-        self.filter_bar = FilterBar(self.filter_changed, id="filter")
-        self.fabric_table = FabricTable(self.model, id="fabrics")
-        self.node_list = NodeList(self.model, self.marks, self.clock, id="nodes")
+        self.filter_bar = FilterBar(self.filter_changed, self.filter_closed, id="filter")
+        self.fabric_table = FabricTable(self.model, on_choose=self.fabric_chosen, id="fabrics")
+        self.node_list = NodeList(self.model, self.marks, self.clock, on_highlight=self.node_highlighted, on_open=self.node_opened, id="nodes")
         self.replicas = ReplicasPanel(self.model, self.marks, id="replicas")
         self.event_log = EventLog(self.timeline, id="events")
         yield Header()
@@ -247,26 +256,33 @@ class LlmgwApp(App[None]):
 
     # -- nodes ---------------------------------------------------------------------
 
-    def on_node_list_highlighted(self, message: NodeList.Highlighted) -> None:
-        self.selected_node = message.node_id
-        self.fabric_table.follow(message.fabric)
+    def node_highlighted(self, node_id: str, fabric: str) -> None:
+        self.selected_node = node_id
+        self.fabric_table.follow(fabric)
 
-    def on_node_list_opened(self, message: NodeList.Opened) -> None:
-        self.selected_node = message.node_id
+    def node_opened(self, node_id: str) -> None:
+        self.selected_node = node_id
         if self.detail in self.screen_stack:
             return
-        self.detail.show(self.detail_view(message.node_id, self.clock()), self.timeline.version)
+        self.detail.show(self.detail_view(node_id, self.clock()), self.timeline.version)
         self.push_screen("detail")
 
-    def on_fabric_table_chosen(self, message: FabricTable.Chosen) -> None:
-        self.node_list.show_fabric(message.fabric)
+    def fabric_chosen(self, fabric: str) -> None:
+        self.node_list.show_fabric(fabric)
 
     # -- actions ---------------------------------------------------------------------
+
+    async def on_event(self, event: events.Event) -> None:
+        if isinstance(event, events.Key) and not event.is_forwarded and self.focused is self.filter_bar and self.filter_bar.take(event):
+            return
+        await super().on_event(event)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # While a question or the help is up, its own keys answer; nothing else starts.
         if (isinstance(self.screen, Help) or self.asking()) and action in ("admin", "filter", "help", "herds"):
             return False
+        if isinstance(self.screen, Help) and action == "quit":
+            return False  # q closes the help
         if action in ("filter", "herds") and isinstance(self.screen, NodeDetail):
             return False
         return True
@@ -301,7 +317,7 @@ class LlmgwApp(App[None]):
         self.notify(f"node {record.node_id} is now {record.admin}", timeout=5)
 
     def action_filter(self) -> None:
-        self.filter_bar.focus()
+        focus_now(self.filter_bar)
 
     def filter_changed(self, value: str) -> None:
         self.set_pattern(value.strip())
@@ -318,8 +334,8 @@ class LlmgwApp(App[None]):
             self.event_log.pattern = pattern
             self.event_log.rebuild(narrow=narrow)
 
-    def on_filter_bar_closed(self, message: FilterBar.Closed) -> None:
-        self.node_list.focus()
+    def filter_closed(self, cleared: bool) -> None:
+        focus_now(self.node_list)
 
     def action_herds(self) -> None:
         """Every event of every herd, or the herds summarised again."""

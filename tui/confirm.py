@@ -22,6 +22,8 @@ from rich.text import Text
 from textual.binding import Binding, BindingType
 from textual.widget import Widget
 
+from .focus import focus_now
+
 MAIN = (("⏎", "Detail"), ("c", "Cordon"), ("u", "Uncordon"), ("d", "Drain"), ("/", "Filter"), ("e", "Every event"), ("?", "Help"), ("q", "Quit"))
 DETAIL = (("esc", "Back"), ("c", "Cordon"), ("u", "Uncordon"), ("d", "Drain"), ("q", "Quit"))
 
@@ -40,8 +42,8 @@ class Confirm(Widget, can_focus=False):
     Confirm.-asking { background: $warning 40%; }
     """
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("y", "answer(True)", "Yes"),
-        Binding("n,escape", "answer(False)", "No"),
+        Binding("y", "answer(True)", "Yes", priority=True),
+        Binding("n,escape", "answer(False)", "No", priority=True),
     ]
 
     def __init__(self, keys: tuple[tuple[str, str], ...] = MAIN, **kw) -> None:
@@ -62,7 +64,7 @@ class Confirm(Widget, can_focus=False):
         self.add_class("-asking")
         self.can_focus = True
         self.refresh()
-        self.focus()
+        focus_now(self)
 
     def render(self) -> Text:
         if not self.asking:
@@ -81,7 +83,7 @@ class Confirm(Widget, can_focus=False):
         self.can_focus = False
         self.refresh()
         if self._focus_before is not None and self._focus_before.is_attached:
-            self._focus_before.focus()
+            focus_now(self._focus_before)
         if answered is not None:
             answered(yes)
 

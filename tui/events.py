@@ -46,6 +46,10 @@ class EventLog(VirtualList):
         self.lines: list[tuple[str, object]] = []  # one per line on screen: stories are wrapped into several
         self._built = (-1, "", False, 0)
         self._matched: list[tuple[str, object]] = []
+        # Whether the log follows new events. Kept, not only read off the scroll position:
+        # before the first layout the list has no height, a scroll to its end is cut
+        # short, and read back it would say the operator had scrolled up.
+        self._following = True
 
     def on_mount(self) -> None:
         self.border_title = "Events"
@@ -60,7 +64,9 @@ class EventLog(VirtualList):
         key = (self.timeline.version, self.pattern, self.expand, width)
         if key == self._built and not force:
             return
-        follow = self.at_end or not self.count
+        laid_out = self.is_mounted and self.scrollable_content_region.height > 0
+        follow = self._following if not laid_out else (self.at_end or not self.count)
+        self._following = follow
         among = self._matched if narrow and key[0] == self._built[0] and key[2:] == self._built[2:] else None
         self._built = key
         matched = event_lines(self.timeline, self.pattern, self.expand, among)
@@ -105,7 +111,10 @@ class EventLog(VirtualList):
         return Text("")
 
     def on_resize(self, event: events.Resize) -> None:
+        following = self._following
         self.rebuild()
+        if following:
+            self.scroll_to(y=max(0, self.count - self.height), animate=False, force=True)
 
     def text(self) -> str:
         """Every line, as plain text (tests; the screen draws only what is visible)."""

@@ -8,10 +8,9 @@ here moves the node list to that fabric.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from rich.text import Text
-from textual.message import Message
 
 from .cluster import ClusterModel
 from .model import FabricRow, fabric_row, replica_tone
@@ -68,15 +67,9 @@ def totals_title(model: ClusterModel) -> str:
 
 
 class FabricTable(VirtualList):
-    class Chosen(Message):
-        """The operator moved to this fabric: the node list shows it."""
-
-        def __init__(self, fabric: str) -> None:
-            super().__init__()
-            self.fabric = fabric
-
-    def __init__(self, model: ClusterModel, **kw) -> None:
+    def __init__(self, model: ClusterModel, *, on_choose: Callable[[str], None], **kw) -> None:
         super().__init__(**kw)
+        self.on_choose = on_choose  # the operator moved to this fabric: the node list shows it (at once, as NodeList's)
         self.model = model
         self.names: list[str] = []
         self.widths: list[int] = []
@@ -125,7 +118,7 @@ class FabricTable(VirtualList):
 
     def cursor_moved(self) -> None:
         if not self._quiet and self.cursor < len(self.names):
-            self.post_message(self.Chosen(self.names[self.cursor]))
+            self.on_choose(self.names[self.cursor])
 
     def opened(self) -> None:
         self.cursor_moved()

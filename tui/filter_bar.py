@@ -52,11 +52,14 @@ class FilterBar(Widget, can_focus=True):
                 text.append(PLACEHOLDER, style="dim")
         return text
 
-    def __init__(self, on_change: Callable[[str], None] | None = None, **kw) -> None:
+    def __init__(self, on_change: Callable[[str], None] | None = None, on_close: Callable[[bool], None] | None = None, **kw) -> None:
         super().__init__(**kw)
         # Called at once with each new value, so that the lists it narrows are drawn in
         # the same frame as the letter; without one, a Changed message says it.
         self.on_change = on_change
+        # Called at once on Enter or Esc, so that the focus has left before the next key
+        # is read (a Closed message would be handled after keys already queued).
+        self.on_close = on_close
 
     def watch_value(self, value: str) -> None:
         if self.on_change is not None:
@@ -68,20 +71,34 @@ class FilterBar(Widget, can_focus=True):
         # letters typed here are words of the filter, not the app's keys (c is not cordon)
         return character is not None and character.isprintable()
 
-    def on_key(self, event: events.Key) -> None:
+    def take(self, event: events.Key) -> bool:
+        """Apply a key typed here (letters, Backspace, Enter, Esc); False for any other key.
+
+        The app calls it in its own turn, as the key arrives, so the letters and the
+        Enter or Esc that closes the filter are applied in the order typed."""
         if event.key == "enter":
-            self.post_message(self.Closed(cleared=not self.value.strip()))
+            self.close(cleared=not self.value.strip())
         elif event.key == "escape":
             self.value = ""
-            self.post_message(self.Closed(cleared=True))
+            self.close(cleared=True)
         elif event.key == "backspace":
             self.value = self.value[:-1]
         elif event.character is not None and event.character.isprintable():
             self.value += event.character
         else:
-            return
-        event.stop()
-        event.prevent_default()
+            return False
+        return True
+
+    def on_key(self, event: events.Key) -> None:
+        if self.take(event):
+            event.stop()
+            event.prevent_default()
+
+    def close(self, cleared: bool) -> None:
+        if self.on_close is not None:
+            self.on_close(cleared)
+        else:
+            self.post_message(self.Closed(cleared))
 
     def on_focus(self) -> None:
         self.refresh()

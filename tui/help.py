@@ -53,7 +53,7 @@ def help_table(connection: str) -> Table:
 
 
 class Help(ModalScreen[None]):
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,question_mark,q", "close", "Close")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,question_mark,q", "close", "Close", priority=True)]
 
     def __init__(self, connection: str = "") -> None:
         super().__init__()

@@ -70,7 +70,7 @@ def _events(v: NodeDetailView):
 class NodeDetail(Screen[None]):
     """A full screen, not a modal: the app's cordon, uncordon and drain keys work here too."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "close", "Back")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "close", "Back", priority=True)]
 
     view: reactive[NodeDetailView | None] = reactive(None)
 
@@ -107,6 +107,10 @@ class NodeDetail(Screen[None]):
     def _draw(self) -> None:
         if self.view is not None:
             self.query_one("#detail-body", Static).update(detail_renderable(self.view))
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # Esc answers "no" to a question asked here before it closes the screen
+        return not (action == "close" and self.query_one(Confirm).asking)
 
     def action_close(self) -> None:
         self.dismiss(None)

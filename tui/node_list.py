@@ -9,12 +9,11 @@ sorted rows; none of them touches a widget per node, so they cost the same at
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import ClassVar
 
 from rich.text import Text
 from textual.binding import Binding, BindingType
-from textual.message import Message
 
 from .cluster import Changes, ClusterModel
 from .model import STATE_ORDER, MarkBook, NodeView, node_view, ordered_counts
@@ -63,28 +62,26 @@ class NodeList(VirtualList):
     FIXED_HEIGHT = True
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("enter", "open", "Detail", key_display="⏎"),
-        Binding("left,[", "fabric(-1)", "Fabric", show=False),
-        Binding("right,]", "fabric(1)", "Fabric", show=False),
+        Binding("enter", "open", "Detail", key_display="⏎", priority=True),
+        Binding("left,[", "fabric(-1)", "Fabric", show=False, priority=True),
+        Binding("right,]", "fabric(1)", "Fabric", show=False, priority=True),
     ]
 
-    class Highlighted(Message):
-        """The cursor rests on this node: cordon, uncordon and drain act on it."""
-
-        def __init__(self, node_id: str, fabric: str) -> None:
-            super().__init__()
-            self.node_id = node_id
-            self.fabric = fabric
-
-    class Opened(Message):
-        """The operator asked for this node's detail."""
-
-        def __init__(self, node_id: str) -> None:
-            super().__init__()
-            self.node_id = node_id
-
-    def __init__(self, model: ClusterModel, marks: MarkBook, clock, **kw) -> None:
+    def __init__(
+        self,
+        model: ClusterModel,
+        marks: MarkBook,
+        clock,
+        *,
+        on_highlight: Callable[[str, str], None],
+        on_open: Callable[[str], None],
+        **kw,
+    ) -> None:
         super().__init__(**kw)
+        # Called at once, not by message: the key after this one (a cordon, an Esc) must
+        # find the app already on the node the cursor rests on, or in its detail.
+        self.on_highlight = on_highlight  # (node id, fabric): cordon, uncordon and drain act on it
+        self.on_open = on_open  # node id: the operator asked for its detail
         self.model = model
         self.marks = marks
         self.clock = clock
@@ -173,7 +170,9 @@ class NodeList(VirtualList):
         fabric, node = self.lines[index]
         if not node:
             return None  # a header: a few, and its counts change with any row
-        return (fabric, node, self.model.row_versions.get(node, 0), self.now, self.name_width)
+        # the marks book only grows: its size says whether a GPU's mark may read differently
+        # (a row repainted between a replica's arrival and the frame that gives it a mark)
+        return (fabric, node, self.model.row_versions.get(node, 0), len(self.marks.marks), self.now, self.name_width)
 
     def line_text(self, index: int, width: int) -> Text:
         fabric, node = self.lines[index]
@@ -212,14 +211,14 @@ class NodeList(VirtualList):
         cur = self.current()
         self._titles()
         if cur is not None:
-            self.post_message(self.Highlighted(cur[1], cur[0]))
+            self.on_highlight(cur[1], cur[0])
 
     def action_open(self) -> None:
         self.opened()
 
     def opened(self) -> None:
         if self.node_id:
-            self.post_message(self.Opened(self.node_id))
+            self.on_open(self.node_id)
 
     def action_fabric(self, delta: int) -> None:
         """The first row of the previous or next fabric."""

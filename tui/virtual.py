@@ -31,12 +31,12 @@ GUTTER = "  "
 
 class VirtualList(ScrollView, can_focus=True):
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("up,k", "move(-1)", "Up", show=False),
-        Binding("down,j", "move(1)", "Down", show=False),
-        Binding("pageup", "page(-1)", "Page up", show=False),
-        Binding("pagedown", "page(1)", "Page down", show=False),
-        Binding("home", "edge(-1)", "First", show=False),
-        Binding("end", "edge(1)", "Last", show=False),
+        Binding("up,k", "move(-1)", "Up", show=False, priority=True),
+        Binding("down,j", "move(1)", "Down", show=False, priority=True),
+        Binding("pageup", "page(-1)", "Page up", show=False, priority=True),
+        Binding("pagedown", "page(1)", "Page down", show=False, priority=True),
+        Binding("home", "edge(-1)", "First", show=False, priority=True),
+        Binding("end", "edge(1)", "Last", show=False, priority=True),
     ]
     COMPONENT_CLASSES: ClassVar[set[str]] = {"virtual-list--cursor", "virtual-list--cursor-blurred"}
     DEFAULT_CSS = """
