@@ -222,6 +222,14 @@ def test_replicas_are_listed_problems_first():
     assert replica_order(model, "ib-a") == ["demo-g1", "other-g1"]
     assert replica_summary(model, frozenset({"demo-g3"}), 1) == "1 ready · 1 degraded · 1 rebuilding · 1 failed · 1 backoff"
     model.fold(DEPLOYMENTS, "demo", None)  # a bucket the console reads too: no error for a missing key
+    # the whole order is kept between changes: a change of state re-sorts it, a letter does not
+    everything = replica_order(model)
+    everything.clear()  # a caller's copy, not the kept list
+    assert replica_order(model) == ["demo-g1", "demo-g3", "other-g1", "demo-g2"]
+    model.fold(REPLICAS, "demo-g1", make_replica(*G1[:2], "ready", G1[2]))
+    assert replica_order(model) == ["demo-g3", "other-g1", "demo-g1", "demo-g2"]
+    assert replica_order(model, "demo") == ["demo-g3", "demo-g1", "demo-g2"]
+    assert replica_order(model, "demo-g", among=["demo-g3", "other-g1", "demo-g1"]) == ["demo-g3", "demo-g1"]
 
 
 # --------------------------------------------------------------------------

@@ -138,6 +138,7 @@ class ClusterModel:
         self.members_now: dict[str, set[str]] = {}
         self.members_seen: dict[str, set[str]] = {}
         self.rows: list[tuple[bool, str, str]] = []  # row_key of every (fabric, node), sorted
+        self.replica_order_cache: tuple[int, list[str]] = (-1, [])  # (versions["replicas"], model.replica_order's whole list)
         self.name_width = 0  # the longest node id seen
         # replica -> (its members as text, what a filter searches), kept with the record
         self.replica_text: dict[str, tuple[str, str]] = {}

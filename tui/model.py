@@ -247,13 +247,21 @@ def replica_order(model: ClusterModel, pattern: str = "", among: list[str] | Non
     generation; ``among``: only those (the matches of a pattern this one narrows)."""
     words = pattern.lower().split()
     text = model.replica_text
-    ids = list(model.replicas) if among is None else [rid for rid in among if rid in model.replicas]
-    if words:
+    if among is not None:  # the matches of a pattern narrowed are in order already
+        ids = [rid for rid in among if rid in model.replicas]
+    else:  # every replica in order, sorted once per change of the replicas, not per letter
+        version, ordered = model.replica_order_cache
+        if version != model.versions["replicas"]:
+            reps = model.replicas
+            ordered = sorted(reps, key=lambda rid: (TONE_RANK[replica_tone(reps[rid].state)], reps[rid].deployment, reps[rid].generation, rid))
+            model.replica_order_cache = (model.versions["replicas"], ordered)
+        ids = ordered
+    if len(words) == 1:
+        w = words[0]
+        ids = [rid for rid in ids if w in text[rid][1]]
+    elif words:
         ids = [rid for rid in ids if all(w in text[rid][1] for w in words)]
-    if among is None:  # the matches of a pattern narrowed are in order already
-        reps = model.replicas
-        ids.sort(key=lambda rid: (TONE_RANK[replica_tone(reps[rid].state)], reps[rid].deployment, reps[rid].generation, rid))
-    return ids
+    return ids if words or among is not None else list(ids)
 
 
 def replica_view(r: Replica, now: float, marks: MarkBook, rebuilding: frozenset[str] = frozenset()) -> ReplicaView:

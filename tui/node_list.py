@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Hashable
+from itertools import groupby
+from operator import itemgetter
 from typing import ClassVar
 
 from rich.text import Text
@@ -114,18 +116,16 @@ class NodeList(VirtualList):
         self.matched_rows, self._versions = rows, versions
         lines: list[tuple[str, str]] = []
         heads: list[int] = []
-        fabric = None
-        for _, fab, node in rows:
-            if fab != fabric:
-                heads.append(len(lines))
-                lines.append((fab, ""))
-                fabric = fab
-            lines.append((fab, node))
+        for fab, group in groupby(rows, key=itemgetter(1)):  # a header, then the fabric's rows
+            heads.append(len(lines))
+            lines.append((fab, ""))
+            lines.extend([(fab, node) for _, _, node in group])
         self.lines, self.heads = lines, heads
         self.matched = len(rows)
         self.name_width = max(8, self.model.name_width)
-        if keep is not None and keep in lines:
-            self.cursor = lines.index(keep)
+        where = self._find(keep) if keep is not None else None
+        if where is not None:
+            self.cursor = where
         elif pattern:
             self.cursor = 1  # the first match
         self.set_count(len(lines))
@@ -133,6 +133,16 @@ class NodeList(VirtualList):
         self._titles()
         if self.current() != keep:
             self.cursor_moved()
+
+    def _find(self, line: tuple[str, str]) -> int | None:
+        """Where a (fabric, node) line is: a bisect over the header positions, then in its fabric."""
+        fabric = line[0]
+        for h in self.heads:  # a few tens of fabrics
+            if self.lines[h][0] == fabric:
+                end = next((e for e in self.heads if e > h), len(self.lines))
+                i = bisect.bisect_left(self.lines, line, h + 1, end)
+                return i if i < end and self.lines[i] == line else None
+        return None
 
     def update(self, changes: Changes, now: float) -> None:
         """A frame: redraw the rows on screen whose node changed (and the headers, when counts did)."""
