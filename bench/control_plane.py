@@ -362,6 +362,16 @@ class SimAgent:
         if self.beating:
             self.beating.cancel()
 
+    async def resume_heartbeats(self) -> None:
+        """Heartbeat again, at once and then every interval, after ``stop_heartbeats``
+        (bench/console.py takes a node to suspect and back, to time the lease change
+        on the console's screen)."""
+        self.silent = False
+        if self.beating is None or self.beating.done():
+            self.beating = asyncio.create_task(self.heartbeats(self.heartbeat_interval))
+        if self.nc is not None and self.nc.is_connected:
+            await self.heartbeat()
+
     def report(self, *, full: bool, engines: list[EngineFact] | None = None) -> StatusReport:
         facts = list(self.engines.values()) if full else (engines or [])
         return StatusReport(node_id=self.node_id, boot_id=self.boot_id, full=full, engines=facts, sent_at=time.time())
@@ -446,10 +456,11 @@ class Board:
 # bench talks to them over their stdin/stdout, a JSON object a line:
 #
 #   bench -> worker   {"op": "connect"} | {"op": "inventory", "nodes": [...]}
-#                     | {"op": "silence", "node": N} | {"op": "close"}
+#                     | {"op": "silence", "node": N} | {"op": "resume", "node": N} | {"op": "close"}
 #   worker -> bench   {"ev": "connected", "node": N} | {"ev": "launch", ...}
 #                     | {"ev": "reconnected", "node": N, "at": T} | {"ev": "error", "node": N}
-#                     | {"ev": "silenced", "node": N, "last_beat": T} | {"ev": "closed"}
+#                     | {"ev": "silenced", "node": N, "last_beat": T} | {"ev": "resumed", "node": N, "at": T}
+#                     | {"ev": "closed"}
 #
 # Times are the workers' wall clocks, stamped where the event happened (same
 # machine, same clock as the services' event times); the pipe's delay is not in
@@ -555,6 +566,11 @@ async def agents_worker(job: dict) -> int:
             agent = agents[cmd["node"]]
             agent.stop_heartbeats()
             emit({"ev": "silenced", "node": agent.node_id, "last_beat": agent.last_beat})
+        elif op == "resume":
+            agent = agents[cmd["node"]]
+            with contextlib.suppress(Exception):
+                await agent.resume_heartbeats()
+            emit({"ev": "resumed", "node": agent.node_id, "at": agent.last_beat})
         elif op == "close":
             break
     # close, or the bench is gone (EOF): end every connection, then say so
@@ -601,6 +617,7 @@ class Fleet:
         self.errors = 0  # failed connection attempts the agents reported, all of them
         self.failed = ""  # a worker that ended before it was told to
         self.silenced: dict[str, asyncio.Future] = {}
+        self.resumed: dict[str, asyncio.Future] = {}
 
     @property
     def pids(self) -> list[int]:
@@ -645,6 +662,12 @@ class Fleet:
                 fut = self.silenced.pop(view.node_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(None)
+            elif kind == "resumed":
+                view = self.views[ev["node"]]
+                view.silent = False
+                fut = self.resumed.pop(view.node_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
             elif kind == "failed":
                 self.failed = self.failed or ev["error"]
             elif kind == "closed":
@@ -676,6 +699,13 @@ class Fleet:
         once the worker says so, with the time of its last heartbeat."""
         fut = self.silenced[node] = asyncio.get_running_loop().create_future()
         await self.tell(self.views[node].worker, {"op": "silence", "node": node})
+        await asyncio.wait_for(fut, timeout)
+        return self.views[node]
+
+    async def resume(self, node: str, timeout: float = 10.0) -> AgentView:
+        """Start a silenced agent's heartbeats again (one at once); returns once its worker says so."""
+        fut = self.resumed[node] = asyncio.get_running_loop().create_future()
+        await self.tell(self.views[node].worker, {"op": "resume", "node": node})
         await asyncio.wait_for(fut, timeout)
         return self.views[node]
 
@@ -734,6 +764,17 @@ class Bench:
         self.metrics: dict[str, str] = {}
 
     # -- output ---------------------------------------------------------------
+    def stop_extra(self) -> None:
+        """What a bench built on this one started besides the cluster, stopped at the end."""
+
+    def summaries(self) -> list[str]:
+        """Summaries printed after this bench's own."""
+        return []
+
+    def json_extra(self) -> dict:
+        """Figures written to --json beside this bench's own."""
+        return {}
+
     def out(self, msg: str) -> None:
         print(f"[{time.monotonic() - self.t0:7.1f}s] {msg}", flush=True)
 
@@ -1842,7 +1883,14 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as e:
         print(f"FAILED: {e}", flush=True)
         return 1
-    bench = Bench(args, root)
+    return run_bench(Bench(args, root), argv_full)
+
+
+def run_bench(bench: Bench, argv_full: list[str]) -> int:
+    """Run ``bench`` to its end, stop everything it started (also on Ctrl-C, SIGTERM or
+    failure), print its summary and write ``--json``; the exit code. bench/console.py
+    runs its own Bench through this too (``stop_extra``, ``summaries``, ``json_extra``)."""
+    args, root = bench.args, bench.root
     rc = 0
 
     async def go():
@@ -1871,6 +1919,7 @@ def main(argv: list[str] | None = None) -> int:
         # Ignore further Ctrl-C while cleaning up, so nothing is left running.
         old = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
+            bench.stop_extra()
             t = time.monotonic()
             stop_processes(bench.cluster)
             bench.out(f"stopped the services and nats-server in {time.monotonic() - t:.1f}s")
@@ -1881,9 +1930,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(root, ignore_errors=True)
     print(summary(args, bench.fig, argv_full), flush=True)
+    for text in bench.summaries():
+        print(text, flush=True)
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"args": {k: v for k, v in vars(args).items()}, "cores": os.cpu_count(), "rc": rc, **bench.fig.values}, indent=2, default=str) + "\n"
+            json.dumps(
+                {"args": {k: v for k, v in vars(args).items()}, "cores": os.cpu_count(), "rc": rc, **bench.fig.values, **bench.json_extra()},
+                indent=2,
+                default=str,
+            )
+            + "\n"
         )
     return rc
 

@@ -71,6 +71,11 @@ class KvMirror(Generic[T]):
         self._watch: _Watch | None = None
         self._seen = 0  # the highest stream sequence any watch delivered
         self._stopped = False
+        # While listeners run for a change as it happens (not for the initial
+        # read, nor for a re-read's difference): its watch entry, whose
+        # ``created`` is when the server stored it. The console says from it how
+        # far behind the bus its screen is.
+        self.entry = None
 
     # -- start and stop ------------------------------------------------------
     async def start(self, timeout: float = 10.0) -> KvMirror[T]:
@@ -143,7 +148,11 @@ class KvMirror(Generic[T]):
             if watch.fresh is not None:
                 watch.fresh[entry.key] = (entry.revision, value)
             else:
-                self._apply(entry.key, entry.revision, value)
+                self.entry = entry if watch.caught_up.is_set() else None
+                try:
+                    self._apply(entry.key, entry.revision, value)
+                finally:
+                    self.entry = None
             if entry.revision >= watch.initial_seq:
                 watch.caught_up.set()
                 self._settle(watch)

@@ -62,15 +62,20 @@ def gpu_blocks(record: NodeRecord) -> dict[int, str]:
     return out
 
 
-def gpu_holders(replicas: Mapping[str, Replica]) -> dict[str, dict[int, Replica]]:
-    """node -> GPU index -> the replica holding it (every state but gone holds).
+def holder_precedence(replica: Replica) -> tuple[bool, str]:
+    """Of the replicas naming one GPU, the one with the smallest key holds it:
+    a live replica before one being reaped (that is who will hold it once
+    reaping ends), then the smaller id, so the answer never depends on the
+    bucket's order. ``gpu_holders`` and the console's folded copy
+    (``tui/cluster.py``) decide by this one key."""
+    return (replica.state in ENDING_REPLICA, replica.id)
 
-    Should a replica being reaped and its replacement both name a GPU, the
-    live one wins: that is who will hold it once reaping ends. Among equals
-    the smaller id wins, so the answer never depends on the bucket's order.
-    """
+
+def gpu_holders(replicas: Mapping[str, Replica]) -> dict[str, dict[int, Replica]]:
+    """node -> GPU index -> the replica holding it (every state but gone holds;
+    of two naming one GPU, ``holder_precedence`` decides)."""
     held: dict[str, dict[int, Replica]] = {}
-    for r in sorted(replicas.values(), key=lambda r: (r.state in ENDING_REPLICA, r.id), reverse=True):
+    for r in sorted(replicas.values(), key=holder_precedence, reverse=True):
         if r.state not in HOLDS_GPUS:
             continue
         for m in r.members:
@@ -143,10 +148,11 @@ def format_age(seconds: float | None) -> str:
     s = max(0.0, seconds)
     if s < 10:
         return f"{s:.1f}s"
-    if s < 60:
+    if s < 59.5:
         return f"{s:.0f}s"
-    if s < 3600:
-        return f"{s // 60:.0f}m{s % 60:02.0f}s"
+    if s < 3599.5:  # whole seconds first: 599.99 s is 10m00s, not 9m60s
+        whole = round(s)
+        return f"{whole // 60}m{whole % 60:02d}s"
     if s < 86400:
         return f"{s / 3600:.1f}h"
     return f"{s / 86400:.1f}d"

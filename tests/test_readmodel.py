@@ -347,11 +347,14 @@ def test_ctl_and_the_console_import_no_service_module(tmp_path):
         from llmgw.services.ctl import ops
         from llmgw.shared.errors import ConfigError
         from llmgw.shared.schemas import Gpu, NodeRecord
-        from llmgw.tui.model import ClusterState, node_detail
+        from llmgw.tui.cluster import NODES, ClusterModel
+        from llmgw.tui.model import node_detail
 
         node = NodeRecord(node_id="node01", identity="CN=node01,OU=node", gpus=[Gpu(index=0, uuid="GPU-0", name="H200")])
         ops.node_rows({{"node01": node}}, {{}}, {{}})
-        node_detail("node01", ClusterState(nodes={{"node01": node}}), [], {{}}, 0.0)
+        model = ClusterModel()
+        model.fold(NODES, "node01", node)
+        node_detail("node01", model, [], 0.0)
         try:
             ops.deploy(argparse.Namespace(deploy_cmd="apply", file={str(bad)!r}))
         except ConfigError as e:

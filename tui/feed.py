@@ -1,14 +1,24 @@
-"""The console's side of the bus: connect, mirror the buckets, follow the event stream.
+"""The console's side of the bus: connect, watch the buckets, follow the event stream.
 
-Everything here runs inside one Textual worker on the app's event loop and
-talks to the app only by posting the messages below; nothing polls. Updates are
-coalesced (a KV watch delivers a burst of entries at start, a rebuild a burst
-of events) so the screen redraws once per burst, not once per entry.
+What it reads, and why (``docs/architecture.md``, "The console"): the four
+buckets the read model needs (nodes, leases, replicas, deployments), each
+watched whole — every record once at start, then each change as it happens —
+and the event stream from its last ``history`` events on. A console that can
+jump to any of 10,000 nodes or filter them needs every node's record and
+lease; after the first read it costs only the changes (at 10,000 nodes the
+health monitor writes about 65 leases a second: checkpoints, and state changes
+at once). Nothing is copied per change: each one goes straight to the app's
+folds (``cluster.py``, ``timeline.py``), on the app's own loop.
+
+Everything here runs inside one Textual worker and talks to the app through
+the ``Sink`` methods below; nothing polls.
 
 When the connection drops, the last state seen stays on screen and the app is
 told. When it comes back — possibly to a restarted server whose consumers are
-gone — every bucket is watched afresh and the event stream is followed again
-from the sequence after the last one seen, so nothing is missed or shown twice.
+gone — each bucket's mirror re-reads its bucket by itself and hands over only
+what changed meanwhile (``shared/kvmirror.py``), and the event stream is
+followed again from the sequence after the last one seen, so nothing is missed
+or shown twice.
 """
 
 from __future__ import annotations
@@ -17,14 +27,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import BucketNotFoundError, NotFoundError
-from textual.message import Message
 
 from llmgw.services.ctl.session import Session
 from llmgw.shared import bus
@@ -35,22 +45,21 @@ from llmgw.shared.kvmirror import KvMirror
 from llmgw.shared.schemas import DeploymentSpec, Event, Lease, NodeRecord, Replica, decode
 from llmgw.shared.tasks import cancel_and_wait
 
-from .model import ClusterState
+from .cluster import DEPLOYMENTS, LEASES, NODES, REPLICAS
 
 log = logging.getLogger("llmgw.tui.feed")
 
-# How long updates are gathered before the screen hears of them.
-COALESCE = 0.03
 # A console should notice a server that is back within seconds, whatever a
 # service's configuration allows for its own reconnects.
 RECONNECT_MAX = 5.0
 
-MIRRORED = (
-    (S.BUCKET_NODES, NodeRecord),
-    (S.BUCKET_LEASES, Lease),
-    (S.BUCKET_REPLICAS, Replica),
-    (S.BUCKET_DEPLOYMENTS, DeploymentSpec),  # a deployment's crash-loop backoff
-)
+# bucket -> (the model's name for it, its schema)
+MIRRORED = {
+    S.BUCKET_NODES: (NODES, NodeRecord),
+    S.BUCKET_LEASES: (LEASES, Lease),
+    S.BUCKET_REPLICAS: (REPLICAS, Replica),
+    S.BUCKET_DEPLOYMENTS: (DEPLOYMENTS, DeploymentSpec),  # a deployment's crash-loop backoff
+}
 # Mirrored when there, not waited for: the banner does not hold the screen for them.
 OPTIONAL = frozenset({S.BUCKET_DEPLOYMENTS})
 
@@ -65,35 +74,34 @@ class ConnectionStatus:
     down_since: float | None = None
 
 
+class Sink(Protocol):
+    """What the feed tells the app; each is called on the app's loop."""
+
+    def bucket_loaded(self, bucket: str, items: Mapping[str, object]) -> None:
+        """A bucket was read whole (at start, or once it exists)."""
+
+    def bucket_changed(self, bucket: str, key: str, value: object | None, stored: float | None) -> None:
+        """One record changed (None: deleted); ``stored``: when the server stored it, None for a re-read."""
+
+    def events_arrived(self, events: list[Event], replayed: bool, stored: float | None) -> None:
+        """Events in stream order; ``replayed``: history from before the console started."""
+
+    def connection_changed(self, status: ConnectionStatus) -> None: ...
+
+    def waiting(self, text: str) -> None:
+        """What the console is waiting for ('' when nothing): a bucket not created yet, …"""
+
+
+def _epoch(ts) -> float | None:
+    return ts.timestamp() if ts is not None else None
+
+
 class Feed(Session):
     """An operator session that stays connected and keeps the console current.
 
     A ``Session`` (``llmgw ctl``) for its API calls and error mapping; unlike a
     ctl command it lives as long as the console and survives outages.
     """
-
-    class StateChanged(Message):
-        def __init__(self, state: ClusterState) -> None:
-            super().__init__()
-            self.state = state
-
-    class EventsArrived(Message):
-        def __init__(self, events: tuple[Event, ...], replayed: bool) -> None:
-            super().__init__()
-            self.events = events
-            self.replayed = replayed  # history from before the console started
-
-    class ConnectionChanged(Message):
-        def __init__(self, status: ConnectionStatus) -> None:
-            super().__init__()
-            self.status = status
-
-    class Waiting(Message):
-        """What the console is waiting for ('' when nothing): a bucket not created yet, …"""
-
-        def __init__(self, text: str) -> None:
-            super().__init__()
-            self.text = text
 
     def __init__(self, cfg: ServiceConfig, *, history: int = 500, clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
@@ -104,37 +112,39 @@ class Feed(Session):
         self.server = ", ".join(cfg.server)
         self.mirrors: dict[str, KvMirror] = {}
         self.next_seq = 0  # the event stream sequence to read next (0: not started)
-        self._post: Callable[[Message], object] = lambda m: None
+        self.sink: Sink | None = None
         self._resync = asyncio.Event()
-        self._flush_handle: asyncio.TimerHandle | None = None
-        self._state_dirty = False
-        self._events: list[Event] = []
         self._waiting: dict[str, str] = {}
         self._sub: JetStreamContext.PushSubscription | None = None
         self._down_since: float | None = None
 
     # -- running ---------------------------------------------------------------
 
-    async def run(self, post: Callable[[Message], object]) -> None:
+    async def run(self, sink: Sink) -> None:
         """Connect and follow until cancelled (the worker is cancelled when the app exits)."""
-        self._post = post
+        self.sink = sink
+        mirrors: set[asyncio.Task] = set()
         try:
             await self._connect()
+            # Each mirror heals itself after a reconnect; started once each.
+            mirrors = {asyncio.create_task(self._keep_mirror(b, name, schema)) for b, (name, schema) in MIRRORED.items()}
             while True:
                 self._resync.clear()
                 resync = asyncio.create_task(self._resync.wait())
-                sources = {asyncio.create_task(self._keep_mirror(b, schema)) for b, schema in MIRRORED}
-                sources.add(asyncio.create_task(self._follow_events()))
-                pending = {resync, *sources}
+                events = asyncio.create_task(self._follow_events())
+                pending = {resync, events, *mirrors}
                 try:
                     while resync in pending:
                         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                         for t in done - {resync}:
                             if (failed := t.exception()) is not None:
                                 raise failed
+                            mirrors.discard(t)
                 finally:
-                    await cancel_and_wait(pending)
+                    # A restarted server has forgotten the event consumer: follow afresh.
+                    await cancel_and_wait({resync, events})
         finally:
+            await cancel_and_wait(mirrors)
             await self._close()
 
     async def _connect(self) -> None:
@@ -166,8 +176,6 @@ class Feed(Session):
             return
 
     async def _close(self) -> None:
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
         for m in list(self.mirrors.values()):
             try:
                 await asyncio.wait_for(m.stop(), 1)
@@ -187,11 +195,11 @@ class Feed(Session):
 
     async def _reconnected(self) -> None:
         self._status("connected")
-        # A restarted server has forgotten our consumers: watch and follow afresh.
         self._resync.set()
 
     def _status(self, state: str, detail: str = "") -> None:
-        self._post(self.ConnectionChanged(ConnectionStatus(state, self.clock(), self.server, detail, self._down_since)))
+        if self.sink is not None:
+            self.sink.connection_changed(ConnectionStatus(state, self.clock(), self.server, detail, self._down_since))
 
     def _wait_for(self, source: str, text: str) -> None:
         if self._waiting.get(source, "") == text:
@@ -200,45 +208,48 @@ class Feed(Session):
             self._waiting[source] = text
         else:
             self._waiting.pop(source, None)
-        self._post(self.Waiting("; ".join(self._waiting[k] for k in sorted(self._waiting))))
+        if self.sink is not None:
+            self.sink.waiting("; ".join(self._waiting[k] for k in sorted(self._waiting)))
 
     # -- buckets ---------------------------------------------------------------
 
-    async def _keep_mirror(self, bucket: str, schema) -> None:
-        """Watch ``bucket`` afresh; swap the new copy in only once it holds every key."""
+    async def _keep_mirror(self, bucket: str, name: str, schema) -> None:
+        """Watch ``bucket`` once it exists; hand it over whole, then change by change."""
+        self._wait_for(bucket, f"reading {bucket} …")
         while True:
             mirror = None
             try:
                 kv = await self.jetstream.key_value(bucket)
                 mirror = KvMirror(kv, schema)
-                mirror.listeners.append(lambda *_, m=mirror: self._changed(bucket, m))
-                await mirror.start(timeout=5)
+                mirror.listeners.append(self._listener(bucket, name, mirror))
+                await mirror.start(timeout=30)
                 break
             except BucketNotFoundError:
                 if bucket not in OPTIONAL:  # without it the console has nothing to say yet
                     self._wait_for(bucket, f"waiting for {bucket} (its writer has not created it yet)")
+                else:
+                    self._wait_for(bucket, "")
             except Exception as e:  # JetStream may still be recovering after a server restart
                 self._wait_for(bucket, f"cannot watch {bucket} yet ({type(e).__name__})")
             if mirror is not None:
                 await mirror.stop()
             await asyncio.sleep(1.0)
-        old, self.mirrors[bucket] = self.mirrors.get(bucket), mirror
+        self.mirrors[bucket] = mirror
         self._wait_for(bucket, "")
-        self._changed(bucket, mirror)
-        if old is not None:
-            await old.stop()
+        if self.sink is not None:
+            self.sink.bucket_loaded(name, mirror.items)
 
-    def _changed(self, bucket: str, mirror: KvMirror) -> None:
-        if self.mirrors.get(bucket) is mirror:  # entries of a copy still loading are not news
-            self._state_dirty = True
-            self._schedule()
+    def _listener(self, bucket: str, name: str, mirror: KvMirror) -> Callable[[str, object | None, object | None], None]:
+        def changed(key: str, _old: object | None, new: object | None) -> None:
+            self._changed(bucket, name, mirror, key, new)
 
-    def state(self) -> ClusterState:
-        def items(bucket):
-            m = self.mirrors.get(bucket)
-            return dict(m.items) if m else {}
+        return changed
 
-        return ClusterState(items(S.BUCKET_NODES), items(S.BUCKET_LEASES), items(S.BUCKET_REPLICAS), items(S.BUCKET_DEPLOYMENTS))
+    def _changed(self, bucket: str, name: str, mirror: KvMirror, key: str, new: object | None) -> None:
+        # Changes of a copy still reading its bucket are in what bucket_loaded hands over.
+        if self.sink is None or self.mirrors.get(bucket) is not mirror:
+            return
+        self.sink.bucket_changed(name, key, new, _epoch(mirror.entry.created) if mirror.entry is not None else None)
 
     # -- events ----------------------------------------------------------------
 
@@ -254,24 +265,28 @@ class Feed(Session):
             await asyncio.sleep(1.0)
         self._wait_for("events", "")
         replaying = first_run
-        if self.next_seq == 0 and not replaying:  # an empty stream: no history to wait for
-            self._post(self.EventsArrived((), replayed=True))
+        history: list[Event] = []
+        if self.next_seq == 0 and not replaying and self.sink is not None:  # an empty stream: no history to wait for
+            self.sink.events_arrived([], True, None)
         async for msg in sub.messages:
             seq = msg.metadata.sequence.stream
             if seq < self.next_seq:
                 continue  # already shown before a reconnect
             self.next_seq = seq + 1
             try:
-                self._events.append(decode(msg.data, Event))
+                ev = decode(msg.data, Event)
             except WireError as e:
                 log.warning("event %d: %s", seq, e)
+                ev = None
             if replaying:
+                if ev is not None:
+                    history.append(ev)
                 if seq >= last:  # history complete: show it in one go
-                    self._post(self.EventsArrived(tuple(self._events), replayed=True))
-                    self._events.clear()
-                    replaying = False
-            else:
-                self._schedule()
+                    if self.sink is not None:
+                        self.sink.events_arrived(history, True, None)
+                    history, replaying = [], False
+            elif ev is not None and self.sink is not None:
+                self.sink.events_arrived([ev], False, _epoch(msg.metadata.timestamp))
 
     async def _subscribe_events(self):
         """Follow the stream from the next unseen sequence (or the last ``history`` events at first)."""
@@ -293,21 +308,6 @@ class Feed(Session):
             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start),
         )
         return self._sub, last, first_run and start <= last
-
-    # -- coalescing ------------------------------------------------------------
-
-    def _schedule(self) -> None:
-        if self._flush_handle is None:
-            self._flush_handle = asyncio.get_running_loop().call_later(COALESCE, self._flush)
-
-    def _flush(self) -> None:
-        self._flush_handle = None
-        if self._state_dirty:
-            self._state_dirty = False
-            self._post(self.StateChanged(self.state()))
-        if self._events:
-            events, self._events = tuple(self._events), []
-            self._post(self.EventsArrived(events, replayed=False))
 
     # -- operator actions ------------------------------------------------------
 

@@ -1,16 +1,36 @@
-"""The filter line: words typed here narrow nodes, replicas and events at once."""
+"""The filter line: words typed here narrow nodes, replicas and events at once.
+
+One line of text, there all along, not Textual's Input shown on demand: the
+Input lays the whole screen out again on every letter (its width follows its
+text), and a line that appears or goes moves every panel below it — each a
+whole screen of output per key. A filter needs letters, Backspace, Enter and
+Esc, and nothing else.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
 
-from textual.binding import Binding, BindingType
+from rich.text import Text
+from textual import events
 from textual.message import Message
-from textual.widgets import Input
+from textual.reactive import reactive
+from textual.widget import Widget
+
+PLACEHOLDER = "filter: words to match in nodes, replicas and events (Enter keeps it, Esc clears)"
 
 
-class FilterBar(Input):
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "clear_filter", "Clear filter")]
+class FilterBar(Widget, can_focus=True):
+    DEFAULT_CSS = "FilterBar { height: 1; padding: 0 1; }"
+
+    value: reactive[str] = reactive("")
+
+    class Changed(Message):
+        """The words typed so far."""
+
+        def __init__(self, value: str) -> None:
+            super().__init__()
+            self.value = value
 
     class Closed(Message):
         """The operator is done typing; ``cleared`` when the filter was dropped."""
@@ -19,13 +39,69 @@ class FilterBar(Input):
             super().__init__()
             self.cleared = cleared
 
-    def __init__(self, **kw) -> None:
-        super().__init__(placeholder="filter: words to match in nodes, replicas and events (Esc clears)", **kw)
+    def render(self) -> Text:
+        text = Text("/ ", style="bold")
+        if self.value:
+            text.append(self.value)
+        elif not self.has_focus:
+            text.append("filter", style="dim")
+            return text
+        if self.has_focus:
+            text.append("▏", style="blink")
+            if not self.value:
+                text.append(PLACEHOLDER, style="dim")
+        return text
 
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        event.stop()
-        self.post_message(self.Closed(cleared=not self.value.strip()))
+    def __init__(self, on_change: Callable[[str], None] | None = None, on_close: Callable[[bool], None] | None = None, **kw) -> None:
+        super().__init__(**kw)
+        # Called at once with each new value, so that the lists it narrows are drawn in
+        # the same frame as the letter; without one, a Changed message says it.
+        self.on_change = on_change
+        # Called at once on Enter or Esc, so that the focus has left before the next key
+        # is read (a Closed message would be handled after keys already queued).
+        self.on_close = on_close
 
-    def action_clear_filter(self) -> None:
-        self.value = ""
-        self.post_message(self.Closed(cleared=True))
+    def watch_value(self, value: str) -> None:
+        if self.on_change is not None:
+            self.on_change(value)
+        else:
+            self.post_message(self.Changed(value))
+
+    def check_consume_key(self, key: str, character: str | None) -> bool:
+        # letters typed here are words of the filter, not the app's keys (c is not cordon)
+        return character is not None and character.isprintable()
+
+    def take(self, event: events.Key) -> bool:
+        """Apply a key typed here (letters, Backspace, Enter, Esc); False for any other key.
+
+        The app calls it in its own turn, as the key arrives, so the letters and the
+        Enter or Esc that closes the filter are applied in the order typed."""
+        if event.key == "enter":
+            self.close(cleared=not self.value.strip())
+        elif event.key == "escape":
+            self.value = ""
+            self.close(cleared=True)
+        elif event.key == "backspace":
+            self.value = self.value[:-1]
+        elif event.character is not None and event.character.isprintable():
+            self.value += event.character
+        else:
+            return False
+        return True
+
+    def on_key(self, event: events.Key) -> None:
+        if self.take(event):
+            event.stop()
+            event.prevent_default()
+
+    def close(self, cleared: bool) -> None:
+        if self.on_close is not None:
+            self.on_close(cleared)
+        else:
+            self.post_message(self.Closed(cleared))
+
+    def on_focus(self) -> None:
+        self.refresh()
+
+    def on_blur(self) -> None:
+        self.refresh()

@@ -15,12 +15,15 @@ from textual.widgets import Static
 from .palette import GPU_CELL_STYLE, NODE_STATE_STYLE
 
 KEYS = (
-    ("↑ ↓  j k", "move between nodes"),
+    ("↑ ↓  j k", "move between nodes (or fabrics, replicas, events: the panel in focus)"),
+    ("PgUp PgDn  Home End", "a page, the first, the last"),
+    ("← →  [ ]", "the previous / next fabric's nodes"),
     ("⏎ / double click", "node detail: inventory, replicas, recent events"),
     ("c", "cordon the selected node: it takes no new replicas"),
     ("u", "uncordon: it takes replicas again"),
     ("d", "drain: its replicas move off, then it takes none"),
-    ("/", "filter nodes, replicas and events (Esc clears)"),
+    ("/", "filter nodes, replicas and events (Esc clears); a node's name jumps to it"),
+    ("e", 'every event of each summarised herd ("9,840 nodes joined in 1m00s"), and back'),
     ("tab", "next panel"),
     ("?", "this help"),
     ("q", "quit"),
@@ -50,15 +53,22 @@ def help_table(connection: str) -> Table:
 
 
 class Help(ModalScreen[None]):
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,question_mark,q", "close", "Close")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,question_mark,q", "close", "Close", priority=True)]
 
-    def __init__(self, connection: str) -> None:
+    def __init__(self, connection: str = "") -> None:
         super().__init__()
         self.connection = connection
 
+    def show(self, connection: str) -> Help:
+        """The same screen again, with where the console is connected now."""
+        self.connection = connection
+        if self.is_mounted:
+            self.query_one("#help-table", Static).update(help_table(connection))
+        return self
+
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help"):
-            yield Static(help_table(self.connection))
+            yield Static(help_table(self.connection), id="help-table")
 
     def on_mount(self) -> None:
         self.query_one("#help").border_title = "llmgw console — help"

@@ -1,19 +1,19 @@
-"""What the console shows, computed from the buckets: pure functions, no Textual, no bus.
+"""What the console shows, computed from the folded cluster: pure functions, no Textual, no bus.
 
-The widgets only draw the frozen views built here, so every decision about a
-word, a colour class or an order is unit-testable with plain records, and the
-clock is a parameter (``now``) — snapshot tests pin it. The facts themselves
-(GPUs in use and free, a node's state word, ages, backoff) come from the read
-model ``llmgw ctl`` uses too (``shared/readmodel.py``); this module only
-arranges them into panels, rows and colours.
+The widgets draw the frozen views built here, one row at a time and only for
+the rows on screen, so every decision about a word, a colour class or an order
+is unit-testable with plain records, and the clock is a parameter (``now``) —
+snapshot tests pin it. The facts themselves (GPUs in use and free, a node's
+state word, ages, backoff) come from the read model ``llmgw ctl`` uses too
+(``shared/readmodel.py``), through the console's folded copy of the cluster
+(``cluster.py``); this module only arranges them into rows and colours.
 """
 
 from __future__ import annotations
 
-import re
 import string
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from llmgw.shared.readmodel import (
     age_since,
@@ -21,20 +21,18 @@ from llmgw.shared.readmodel import (
     backoff_line,
     format_age,
     gpu_blocks,
-    gpu_holders,
-    gpus_in_use,
     lease_age,
     lease_age_text,
     lease_line,
     lease_state,
-    node_gpu_counts,
     node_state,
 )
-from llmgw.shared.schemas import DeploymentSpec, Event, Lease, NodeRecord, Replica
+from llmgw.shared.schemas import Event, Replica
 from llmgw.shared.states import ENDING_REPLICA, ReplicaState
 
-# The panel of nodes configured on no fabric (they host single-node replicas only).
-NO_FABRIC = "no fabric"
+from .cluster import NO_FABRIC, ClusterModel, FabricTotals, members_text
+
+__all__ = ["NO_FABRIC", "format_age", "members_text", "node_state"]  # re-exported: the console's words come from the read model
 
 # Replica states grouped by what an operator should feel about them.
 STARTING = (ReplicaState.PENDING, ReplicaState.LAUNCHING, ReplicaState.WAITING)
@@ -42,16 +40,6 @@ FAILING = tuple(ENDING_REPLICA)
 # Not a replica state: the row a deployment in a crash-loop backoff shows in the
 # replicas table, where its replacement would be.
 BACKOFF = "backing-off"
-
-
-@dataclass(frozen=True)
-class ClusterState:
-    """The buckets the console mirrors, as last seen."""
-
-    nodes: Mapping[str, NodeRecord] = field(default_factory=dict)
-    leases: Mapping[str, Lease] = field(default_factory=dict)
-    replicas: Mapping[str, Replica] = field(default_factory=dict)
-    deployments: Mapping[str, DeploymentSpec] = field(default_factory=dict)
 
 
 def replica_tone(state: str) -> str:
@@ -102,7 +90,54 @@ class MarkBook:
 
 
 # --------------------------------------------------------------------------
-# fabrics and their nodes
+# fabrics: the aggregates
+# --------------------------------------------------------------------------
+
+# The order node states are counted in: most urgent first.
+STATE_ORDER = ("lost", "suspect", "draining", "cordoned", "unknown", "ready")
+REPLICA_ORDER = ("failed", "reaping", "degraded", "pending", "launching", "waiting-for-workers", "ready", "gone")
+
+
+@dataclass(frozen=True)
+class FabricRow:
+    """One fabric's aggregates, as a row of the fabrics panel."""
+
+    name: str
+    nodes: int
+    node_states: tuple[tuple[str, int], ...]  # most urgent first, zero counts left out
+    gpus_total: int
+    gpus_free: int
+    gpus_used: int
+    gpus_out: int
+    replicas: int
+    replica_states: tuple[tuple[str, int], ...]
+
+
+def ordered_counts(counts, order: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    known = [(s, counts[s]) for s in order if counts.get(s)]
+    return (*known, *sorted((s, n) for s, n in counts.items() if s not in order and n))
+
+
+def fabric_row(name: str, t: FabricTotals) -> FabricRow:
+    return FabricRow(
+        name=name,
+        nodes=t.node_count,
+        node_states=ordered_counts(t.nodes, STATE_ORDER),
+        gpus_total=t.gpus_total,
+        gpus_free=t.gpus_free,
+        gpus_used=t.gpus_used,
+        gpus_out=t.gpus_out,
+        replicas=t.replica_count,
+        replica_states=ordered_counts(t.replicas, REPLICA_ORDER),
+    )
+
+
+def fabric_rows(model: ClusterModel) -> tuple[FabricRow, ...]:
+    return tuple(fabric_row(name, model.totals[name]) for name in model.fabric_names())
+
+
+# --------------------------------------------------------------------------
+# nodes: one row each, built only for the rows on screen
 # --------------------------------------------------------------------------
 
 
@@ -135,14 +170,7 @@ class NodeView:
         return f"{self.fabric}/{self.node_id}"
 
 
-@dataclass(frozen=True)
-class FabricView:
-    name: str
-    nodes: tuple[NodeView, ...]
-    summary: str  # "2 nodes · 8/16 GPUs free"
-
-
-def admin_reason(record: NodeRecord) -> str:
+def admin_reason(record) -> str:
     """Why a node is out of rotation, and who said so ("" when active or not said)."""
     if record.admin == "active":
         return ""
@@ -151,18 +179,18 @@ def admin_reason(record: NodeRecord) -> str:
     return record.admin_reason
 
 
-def _problem(record: NodeRecord) -> str:
+def _problem(record) -> str:
     broken = [f"{f.name}: {f.problem or 'unusable'}" for f in record.fabrics if not f.usable]
     broken += [f"GPU {g.index} unhealthy: {g.problem or 'reported by its agent'}" for g in record.gpus if not g.healthy]
     return "; ".join(broken)
 
 
-# Marks of GPUs out of service (issue #14); an unhealthy GPU shows it even while
-# the replica that held it is still being reaped.
+# Marks of GPUs out of service; an unhealthy GPU shows it even while the replica
+# that held it is still being reaped.
 UNHEALTHY_MARK, FOREIGN_MARK = "✗", "f"
 
 
-def _cell(g, held: dict, marks: MarkBook) -> GpuCell:
+def _cell(g, held: dict[int, Replica], marks: MarkBook) -> GpuCell:
     if not g.healthy:
         return GpuCell(g.index, UNHEALTHY_MARK, held[g.index].id if g.index in held else "", "broken")
     if g.index in held:
@@ -172,47 +200,22 @@ def _cell(g, held: dict, marks: MarkBook) -> GpuCell:
     return GpuCell(g.index, "·")
 
 
-def fabric_views(state: ClusterState, now: float, marks: MarkBook, pattern: str = "") -> tuple[FabricView, ...]:
-    holders = gpu_holders(state.replicas)
-    members: dict[str, list[str]] = {}
-    for rid, rec in state.nodes.items():
-        for fab in rec.fabrics or ():
-            members.setdefault(fab.name, []).append(rid)
-        if not rec.fabrics:
-            members.setdefault(NO_FABRIC, []).append(rid)
-    in_use = gpus_in_use(state.replicas)
-    free = {node_id: node_gpu_counts(rec, in_use).free for node_id, rec in state.nodes.items()}
-    out = []
-    for fabric in sorted(members, key=lambda f: (f == NO_FABRIC, f)):
-        views = []
-        for node_id in sorted(members[fabric]):
-            rec, lease = state.nodes[node_id], state.leases.get(node_id)
-            word = node_state(rec, lease)
-            held = holders.get(node_id, {})
-            cells = tuple(_cell(g, held, marks) for g in sorted(rec.gpus, key=lambda g: g.index))
-            holders_text = " ".join(sorted({c.replica for c in cells if c.replica}))
-            if not matches(pattern, node_id, fabric, word, rec.mgmt_addr, holders_text):
-                continue
-            views.append(
-                NodeView(
-                    node_id=node_id,
-                    fabric=fabric,
-                    state=word,
-                    lease_age=lease_age_text(lease_state(lease), lease_age(lease, now)),
-                    cells=cells,
-                    gpus_free=free[node_id],
-                    mgmt_addr=rec.mgmt_addr,
-                    problem=_problem(rec),
-                    admin=rec.admin if rec.admin not in ("active", word) else "",
-                    admin_reason=admin_reason(rec),
-                )
-            )
-        total = sum(len(state.nodes[n].gpus) for n in members[fabric])
-        count = len(members[fabric])
-        summary = f"{count} node{'s' if count != 1 else ''} · {sum(free[n] for n in members[fabric])}/{total} GPUs free"
-        if views or not pattern:
-            out.append(FabricView(fabric, tuple(views), summary))
-    return tuple(out)
+def node_view(model: ClusterModel, fabric: str, node_id: str, now: float, marks: MarkBook) -> NodeView:
+    """One node's row in ``fabric``'s part of the list."""
+    rec, lease, facts = model.nodes[node_id], model.leases.get(node_id), model.facts[node_id]
+    held = model.holders(node_id)
+    return NodeView(
+        node_id=node_id,
+        fabric=fabric,
+        state=facts.state,
+        lease_age=lease_age_text(lease_state(lease), lease_age(lease, now)),
+        cells=tuple(_cell(g, held, marks) for g in sorted(rec.gpus, key=lambda g: g.index)),
+        gpus_free=facts.gpus.free,
+        mgmt_addr=rec.mgmt_addr,
+        problem=_problem(rec),
+        admin=rec.admin if rec.admin not in ("active", facts.state) else "",
+        admin_reason=admin_reason(rec),
+    )
 
 
 # --------------------------------------------------------------------------
@@ -234,35 +237,53 @@ class ReplicaView:
     rebuild: bool = False  # the replacement of a failed replica
 
 
-def members_text(replica: Replica) -> str:
-    return " ".join(f"{m.node_id}:{m.rank}" for m in sorted(replica.members, key=lambda m: m.rank)) or "-"
+# Problems first: at 4,000 replicas the failed one and its replacement must not
+# be row 3,000 of the table.
+TONE_RANK = {"failing": 0, "backoff": 1, "starting": 2, "degraded": 3, "ready": 4, "gone": 5}
 
 
-def replica_views(state: ClusterState, now: float, marks: MarkBook, *, rebuilding: frozenset[str] = frozenset(), pattern: str = "") -> tuple[ReplicaView, ...]:
+def replica_order(model: ClusterModel, pattern: str = "", among: list[str] | None = None) -> list[str]:
+    """The ids of the replicas the table lists, problems first, then by deployment and
+    generation; ``among``: only those (the matches of a pattern this one narrows)."""
+    words = pattern.lower().split()
+    text = model.replica_text
+    if among is not None:  # the matches of a pattern narrowed are in order already
+        ids = [rid for rid in among if rid in model.replicas]
+    else:  # every replica in order, sorted once per change of the replicas, not per letter
+        version, ordered = model.replica_order_cache
+        if version != model.versions["replicas"]:
+            reps = model.replicas
+            ordered = sorted(reps, key=lambda rid: (TONE_RANK[replica_tone(reps[rid].state)], reps[rid].deployment, reps[rid].generation, rid))
+            model.replica_order_cache = (model.versions["replicas"], ordered)
+        ids = ordered
+    if len(words) == 1:
+        w = words[0]
+        ids = [rid for rid in ids if w in text[rid][1]]
+    elif words:
+        ids = [rid for rid in ids if all(w in text[rid][1] for w in words)]
+    return ids if words or among is not None else list(ids)
+
+
+def replica_view(r: Replica, now: float, marks: MarkBook, rebuilding: frozenset[str] = frozenset()) -> ReplicaView:
+    return ReplicaView(
+        mark=marks.get(r.id),
+        id=r.id,
+        deployment=r.deployment,
+        fabric=r.fabric or "-",
+        members=members_text(r),  # one row: cheap enough
+        state=r.state,
+        age=age_since(r.since, now),
+        reason=r.reason,
+        tone=replica_tone(r.state),
+        rebuild=r.id in rebuilding and r.state != ReplicaState.READY,
+    )
+
+
+def backoff_views(model: ClusterModel, now: float, pattern: str = "") -> tuple[ReplicaView, ...]:
+    """A deployment in a crash-loop backoff has no replica on its way: a row says so."""
     out = []
-    for r in sorted(state.replicas.values(), key=lambda r: (r.deployment, r.generation, r.id)):
-        members = members_text(r)
-        if not matches(pattern, r.id, r.deployment, r.fabric or "", members, r.state):
-            continue
-        out.append(
-            ReplicaView(
-                mark=marks.get(r.id),
-                id=r.id,
-                deployment=r.deployment,
-                fabric=r.fabric or "-",
-                members=members,
-                state=r.state,
-                age=age_since(r.since, now),
-                reason=r.reason,
-                tone=replica_tone(r.state),
-                rebuild=r.id in rebuilding and r.state != ReplicaState.READY,
-            )
-        )
-    # A deployment in a crash-loop backoff has no replica on its way: a row says so.
-    for d in sorted(state.deployments.values(), key=lambda d: d.name):
-        if not backing_off(d, now):
-            continue
-        if not matches(pattern, d.name, BACKOFF, d.last_failure):
+    for d in sorted(model.deployments.values(), key=lambda d: d.name):
+        if not backing_off(d, now) or not matches(pattern, d.name, BACKOFF, d.last_failure):
             continue
         out.append(
             ReplicaView(
@@ -280,23 +301,29 @@ def replica_views(state: ClusterState, now: float, marks: MarkBook, *, rebuildin
     return tuple(out)
 
 
+def replica_summary(model: ClusterModel, rebuilding: frozenset[str], backoffs: int) -> str:
+    """The replicas by what they are doing: "3,998 ready · 2 rebuilding"."""
+
+    def key(state: str) -> str:
+        tone = replica_tone(state)
+        return "failed" if tone == "failing" else tone
+
+    counts: dict[str, int] = {}
+    for state, n in model.all.replicas.items():
+        counts[key(state)] = counts.get(key(state), 0) + n
+    for rid in rebuilding:  # a replacement on its way counts as that, not as its state
+        if (r := model.replicas.get(rid)) is not None and r.state != ReplicaState.READY:
+            counts[key(r.state)] -= 1
+            counts["rebuilding"] = counts.get("rebuilding", 0) + 1
+    if backoffs:
+        counts["backoff"] = backoffs
+    order = ("ready", "degraded", "rebuilding", "starting", "failed", "backoff", "gone")
+    return " · ".join(f"{counts[k]:,} {k}" for k in order if counts.get(k))
+
+
 # --------------------------------------------------------------------------
 # one node, in detail
 # --------------------------------------------------------------------------
-
-
-def remember_members(seen: dict[str, set[str]], replicas: Mapping[str, Replica]) -> None:
-    """Which nodes each replica ever had, so a node's history outlives reaped records."""
-    for r in replicas.values():
-        seen.setdefault(r.id, set()).update(m.node_id for m in r.members)
-
-
-def touches_node(ev: Event, node_id: str, members_seen: Mapping[str, set[str]]) -> bool:
-    if ev.kind == "node":
-        return ev.subject == node_id
-    if ev.kind == "replica" and node_id in members_seen.get(ev.subject, ()):
-        return True
-    return re.search(rf"(?<![\w-]){re.escape(node_id)}(?![\w-])", ev.detail) is not None
 
 
 @dataclass(frozen=True)
@@ -305,7 +332,7 @@ class GpuLine:
     name: str
     memory: str
     replica: str  # "" when free
-    # Why it is out of service (issue #14): "unhealthy: XID 79 …", "busy: … MiB held by …"
+    # Why it is out of service: "unhealthy: XID 79 …", "busy: … MiB held by …"
     problem: str = ""
 
 
@@ -348,24 +375,18 @@ def memory_text(mib: int | None) -> str:
     return "?" if mib is None else f"{mib / 1024:.0f} GiB"
 
 
-def node_detail(
-    node_id: str,
-    state: ClusterState,
-    events: Iterable[Event],
-    members_seen: Mapping[str, set[str]],
-    now: float,
-    *,
-    recent: int = 12,
-) -> NodeDetailView:
-    rec = state.nodes.get(node_id)
-    relevant = tuple(e for e in events if touches_node(e, node_id, members_seen))[-recent:]
+def node_detail(node_id: str, model: ClusterModel, events: Iterable[Event], now: float, *, recent: int = 12) -> NodeDetailView:
+    """``events``: those touching the node, oldest first (``Timeline.node_events``)."""
+    relevant = tuple(events)[-recent:]
+    rec = model.nodes.get(node_id)
     if rec is None:
         return NodeDetailView(node_id=node_id, known=False, events=relevant)
-    lease = state.leases.get(node_id)
-    held = gpu_holders(state.replicas).get(node_id, {})
+    lease = model.leases.get(node_id)
+    held = model.holders(node_id)
     blocked = gpu_blocks(rec)
     members = []
-    for r in sorted(state.replicas.values(), key=lambda r: r.id):
+    for rid in sorted(model.members_now.get(node_id, ())):
+        r = model.replicas[rid]
         for m in r.members:
             if m.node_id == node_id:
                 gpus = ",".join(map(str, m.gpus)) or "-"

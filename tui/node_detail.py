@@ -12,8 +12,9 @@ from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
 from textual.reactive import reactive
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Static
+from textual.widgets import Header, Static
 
+from .confirm import DETAIL, Confirm
 from .lines import event_line
 from .model import NodeDetailView, replica_tone
 from .palette import NODE_STATE_STYLE, REPLICA_TONE_STYLE
@@ -69,20 +70,31 @@ def _events(v: NodeDetailView):
 class NodeDetail(Screen[None]):
     """A full screen, not a modal: the app's cordon, uncordon and drain keys work here too."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "close", "Back")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "close", "Back", priority=True)]
 
     view: reactive[NodeDetailView | None] = reactive(None)
 
-    def __init__(self, view: NodeDetailView) -> None:
+    def __init__(self, view: NodeDetailView | None = None) -> None:
         super().__init__()
-        self.node_id = view.node_id
+        self.node_id = view.node_id if view else ""
+        self.timeline_seen = -1  # the timeline's version this view was built from
         self.set_reactive(NodeDetail.view, view)
+
+    def show(self, view: NodeDetailView, timeline_seen: int) -> NodeDetail:
+        """Another node, on the same screen (installed once by the app: composing one per
+        Enter cost a key hundreds of milliseconds on a busy machine)."""
+        self.node_id, self.timeline_seen = view.node_id, timeline_seen
+        self.view = view
+        if self.is_mounted:
+            self.query_one("#detail").border_title = f"node {self.node_id}"
+            self.query_one("#detail", VerticalScroll).scroll_home(animate=False)
+        return self
 
     def compose(self) -> ComposeResult:
         yield Header()
         with VerticalScroll(id="detail"):
             yield Static(id="detail-body")
-        yield Footer()
+        yield Confirm(DETAIL)
 
     def on_mount(self) -> None:
         self.query_one("#detail").border_title = f"node {self.node_id}"
@@ -95,6 +107,10 @@ class NodeDetail(Screen[None]):
     def _draw(self) -> None:
         if self.view is not None:
             self.query_one("#detail-body", Static).update(detail_renderable(self.view))
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # Esc answers "no" to a question asked here before it closes the screen
+        return not (action == "close" and self.query_one(Confirm).asking)
 
     def action_close(self) -> None:
         self.dismiss(None)

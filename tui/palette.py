@@ -54,3 +54,5 @@ EVENT_STYLE = {
 }
 
 STORY_STYLE = "bold cyan"
+# A herd: many events of one kind summarised in one line.
+HERD_STYLE = "bold"
