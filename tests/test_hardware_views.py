@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from llmgw.services.ctl.ops import node_rows
-from llmgw.tui.model import FOREIGN_MARK, UNHEALTHY_MARK, ClusterState, MarkBook, fabric_views, node_detail
+from llmgw.tui.cluster import LEASES, NODES, ClusterModel
+from llmgw.tui.model import FOREIGN_MARK, UNHEALTHY_MARK, MarkBook, node_detail, node_view
 
 from .builders import cluster, make_node
 
@@ -33,13 +34,14 @@ def test_ctl_nodes_rows_name_each_gpu_and_fabric_out_of_service_and_do_not_count
 
 def test_console_cells_mark_an_unhealthy_gpu_and_a_foreign_one_and_the_detail_says_why():
     nodes, leases = cluster(degraded_node01())
-    state = ClusterState(nodes=nodes, leases=leases)
-    (panel,) = fabric_views(state, 0.0, MarkBook())
-    (view,) = panel.nodes
+    model = ClusterModel()
+    model.replace(NODES, nodes)
+    model.replace(LEASES, leases)
+    view = node_view(model, "ib-a", "node01", 0.0, MarkBook())
     assert [(c.mark, c.tone) for c in view.cells] == [("·", "free"), (UNHEALTHY_MARK, "broken"), (FOREIGN_MARK, "foreign"), ("·", "free")]
     assert view.gpus_free == 2
     assert f"GPU 1 unhealthy: {XID79}" in view.problem and "ib-a: mlx5_0: no ACTIVE port" in view.problem
-    detail = node_detail("node01", state, [], {}, 0.0)
+    detail = node_detail("node01", model, [], 0.0)
     assert [(g.index, g.problem) for g in detail.gpus] == [
         (0, ""),
         (1, f"unhealthy: {XID79}"),
