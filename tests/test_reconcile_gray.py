@@ -504,38 +504,48 @@ def test_ctl_explain_head_names_backoff_and_the_stalled_member():
     assert {"deployment", "summary", "nodes", "placeable"} <= ex.keys()  # what scripts read stays
 
 
+def console_model(w, deployments=None):
+    """The console's folded model of a world (as the console builds it from the buckets)."""
+    from tui.cluster import DEPLOYMENTS, LEASES, NODES, REPLICAS, ClusterModel
+
+    model = ClusterModel()
+    for bucket, items in ((NODES, w.nodes), (LEASES, w.leases), (REPLICAS, w.replicas), (DEPLOYMENTS, deployments or {})):
+        model.replace(bucket, items)
+    return model
+
+
 def test_console_marks_degraded_and_shows_a_deployment_backing_off():
-    from tui.model import BACKOFF, ClusterState, MarkBook, replica_tone, replica_views
+    from tui.model import BACKOFF, MarkBook, backoff_views, replica_order, replica_summary, replica_tone, replica_view
     from tui.palette import GPU_CELL_STYLE, REPLICA_TONE_STYLE
-    from tui.replicas import state_text, summary
+    from tui.replicas import state_text
 
     w = degraded_world()
     backing = msgspec.structs.replace(
         make_deployment("other", replicas=1), failures=3, retry_at=w.now + 20, last_failure="other-g3: member rank 0 on node03 exited"
     )
-    state = ClusterState(w.nodes, w.leases, w.replicas, {"sim": w.deployments["sim"], "other": backing})
-    rows = replica_views(state, w.now, MarkBook())
-    degraded, waiting = rows
+    model = console_model(w, {"sim": w.deployments["sim"], "other": backing})
+    (degraded,) = [replica_view(model.replicas[rid], w.now, MarkBook()) for rid in replica_order(model)]
+    (waiting,) = backoff_views(model, w.now)
     assert (degraded.id, degraded.state, degraded.tone) == ("sim-g1", RS.DEGRADED, "degraded")
     assert "canary sent 12:00:01" in degraded.reason
     assert str(state_text(degraded)) == "⚠ degraded"
     assert (waiting.id, waiting.state, waiting.tone, waiting.age) == ("(other)", BACKOFF, "backoff", "in 20s")
     assert waiting.reason.startswith("backing off after 3 failures before serving; next attempt at ")
-    assert summary(rows) == "1 degraded · 1 backoff"
+    assert replica_summary(model, frozenset(), 1) == "1 degraded · 1 backoff"
     # A colour of its own, on the row and on its GPU cells.
     assert replica_tone(RS.DEGRADED) == "degraded"
     assert REPLICA_TONE_STYLE["degraded"] not in (REPLICA_TONE_STYLE["ready"], REPLICA_TONE_STYLE["starting"], REPLICA_TONE_STYLE["failing"])
     assert GPU_CELL_STYLE["degraded"] not in (GPU_CELL_STYLE["ready"], GPU_CELL_STYLE["starting"], GPU_CELL_STYLE["failing"])
     # Once retry_at has passed, no backoff row.
-    assert [r.id for r in replica_views(state, w.now + 21, MarkBook())] == ["sim-g1"]
+    assert backoff_views(model, w.now + 21) == ()
 
 
 def test_console_node_detail_shows_the_auto_cordon_reason_and_engine_detail():
-    from tui.model import ClusterState, node_detail
+    from tui.model import node_detail
 
     w = degraded_world()
     w.nodes["node01"] = msgspec.structs.replace(w.nodes["node01"], admin="cordoned", admin_by="auto", admin_reason="3 replica failures in 10m: x")
-    v = node_detail("node01", ClusterState(w.nodes, w.leases, w.replicas), [], {}, w.now)
+    v = node_detail("node01", console_model(w), [], w.now)
     assert v.admin_reason == "auto: 3 replica failures in 10m: x"
     (m,) = v.members
     assert (m.engine_state, m.engine_detail) == (E.STALLED, "canary sent 12:00:01 got no token in 3s")
