@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 from rich.text import Text
 from textual import events
-from textual.message import Message
 from textual.reactive import reactive
 from textual.widget import Widget
 
@@ -24,20 +23,6 @@ class FilterBar(Widget, can_focus=True):
     DEFAULT_CSS = "FilterBar { height: 1; padding: 0 1; }"
 
     value: reactive[str] = reactive("")
-
-    class Changed(Message):
-        """The words typed so far."""
-
-        def __init__(self, value: str) -> None:
-            super().__init__()
-            self.value = value
-
-    class Closed(Message):
-        """The operator is done typing; ``cleared`` when the filter was dropped."""
-
-        def __init__(self, cleared: bool) -> None:
-            super().__init__()
-            self.cleared = cleared
 
     def render(self) -> Text:
         text = Text("/ ", style="bold")
@@ -52,20 +37,16 @@ class FilterBar(Widget, can_focus=True):
                 text.append(PLACEHOLDER, style="dim")
         return text
 
-    def __init__(self, on_change: Callable[[str], None] | None = None, on_close: Callable[[bool], None] | None = None, **kw) -> None:
+    def __init__(self, on_change: Callable[[str], None], on_close: Callable[[bool], None], **kw) -> None:
         super().__init__(**kw)
-        # Called at once with each new value, so that the lists it narrows are drawn in
-        # the same frame as the letter; without one, a Changed message says it.
+        # Both called at once, not by message: each value so that the lists it narrows
+        # are drawn in the same frame as the letter; Enter or Esc (``cleared`` when the
+        # filter was dropped) so that the focus has left before the next key is read.
         self.on_change = on_change
-        # Called at once on Enter or Esc, so that the focus has left before the next key
-        # is read (a Closed message would be handled after keys already queued).
         self.on_close = on_close
 
     def watch_value(self, value: str) -> None:
-        if self.on_change is not None:
-            self.on_change(value)
-        else:
-            self.post_message(self.Changed(value))
+        self.on_change(value)
 
     def check_consume_key(self, key: str, character: str | None) -> bool:
         # letters typed here are words of the filter, not the app's keys (c is not cordon)
@@ -77,10 +58,10 @@ class FilterBar(Widget, can_focus=True):
         The app calls it in its own turn, as the key arrives, so the letters and the
         Enter or Esc that closes the filter are applied in the order typed."""
         if event.key == "enter":
-            self.close(cleared=not self.value.strip())
+            self.on_close(not self.value.strip())
         elif event.key == "escape":
             self.value = ""
-            self.close(cleared=True)
+            self.on_close(True)
         elif event.key == "backspace":
             self.value = self.value[:-1]
         elif event.character is not None and event.character.isprintable():
@@ -93,12 +74,6 @@ class FilterBar(Widget, can_focus=True):
         if self.take(event):
             event.stop()
             event.prevent_default()
-
-    def close(self, cleared: bool) -> None:
-        if self.on_close is not None:
-            self.on_close(cleared)
-        else:
-            self.post_message(self.Closed(cleared))
 
     def on_focus(self) -> None:
         self.refresh()
