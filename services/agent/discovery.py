@@ -642,41 +642,8 @@ def gpu_health(
     Health that cannot be read is a warning, never a DiscoveryError: the
     inventory still lists the GPUs.
     """
-    lost = dict(lost or {})
-    out = list(gpus)
-    if lost:
-        listed = {_bus_key(g.pci_bus_id) for g in out}
-        for g in previous or []:
-            key = _bus_key(g.pci_bus_id)
-            if key in lost and key not in listed and all(o.index != g.index for o in out):
-                out.append(msgspec.structs.replace(g, healthy=False, problem=_trim(_lost_problem(g.pci_bus_id, lost.pop(key)), 1000)))
-        for key, said in lost.items():
-            if key not in listed:
-                msg = f"nvidia-smi cannot open the GPU at {key} ({said}) and no earlier inventory says which one it is"
-                log.warning("%s", msg)
-                warnings.append(msg)
-        out.sort(key=lambda g: g.index)
-    problems: dict[int, str] = {}
-    apps: list[tuple[int, int, str]] | None = None
-    d = cfg.discovery
-    if nvml is not None and nvml.available:
-        try:
-            problems, by_index = nvml.read([g for g in out if g.healthy])
-            uuid_of = {g.index: g.uuid for g in out}
-            apps = [(pid, mib, uuid_of[i]) for i, procs in by_index.items() for pid, mib in procs]
-        except DiscoveryError as e:
-            _health_warning(f"GPU health through NVML failed, trying nvidia-smi: {e}")
-            nvml = None
-    if nvml is None or not nvml.available:
-        try:
-            problems = query_nvidia_smi_health(d.nvidia_smi)
-        except DiscoveryError as e:
-            _health_warning(f"GPU health not read: {e}")
-        if known_pids is not None:
-            try:
-                apps = query_compute_apps(d.nvidia_smi)
-            except DiscoveryError as e:
-                _health_warning(f"GPU processes not read: {e}")
+    out = _with_lost(gpus, dict(lost or {}), previous or [], warnings)
+    problems, apps = _read_health(cfg.discovery.nvidia_smi, [g for g in out if g.healthy], {g.index: g.uuid for g in out}, nvml, known_pids is not None)
     foreign: dict[str, tuple[int, list[int]]] = {}
     if known_pids is not None:
         # Asked after the GPU's process list was read, so an engine launched
@@ -701,6 +668,52 @@ def gpu_health(
             )
         )
     return final
+
+
+def _with_lost(gpus: list[Gpu], lost: dict[str, str], previous: list[Gpu], warnings: list[str]) -> list[Gpu]:
+    """``gpus`` and, unhealthy, the GPUs of ``previous`` that nvidia-smi now names only by
+    the PCI address it cannot open (``lost``: address -> what it said)."""
+    out = list(gpus)
+    if not lost:
+        return out
+    listed = {_bus_key(g.pci_bus_id) for g in out}
+    for g in previous:
+        key = _bus_key(g.pci_bus_id)
+        if key in lost and key not in listed and all(o.index != g.index for o in out):
+            out.append(msgspec.structs.replace(g, healthy=False, problem=_trim(_lost_problem(g.pci_bus_id, lost.pop(key)), 1000)))
+    for key, said in lost.items():
+        if key not in listed:
+            msg = f"nvidia-smi cannot open the GPU at {key} ({said}) and no earlier inventory says which one it is"
+            log.warning("%s", msg)
+            warnings.append(msg)
+    out.sort(key=lambda g: g.index)
+    return out
+
+
+def _read_health(
+    nvidia_smi: str, healthy: list[Gpu], uuid_of: dict[int, str], nvml: NvmlHealth | None, want_apps: bool
+) -> tuple[dict[int, str], list[tuple[int, int, str]] | None]:
+    """Each GPU's problem by index, and the compute processes as (pid, MiB, GPU uuid)
+    when ``want_apps``: through NVML when it is there, else (or when it fails) nvidia-smi.
+    What cannot be read is a warning and reads as nothing."""
+    if nvml is not None and nvml.available:
+        try:
+            problems, by_index = nvml.read(healthy)
+            return problems, [(pid, mib, uuid_of[i]) for i, procs in by_index.items() for pid, mib in procs]
+        except DiscoveryError as e:
+            _health_warning(f"GPU health through NVML failed, trying nvidia-smi: {e}")
+    problems: dict[int, str] = {}
+    apps: list[tuple[int, int, str]] | None = None
+    try:
+        problems = query_nvidia_smi_health(nvidia_smi)
+    except DiscoveryError as e:
+        _health_warning(f"GPU health not read: {e}")
+    if want_apps:
+        try:
+            apps = query_compute_apps(nvidia_smi)
+        except DiscoveryError as e:
+            _health_warning(f"GPU processes not read: {e}")
+    return problems, apps
 
 
 def discover(

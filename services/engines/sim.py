@@ -57,6 +57,26 @@ JOIN_GIVE_UP_AFTER = 120.0
 HTTP_SHUTDOWN_TIMEOUT = 0.5
 
 
+def _check_group(a: argparse.Namespace) -> None:
+    """The rank within the group, and the leader's listen address."""
+    if a.nnodes < 1:
+        raise ConfigError(f"--nnodes must be at least 1, got {a.nnodes}")
+    if not 0 <= a.rank < a.nnodes:
+        raise ConfigError(f"--rank must be between 0 and {a.nnodes - 1} for --nnodes {a.nnodes}, got {a.rank}")
+    if not 1 <= a.rendezvous_port <= 65535:
+        raise ConfigError(f"--rendezvous-port must be between 1 and 65535, got {a.rendezvous_port}")
+    if a.rank != 0:
+        return
+    if not a.host:
+        raise ConfigError("the leader (--rank 0) needs --host, the address it serves HTTP on")
+    if a.port is None:
+        raise ConfigError("the leader (--rank 0) needs --port, the port it serves HTTP on")
+    if not 0 <= a.port <= 65535:
+        raise ConfigError(f"--port must be between 0 and 65535, got {a.port}")
+    if a.port == a.rendezvous_port:
+        raise ConfigError(f"--port and --rendezvous-port must differ (both {a.port})")
+
+
 @dataclass(frozen=True)
 class SimConfig:
     model: str
@@ -89,21 +109,7 @@ class SimConfig:
         served = a.served_model_name if a.served_model_name is not None else a.model
         if not served.strip():
             raise ConfigError("--served-model-name must not be empty")
-        if a.nnodes < 1:
-            raise ConfigError(f"--nnodes must be at least 1, got {a.nnodes}")
-        if not 0 <= a.rank < a.nnodes:
-            raise ConfigError(f"--rank must be between 0 and {a.nnodes - 1} for --nnodes {a.nnodes}, got {a.rank}")
-        if not 1 <= a.rendezvous_port <= 65535:
-            raise ConfigError(f"--rendezvous-port must be between 1 and 65535, got {a.rendezvous_port}")
-        if a.rank == 0:
-            if not a.host:
-                raise ConfigError("the leader (--rank 0) needs --host, the address it serves HTTP on")
-            if a.port is None:
-                raise ConfigError("the leader (--rank 0) needs --port, the port it serves HTTP on")
-            if not 0 <= a.port <= 65535:
-                raise ConfigError(f"--port must be between 0 and 65535, got {a.port}")
-            if a.port == a.rendezvous_port:
-                raise ConfigError(f"--port and --rendezvous-port must differ (both {a.port})")
+        _check_group(a)
         if not math.isfinite(a.token_rate) or a.token_rate < 0:
             raise ConfigError(f"--token-rate must be a number of tokens per second >= 0, got {a.token_rate}")
         if a.max_num_seqs < 1:

@@ -83,6 +83,8 @@ log = logging.getLogger("llmgw.gateway")
 # of the client's (its API key above all) travels to the engine.
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"
 # No proxy buffering (nginx honours X-Accel-Buffering) or caching on the way to the client.
+# What can end a try before the replica's answer starts: _unanswered says what each means.
+_BEFORE_ANSWER = (Abandoned, ConnectTimeout, BadEndpoint, OutOfDescriptors, TooLarge, ReadTimeout, ConnectFailed, Broken, OSError)
 _STREAM_HEAD = b"Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
 
 
@@ -206,36 +208,9 @@ class Forwarder:
                         raise Broken("the replica ended the stream before its first byte")
                 else:
                     data = await upstream.read()
-            except Abandoned as e:  # the sweep or a record change gave up on it; already counted there
-                self.metrics.upstream_error(b.id, e.kind)
-                raise _Retryable(e.kind, str(e)) from None
-            except ConnectTimeout as e:
-                raise self._ejected(b, "connect", f"replica {b.id} did not accept a connection in time: {_describe(e)}") from None
-            except BadEndpoint as e:
-                raise self._ejected(b, "endpoint", f"replica {b.id} has an unusable endpoint: {_describe(e.os_error)}") from None
-            except OutOfDescriptors as e:  # the gateway's shortage: the replica is not blamed, nor another tried
-                self.metrics.refused("out_of_fds")
-                self.out_of_fds_log.warning(
-                    "gateway out of file descriptors connecting to replica %s: %s; answering 503 (raise LimitNOFILE or lower max_connections)", b.id, e
-                )
-                resp = errors.out_of_descriptors()
+            except _BEFORE_ANSWER as e:
+                resp = self._unanswered(b, model, e)
                 return resp, resp.status
-            except TooLarge as e:  # the answer is the replica's word, only too long to pass on: not a failure
-                self.metrics.refused("response_too_large")
-                self.metrics.upstream_error(b.id, "too_large")
-                self.too_large_log.warning("replica %s: %s; answered 502", b.id, e)
-                self.dropped += client.max_response_bytes
-                resp = errors.response_too_large(b.id, client.max_response_bytes)
-                return resp, resp.status
-            except ReadTimeout:
-                self.metrics.upstream_error(b.id, "timeout")
-                self._count_failure(b)
-                resp = errors.gateway_timeout(f"replica {b.id} of '{model}' sent nothing for {self.upstream.cfg.upstream_timeout:g}s")
-                return resp, resp.status
-            except ConnectFailed as e:
-                raise self._ejected(b, "connect", f"cannot connect to replica {b.id}: {_describe(e.os_error)}") from None
-            except (Broken, OSError) as e:  # OSError: the socket broke under a write
-                raise self._failed(b, "broken", f"replica {b.id} failed before answering: {_describe(e)}") from None
 
             if streaming:
                 self.metrics.first_token(model, time.perf_counter() - started)
@@ -256,6 +231,38 @@ class Forwarder:
                 # Close rather than pool a connection whose answer was not read to
                 # the end: that is what tells the engine to stop (client left, broke).
                 upstream.release() if finished else upstream.close()
+
+    def _unanswered(self, b: Backend, model: str, e: BaseException) -> Response:
+        """What a failure before the replica's answer came means: raises _Retryable when
+        another replica may be tried, else returns the answer for the client."""
+        client = self.upstream.started
+        if isinstance(e, Abandoned):  # the sweep or a record change gave up on it; already counted there
+            self.metrics.upstream_error(b.id, e.kind)
+            raise _Retryable(e.kind, str(e)) from None
+        if isinstance(e, ConnectTimeout):
+            raise self._ejected(b, "connect", f"replica {b.id} did not accept a connection in time: {_describe(e)}") from None
+        if isinstance(e, BadEndpoint):
+            raise self._ejected(b, "endpoint", f"replica {b.id} has an unusable endpoint: {_describe(e.os_error)}") from None
+        if isinstance(e, OutOfDescriptors):  # the gateway's shortage: the replica is not blamed, nor another tried
+            self.metrics.refused("out_of_fds")
+            self.out_of_fds_log.warning(
+                "gateway out of file descriptors connecting to replica %s: %s; answering 503 (raise LimitNOFILE or lower max_connections)", b.id, e
+            )
+            return errors.out_of_descriptors()
+        if isinstance(e, TooLarge):  # the answer is the replica's word, only too long to pass on: not a failure
+            self.metrics.refused("response_too_large")
+            self.metrics.upstream_error(b.id, "too_large")
+            self.too_large_log.warning("replica %s: %s; answered 502", b.id, e)
+            self.dropped += client.max_response_bytes
+            return errors.response_too_large(b.id, client.max_response_bytes)
+        if isinstance(e, ReadTimeout):
+            self.metrics.upstream_error(b.id, "timeout")
+            self._count_failure(b)
+            return errors.gateway_timeout(f"replica {b.id} of '{model}' sent nothing for {self.upstream.cfg.upstream_timeout:g}s")
+        if isinstance(e, ConnectFailed):
+            raise self._ejected(b, "connect", f"cannot connect to replica {b.id}: {_describe(e.os_error)}") from None
+        # Broken, or OSError: the socket broke under a write
+        raise self._failed(b, "broken", f"replica {b.id} failed before answering: {_describe(e)}") from None
 
     async def _relay_stream(self, request: Request, b: Backend, upstream: Connection, first: bytes, model: str) -> tuple[Stream, int, bool]:
         """Pass the stream through; returns the response, the status to count, and whether upstream ended cleanly."""
