@@ -51,6 +51,20 @@ def test_the_hub_cache_layout_names_one_snapshot_by_content(tmp_path):
     assert (snap / "config.json").is_file()
 
 
+def test_a_larger_tiny_model_is_another_revision_of_its_own_size(tmp_path):
+    small = tinymodel.write_hf_cache(tmp_path, "llmgw/tiny-llama")
+    big = tinymodel.write_hf_cache(tmp_path, "llmgw/tiny-llama", hidden=256, layers=8)
+    assert big.name != small.name
+    config = json.loads((big / "config.json").read_text())
+    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"], config["head_dim"]) == (256, 512, 8, 64)
+
+
+@pytest.mark.parametrize("hidden, layers", [(6, 4), (2, 4), (128, 0)])
+def test_a_model_size_heads_cannot_divide_is_refused(tmp_path, hidden, layers):
+    with pytest.raises(ConfigError, match="hidden a multiple of 4 heads"):
+        tinymodel.write(tmp_path / "m", hidden=hidden, layers=layers)
+
+
 @pytest.mark.parametrize("repo", ["tiny-llama", "/tiny", "a/b/c", "a/..", ""])
 def test_a_hub_name_that_is_not_owner_slash_name_is_refused(tmp_path, repo):
     with pytest.raises(ConfigError, match="is not a hub repository name"):

@@ -109,17 +109,17 @@ def tokenizer_json() -> dict:
     }
 
 
-def config_json(max_positions: int = DEFAULT_MAX_POSITIONS) -> dict:
+def config_json(max_positions: int = DEFAULT_MAX_POSITIONS, *, hidden: int = HIDDEN, layers: int = LAYERS) -> dict:
     vocab = vocabulary()
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": HIDDEN,
-        "intermediate_size": HIDDEN * 2,
-        "num_hidden_layers": LAYERS,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers,
         "num_attention_heads": HEADS,
         "num_key_value_heads": HEADS,
-        "head_dim": HIDDEN // HEADS,
+        "head_dim": hidden // HEADS,
         "hidden_act": "silu",
         "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-5,
@@ -148,16 +148,20 @@ def tokenizer_config_json() -> dict:
     }
 
 
-def write(directory: str | Path, *, max_positions: int = DEFAULT_MAX_POSITIONS) -> Path:
+def write(directory: str | Path, *, max_positions: int = DEFAULT_MAX_POSITIONS, hidden: int = HIDDEN, layers: int = LAYERS) -> Path:
     """Write the model into ``directory`` (created; existing files of the same names
-    are replaced, anything else left) and return its resolved path."""
+    are replaced, anything else left) and return its resolved path. ``hidden`` and
+    ``layers`` size it: the routing bench makes a prefill cost compute, as it does
+    on a GPU with a real model, where the default's cost is all per-step overhead."""
     if max_positions < 64:
         raise ConfigError(f"max_positions {max_positions}: at least 64 (a chat turn and its answer)")
+    if hidden < HEADS or hidden % HEADS or layers < 1:
+        raise ConfigError(f"hidden {hidden}, layers {layers}: hidden a multiple of {HEADS} heads, at least one layer")
     d = Path(directory).resolve()
     try:
         d.mkdir(parents=True, exist_ok=True)
         files = {
-            "config.json": config_json(max_positions),
+            "config.json": config_json(max_positions, hidden=hidden, layers=layers),
             "tokenizer.json": tokenizer_json(),
             "tokenizer_config.json": tokenizer_config_json(),
             "special_tokens_map.json": {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": PAD},
@@ -179,7 +183,7 @@ def main(args) -> int:
     return 0
 
 
-def write_hf_cache(cache: str | Path, repo: str, *, max_positions: int = DEFAULT_MAX_POSITIONS) -> Path:
+def write_hf_cache(cache: str | Path, repo: str, *, max_positions: int = DEFAULT_MAX_POSITIONS, hidden: int = HIDDEN, layers: int = LAYERS) -> Path:
     """Write the model into a Hugging Face hub cache (``HF_HUB_CACHE``) as repository
     ``repo`` ("llmgw/tiny-llama"), so ``vllm serve llmgw/tiny-llama`` finds it there
     with ``HF_HUB_OFFLINE=1``, as a node with a model cache serves a hub model:
@@ -190,8 +194,9 @@ def write_hf_cache(cache: str | Path, repo: str, *, max_positions: int = DEFAULT
     if not sep or not owner or not name or "/" in name or ".." in repo:
         raise ConfigError(f"{repo!r} is not a hub repository name like 'llmgw/tiny-llama'")
     root = Path(cache).resolve() / f"models--{owner}--{name}"
-    digest = hashlib.sha1(json.dumps([config_json(max_positions), tokenizer_json(), tokenizer_config_json()], sort_keys=True).encode()).hexdigest()
-    snapshot = write(root / "snapshots" / digest, max_positions=max_positions)
+    config = config_json(max_positions, hidden=hidden, layers=layers)
+    digest = hashlib.sha1(json.dumps([config, tokenizer_json(), tokenizer_config_json()], sort_keys=True).encode()).hexdigest()
+    snapshot = write(root / "snapshots" / digest, max_positions=max_positions, hidden=hidden, layers=layers)
     try:
         (root / "refs").mkdir(parents=True, exist_ok=True)
         tmp = root / "refs" / ".main.tmp"
