@@ -201,6 +201,8 @@ async def one(session: aiohttp.ClientSession, url: str, body: bytes, into: Resul
                 why = "" if first is not None else "no chunk"
     except aiohttp.ClientError as e:
         why = f"{type(e).__name__}: {e}"[:100]
+    except TimeoutError:  # the session's total limit: an error of this request, not the end of the run
+        why = f"not answered in {session.timeout.total:g}s (the client's limit)"
     end = time.perf_counter()
     if why:
         into.errors += 1
