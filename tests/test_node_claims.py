@@ -28,7 +28,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 from llmgw.services.devcluster import simcluster
-from llmgw.services.leases import LeaseBook, Timings
+from llmgw.services.health.leases import LeaseBook, Timings
 from llmgw.services.scheduler.service import MAX_UNKNOWN_PER_NODE, SETTLE_HEARTBEATS
 from llmgw.shared import bus
 from llmgw.shared import subjects as S
