@@ -17,50 +17,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import ssl
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from . import pki
 from . import subjects as S
 from .errors import BusError, ConfigError
+from .tls import TlsFiles
 
 log = logging.getLogger("llmgw.bus")
-
-
-@dataclass(frozen=True)
-class TlsFiles:
-    ca: str
-    cert: str
-    key: str
-
-    def check(self, where: str = "tls") -> None:
-        for field in ("ca", "cert", "key"):
-            path = getattr(self, field)
-            if not path:
-                raise ConfigError(f"{where}.{field}: a path is required")
-            if not Path(path).is_file():
-                raise ConfigError(f"{where}.{field}: file {path} does not exist")
-
-    def context(self) -> ssl.SSLContext:
-        self.check()
-        try:
-            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca)
-            ctx.load_cert_chain(self.cert, self.key)
-        except (ssl.SSLError, OSError) as e:
-            raise ConfigError(f"cannot load TLS files (ca={self.ca}, cert={self.cert}, key={self.key}): {e}") from None
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        return ctx
-
-    def identity(self) -> tuple[str, str]:
-        """(role, name) this certificate speaks as."""
-        return pki.identity_of(self.cert)
 
 
 def backoff_delay(attempt: int, base: float, maximum: float, rng: random.Random | None = None) -> float:

@@ -30,10 +30,10 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
-from .bus import TlsFiles
 from .errors import ConfigError
 from .files import write_atomic
 from .structconf import Duration, Invalid, Section, convert
+from .tls import TlsFiles
 
 
 class _StrictSafeLoader(yaml.SafeLoader):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from llmgw.shared.config import load_service_config
@@ -125,3 +129,28 @@ def test_event_loop_choice_per_service_and_overridden_by_environment(monkeypatch
     monkeypatch.setenv(LOOP_ENV, "trio")
     with pytest.raises(ConfigError, match="LLMGW_EVENT_LOOP='trio': use asyncio or uvloop"):
         event_loop_runner("asyncio")
+
+
+# What reading a configuration must not load: the NATS client and the bus module
+# built on it, and the CA tooling with the cryptography package under it. A tool
+# that only reads a file (ctl's config check, the console's start, a unit test)
+# should not pay for them, and a broken install of either should not stop it.
+NOT_FOR_READING = ("nats", "cryptography", "llmgw.shared.bus", "llmgw.shared.pki")
+
+
+def test_reading_a_configuration_loads_neither_the_bus_nor_the_ca_tooling(tmp_path, tls):
+    path = tmp_path / "svc.yaml"
+    path.write_text(S + tls + "gateway: {listen: 127.0.0.1:8080}\n")
+    probe = textwrap.dedent(
+        f"""
+        import sys
+        from llmgw.shared.config import load_service_config
+        cfg = load_service_config({str(path)!r})
+        assert cfg.tls_files().cert.endswith("svc.pem")
+        print(" ".join(sorted(m for m in sys.modules if m.partition(".")[0] in ("nats", "cryptography") or m.startswith("llmgw."))))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert "llmgw.shared.config" in out  # the probe saw the modules it loaded
+    loaded = [m for m in out if any(m == bad or m.startswith(bad + ".") for bad in NOT_FOR_READING)]
+    assert loaded == [], f"reading a configuration loaded {loaded}"

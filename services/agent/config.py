@@ -29,12 +29,12 @@ from typing import Annotated
 
 import msgspec
 
-from llmgw.shared.bus import TlsFiles
 from llmgw.shared.config import TlsSection, check_servers, listed, read_yaml_any, resolve_path, resolve_tls
 from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import ConfigError, LlmgwError
 from llmgw.shared.names import check_name
 from llmgw.shared.structconf import Duration, Invalid, Section, convert
+from llmgw.shared.tls import TlsFiles
 
 __all__ = [
     "AgentConfig",
