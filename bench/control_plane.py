@@ -159,6 +159,7 @@ from llmgw.shared.schemas import (
     encode,
 )
 from llmgw.shared.tasks import cancel_and_wait
+from llmgw.shared.tls import TlsFiles
 
 # % of one core (registry + health + scheduler), s, s, heartbeat intervals (issue #17)
 # The phases in order (--until names the last one to run).
@@ -251,7 +252,7 @@ class SimAgent:
     fabric: str
     mgmt_addr: str
     gpus: int
-    tls: bus.TlsFiles
+    tls: TlsFiles
     board: Board
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     seq: int = 0
@@ -506,7 +507,7 @@ async def agents_worker(job: dict) -> int:
     slots = asyncio.Semaphore(job["reconnect_slots"]) if job["reconnect_slots"] else None
     agents = {
         a["node_id"]: SimAgent(
-            a["node_id"], a["fabric"], a["mgmt_addr"], a["gpus"], bus.TlsFiles(a["ca"], a["cert"], a["key"]), board, emit=emit, handshake_slots=slots
+            a["node_id"], a["fabric"], a["mgmt_addr"], a["gpus"], TlsFiles(a["ca"], a["cert"], a["key"]), board, emit=emit, handshake_slots=slots
         )
         for a in job["agents"]
     }
@@ -596,7 +597,7 @@ class AgentView:
     node_id: str
     fabric: str
     mgmt_addr: str
-    tls: bus.TlsFiles
+    tls: TlsFiles
     worker: int = 0
     silent: bool = False
     last_beat: float = 0.0

@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from control_plane import cpu_seconds, one_ledger_write  # a sibling script, not a package
 
 from llmgw.shared import pki
-from llmgw.shared.bus import TlsFiles
 from llmgw.shared.natsserver import NatsServer
+from llmgw.shared.tls import TlsFiles
 
 
 def without_san(srv: NatsServer, issued: TlsFiles, node: str, out: Path) -> TlsFiles:

@@ -170,7 +170,8 @@ for spec in "${FABRICS[@]}"; do
   list=""
   IFS=',' read -r -a hca_array <<<"$hcas"
   for hca in "${hca_array[@]}"; do
-    [[ "$hca" =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*$ ]] || die "--fabric $spec: '$hca' is not an HCA name (as under /sys/class/infiniband, e.g. mlx5_0)"
+    # The rule of llmgw/shared/names.py (HCA_NAME_PATTERN), which the agent applies again on start.
+    [[ "$hca" =~ ^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$ ]] || die "--fabric $spec: '$hca' is not an HCA name (as under /sys/class/infiniband, e.g. mlx5_0)"
     case "$SEEN_HCAS" in *" $hca "*) die "--fabric $spec: HCA $hca is already listed; a port is cabled to one fabric";; esac
     SEEN_HCAS="$SEEN_HCAS$hca "
     list="${list:+$list, }$hca"

@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     # -- services ------------------------------------------------------------
     for name, what, target in (
         ("registry", "single writer of node records", "llmgw.services.registry:main"),
-        ("health", "single writer of node leases", "llmgw.services.health:main"),
+        ("health", "single writer of node leases", "llmgw.services.health.service:main"),
         ("scheduler", "places, launches, reaps and rebuilds replicas", "llmgw.services.scheduler.service:main"),
         ("gateway", "the OpenAI-compatible HTTP API", "llmgw.services.gateway.service:main"),
     ):

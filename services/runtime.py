@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, start_http_s
 from llmgw.shared import bus
 from llmgw.shared import subjects as S
 from llmgw.shared.coalesce import loop_factory as coalesce_loop_factory
-from llmgw.shared.config import ServiceConfig, load_service_config
+from llmgw.shared.config import ServiceConfig, load_service_config, parse_listen
 from llmgw.shared.errors import BusError, ConfigError, LlmgwError, WireError
 from llmgw.shared.events import EventPublisher
 from llmgw.shared.leader import Leadership
@@ -111,9 +111,9 @@ class ServiceRuntime:
     async def start(self) -> None:
         cfg = self.cfg
         if cfg.metrics_listen:
-            host, _, port = cfg.metrics_listen.rpartition(":")
+            host, port = parse_listen(cfg.metrics_listen)  # HOST:PORT, checked when the file was read
             try:
-                start_http_server(int(port), addr=host or "0.0.0.0", registry=self.metrics_registry)
+                start_http_server(port, addr=host, registry=self.metrics_registry)
             except (OSError, ValueError) as e:
                 raise ConfigError(f"{cfg.source}: metrics_listen {cfg.metrics_listen}: {e}") from None
         self._nc = nc = await bus.connect(

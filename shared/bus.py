@@ -15,52 +15,21 @@ the same instant.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
-import ssl
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from . import pki
 from . import subjects as S
 from .errors import BusError, ConfigError
+from .tls import TlsFiles
 
 log = logging.getLogger("llmgw.bus")
-
-
-@dataclass(frozen=True)
-class TlsFiles:
-    ca: str
-    cert: str
-    key: str
-
-    def check(self, where: str = "tls") -> None:
-        for field in ("ca", "cert", "key"):
-            path = getattr(self, field)
-            if not path:
-                raise ConfigError(f"{where}.{field}: a path is required")
-            if not Path(path).is_file():
-                raise ConfigError(f"{where}.{field}: file {path} does not exist")
-
-    def context(self) -> ssl.SSLContext:
-        self.check()
-        try:
-            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca)
-            ctx.load_cert_chain(self.cert, self.key)
-        except (ssl.SSLError, OSError) as e:
-            raise ConfigError(f"cannot load TLS files (ca={self.ca}, cert={self.cert}, key={self.key}): {e}") from None
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        return ctx
-
-    def identity(self) -> tuple[str, str]:
-        """(role, name) this certificate speaks as."""
-        return pki.identity_of(self.cert)
 
 
 def backoff_delay(attempt: int, base: float, maximum: float, rng: random.Random | None = None) -> float:
@@ -90,6 +59,43 @@ Callback = Callable[[], Awaitable[None]]
 # A first-connect attempt may take this many connect timeouts in all (TCP, INFO,
 # TLS, PONG, on each of its two tries) before it is given up and retried.
 ATTEMPT_TIMEOUTS = 10
+
+
+def _callbacks(
+    nc: NATS,
+    lg: logging.Logger,
+    reconnect_base: float,
+    reconnect_max: float,
+    on_disconnect: Callback | None,
+    on_reconnect: Callback | None,
+    on_error: Callable[[Exception], Awaitable[None]] | None,
+) -> dict:
+    """nats-py's connection callbacks for ``nc``: which server to try next, and the
+    disconnects, reconnects and errors logged before the caller hears of them."""
+
+    def pick(pool, _info):
+        # Prefer the server tried least; delay grows with its failed attempts.
+        best = min(pool, key=lambda s: s.reconnects)
+        return best, backoff_delay(best.reconnects, reconnect_base, reconnect_max)
+
+    async def disconnected():
+        if nc.is_closed or nc.is_draining:
+            return  # our own close, not an outage
+        lg.warning("disconnected from NATS; reconnecting (backoff %.1fs..%.1fs)", reconnect_base, reconnect_max)
+        if on_disconnect:
+            await on_disconnect()
+
+    async def reconnected():
+        lg.info("reconnected to NATS at %s", nc.connected_url.netloc if nc.connected_url else "?")
+        if on_reconnect:
+            await on_reconnect()
+
+    async def error(e: Exception):
+        lg.warning("NATS: %s", e or type(e).__name__)
+        if on_error:
+            await on_error(e)
+
+    return {"reconnect_to_server_handler": pick, "disconnected_cb": disconnected, "reconnected_cb": reconnected, "error_cb": error}
 
 
 async def connect(
@@ -132,28 +138,6 @@ async def connect(
     if not urls:
         raise ConfigError("no NATS server URL given")
 
-    def pick(pool, _info):
-        # Prefer the server tried least; delay grows with its failed attempts.
-        best = min(pool, key=lambda s: s.reconnects)
-        return best, backoff_delay(best.reconnects, reconnect_base, reconnect_max)
-
-    async def disconnected():
-        if nc.is_closed or nc.is_draining:
-            return  # our own close, not an outage
-        lg.warning("disconnected from NATS; reconnecting (backoff %.1fs..%.1fs)", reconnect_base, reconnect_max)
-        if on_disconnect:
-            await on_disconnect()
-
-    async def reconnected():
-        lg.info("reconnected to NATS at %s", nc.connected_url.netloc if nc.connected_url else "?")
-        if on_reconnect:
-            await on_reconnect()
-
-    async def error(e: Exception):
-        lg.warning("NATS: %s", e or type(e).__name__)
-        if on_error:
-            await on_error(e)
-
     if first_delay > 0:
         lg.info(
             "first connect to NATS in %.2fs (spread over reconnect_base %.2fs, so nodes starting together do not connect at once)", first_delay, reconnect_base
@@ -182,10 +166,7 @@ async def connect(
                     # connect's retries (with logging); reconnects are unbounded.
                     max_reconnect_attempts=1,
                     reconnect_time_wait=reconnect_base,  # type: ignore[arg-type]  # nats-py annotates int; it is seconds for asyncio.sleep, a float works
-                    reconnect_to_server_handler=pick,
-                    disconnected_cb=disconnected,
-                    reconnected_cb=reconnected,
-                    error_cb=error,
+                    **_callbacks(nc, lg, reconnect_base, reconnect_max, on_disconnect, on_reconnect, on_error),
                     # Buffer little (or nothing, for services) while disconnected:
                     # heartbeats and statuses are re-sent fresh after a reconnect.
                     pending_size=pending_size,
@@ -210,10 +191,8 @@ async def connect(
                 raise BusError(f"cannot connect to NATS at {', '.join(urls)} as {role}/{ident}: {with_reason}") from None
             delay = backoff_delay(attempt - 1, reconnect_base, reconnect_max)
             lg.warning("cannot reach NATS at %s (%s); retrying in %.1fs", ", ".join(urls), with_reason, delay)
-            try:
+            with contextlib.suppress(Exception):  # closing what never connected: nothing to report
                 await asyncio.wait_for(nc.close(), connect_timeout)
-            except Exception:
-                pass
             await asyncio.sleep(delay)
 
 

@@ -30,10 +30,12 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
-from .bus import TlsFiles
+from .apikeys import read_digests
 from .errors import ConfigError
 from .files import write_atomic
+from .names import host_problem
 from .structconf import Duration, Invalid, Section, convert
+from .tls import TlsFiles, server_context
 
 
 class _StrictSafeLoader(yaml.SafeLoader):
@@ -163,6 +165,32 @@ def resolve_tls(tls: Any, base: Path, source: str) -> dict[str, str]:
     return paths
 
 
+# An address a service listens on: ``127.0.0.1:8080``, ``[::1]:8080``, ``:8080``
+# (every address) or ``HOST:0`` (any free port). Checked when the file is read, so a
+# listener a process opens later (the gateway's, a worker's, the metrics endpoint)
+# cannot be refused for its spelling after the process has started.
+Listen = Annotated[str, msgspec.Meta(description="HOST:PORT, such as 127.0.0.1:8080")]
+
+
+def listen_problem(listen: str) -> str:
+    """Why ``listen`` is not HOST:PORT, or "" when it is."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        return f"{listen!r} is not HOST:PORT (e.g. 127.0.0.1:8080)"
+    host = host.removeprefix("[").removesuffix("]")
+    if host and (problem := host_problem(host)):
+        return f"{listen!r}: the host {problem}"
+    return ""
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """(host, port) of a checked ``Listen``; an empty host is every address (0.0.0.0)."""
+    if problem := listen_problem(listen):
+        raise ConfigError(problem)
+    host, _, port = listen.rpartition(":")
+    return host.removeprefix("[").removesuffix("]") or "0.0.0.0", int(port)
+
+
 # --------------------------------------------------------------------------
 # the service and operator configurations
 # --------------------------------------------------------------------------
@@ -258,7 +286,7 @@ Routing = Literal["prefix", "least-outstanding"]
 
 
 class GatewaySection(Section, frozen=True):
-    listen: str = "127.0.0.1:8080"
+    listen: Listen = "127.0.0.1:8080"
     max_body_bytes: int = 4 * 1024 * 1024
     upstream_timeout: Duration = 600.0
     connect_timeout: Duration = 2.0
@@ -303,8 +331,17 @@ class GatewaySection(Section, frozen=True):
     workers: int = 0
 
     def __post_init__(self):
+        if problem := listen_problem(self.listen):
+            raise Invalid("listen", problem)
         if not (type(self.workers) is int and 0 <= self.workers <= 1024):
             raise Invalid("workers", f"must be a whole number from 0 (one per core) to 1024, got {self.workers!r}")
+        self._check_routing()
+        self._check_bounds()
+        self._check_timings()
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise Invalid("", "tls_cert and tls_key go together (HTTPS needs both)")
+
+    def _check_routing(self) -> None:
         if self.routing not in get_args(Routing):  # a file's value msgspec checks; this, a program's
             raise Invalid("routing", f"{self.routing!r} is not one of {', '.join(get_args(Routing))}")
         if not (isinstance(self.routing_load_bound, (int, float)) and 1.0 <= self.routing_load_bound <= 100):
@@ -313,11 +350,11 @@ class GatewaySection(Section, frozen=True):
             raise Invalid("routing_load_slack", f"must be between 0 and 1000 requests, got {self.routing_load_slack}")
         if not 64 <= self.routing_prefix_chars <= 1024 * 1024:
             raise Invalid("routing_prefix_chars", f"must be between 64 and 1048576, got {self.routing_prefix_chars}")
+
+    def _check_bounds(self) -> None:
         for name in ("max_connections", "max_buffered_body_bytes", "max_response_bytes", "max_json_depth"):
             if getattr(self, name) < 1:
                 raise Invalid(name, "must be at least 1")
-        if self.request_read_timeout <= 0:
-            raise Invalid("request_read_timeout", "must be positive")
         if self.max_buffered_body_bytes < self.max_body_bytes:
             raise Invalid(
                 "max_buffered_body_bytes",
@@ -325,6 +362,10 @@ class GatewaySection(Section, frozen=True):
             )
         if self.max_body_bytes < 1:
             raise Invalid("max_body_bytes", "must be at least 1")
+
+    def _check_timings(self) -> None:
+        if self.request_read_timeout <= 0:
+            raise Invalid("request_read_timeout", "must be positive")
         if self.upstream_timeout <= 0 or self.connect_timeout <= 0:
             raise Invalid("", "upstream_timeout and connect_timeout must be positive")
         if self.cooldown < 0 or self.retry_after < 0:
@@ -333,14 +374,12 @@ class GatewaySection(Section, frozen=True):
             raise Invalid("failures_before_cooldown", "must be at least 1")
         if self.stall_after <= 0 or self.traffic_interval <= 0:
             raise Invalid("", "stall_after and traffic_interval must be positive")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise Invalid("", "tls_cert and tls_key go together (HTTPS needs both)")
 
 
 class ServiceConfig(Section, frozen=True):
     server: Annotated[list[str], msgspec.Meta(description="a NATS URL or a list of them")]
     tls: TlsSection
-    metrics_listen: str = ""
+    metrics_listen: Listen = ""  # "": no metrics endpoint
     kv_replicas: int = 1
     reconnect_base: Duration = 1.0
     reconnect_max: Duration = 30.0
@@ -354,6 +393,8 @@ class ServiceConfig(Section, frozen=True):
 
     def __post_init__(self):
         check_servers(self.server)
+        if self.metrics_listen and (problem := listen_problem(self.metrics_listen)):
+            raise Invalid("metrics_listen", problem)
         if self.reconnect_base > self.reconnect_max:
             raise Invalid("reconnect_base", f"{self.reconnect_base:g}s is longer than reconnect_max ({self.reconnect_max:g}s)")
 
@@ -377,7 +418,23 @@ def load_service_config(path: str | os.PathLike) -> ServiceConfig:
     base = Path(path).resolve().parent
     tls = TlsSection(**resolve_tls(cfg.tls, base, source))
     files = {k: resolve_path(base, v) for k in ("api_keys_file", "tls_cert", "tls_key") if (v := getattr(cfg.gateway, k))}
-    return msgspec.structs.replace(cfg, tls=tls, gateway=msgspec.structs.replace(cfg.gateway, **files), source=source)
+    gateway = msgspec.structs.replace(cfg.gateway, **files)
+    check_gateway_files(gateway, source)
+    return msgspec.structs.replace(cfg, tls=tls, gateway=gateway, source=source)
+
+
+def check_gateway_files(g: GatewaySection, source: str) -> None:
+    """The files the gateway section names, read as the gateway reads them at start:
+    the HTTPS certificate and key must load as a pair, the API key file must hold
+    digests. Refused here, a bad file is one error when the configuration is read,
+    not a gateway (or each of N workers) failing after it started."""
+    if g.tls_cert:
+        server_context(source, g.tls_cert, g.tls_key)
+    if g.api_keys_file:
+        try:
+            read_digests(g.api_keys_file)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: gateway.api_keys_file: {e}") from None
 
 
 def default_operator_config() -> str:

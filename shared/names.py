@@ -37,6 +37,28 @@ def check_role(role: str) -> str:
     return role
 
 
+# An HCA (InfiniBand device) name, as under /sys/class/infiniband (mlx5_0, ibp12s0):
+# it becomes a sysfs path component and part of NCCL_IB_HCA, where ',' separates
+# devices and ':' a port, so letters, digits, '_', '.' and '-', starting with a
+# letter or digit (never '.' or '..'). One pattern for every place a name enters: the
+# agent's configuration, the wire (``schemas.HcaName``, a msgspec pattern: searched,
+# hence anchored), the simulated nodes' devices.
+HCA_NAME_MAX = 64
+HCA_NAME_PATTERN = rf"^[A-Za-z0-9][A-Za-z0-9_.-]{{0,{HCA_NAME_MAX - 1}}}\Z"
+_HCA_NAME = re.compile(HCA_NAME_PATTERN)
+
+
+def hca_problem(name: object) -> str:
+    """Why ``name`` is not an HCA name, or "" if it is."""
+    if not isinstance(name, str) or not name:
+        return "empty"
+    if len(name) > HCA_NAME_MAX:
+        return f"longer than {HCA_NAME_MAX} characters"
+    if not _HCA_NAME.match(name):
+        return "not letters, digits, '_', '.' and '-' starting with a letter or digit"
+    return ""
+
+
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 MAX_HOST = 253
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import natsbin, pki
-from .bus import TlsFiles
 from .errors import BusError
 from .files import write_atomic
 from .natsconf import ServerOptions, check_cluster_size, render
+from .tls import TlsFiles
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal, TypeVar, cast
 import msgspec
 
 from .errors import WireError
+from .names import HCA_NAME_PATTERN
 from .states import EngineState, ReplicaState
 from .structconf import Duration
 
@@ -57,7 +58,7 @@ GpuIndex = Annotated[int, msgspec.Meta(ge=0, le=MAX_GPUS - 1)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 # \Z, not $: msgspec matches with Python's re.search, where $ also matches
 # before a final newline, so "mlx5_0\n" passed (hypothesis found "0\n").
-HcaName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,64}\Z")]
+HcaName = Annotated[str, msgspec.Meta(pattern=HCA_NAME_PATTERN)]
 Seq = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 from llmgw.services.agent.enginedir import EngineDir
 from llmgw.shared import procfs
 from llmgw.shared import subjects as S
-from llmgw.shared.bus import TlsFiles
 from llmgw.shared.errors import WireError
 from llmgw.shared.natsserver import free_port
 from llmgw.shared.schemas import Heartbeat, Inventory, LaunchCommand, StatusReport, decode
+from llmgw.shared.tls import TlsFiles
 
 from .waiting import eventually as _eventually
 

@@ -26,6 +26,7 @@ import pytest
 from llmgw.shared import bus
 from llmgw.shared.errors import BusError
 from llmgw.shared.natsserver import NatsServer
+from llmgw.shared.tls import TlsFiles
 
 # --------------------------------------------------------------------------
 # A test about to hit its pytest-timeout prints what its event loop awaits
@@ -191,9 +192,9 @@ class Connector:
         self.server = server
         self.conns = []
         self.errors: dict[str, list[Exception]] = {}
-        self.issued: dict[tuple[str, str], bus.TlsFiles] = {}
+        self.issued: dict[tuple[str, str], TlsFiles] = {}
 
-    def identity(self, name: str, role: str, *, reload: bool = True) -> bus.TlsFiles:
+    def identity(self, name: str, role: str, *, reload: bool = True) -> TlsFiles:
         """The identity's certificate, issued once per test.
 
         Issuing again would replace it in the ledger, and the server pins the
@@ -206,7 +207,7 @@ class Connector:
             self.server.reload()
         return tls
 
-    async def connect(self, tls: bus.TlsFiles, label: str | None = None, **kw):
+    async def connect(self, tls: TlsFiles, label: str | None = None, **kw):
         label = label or os.path.basename(tls.cert)
         errs = self.errors.setdefault(label, [])
 

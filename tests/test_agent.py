@@ -22,8 +22,8 @@ import pytest
 
 from llmgw.shared import procfs
 from llmgw.shared import subjects as S
-from llmgw.shared.bus import TlsFiles
 from llmgw.shared.schemas import CommandAck, FabricMembership, Gpu, StatusReport, StopCommand, decode, encode
+from llmgw.shared.tls import TlsFiles
 
 from .agent_helpers import (
     GPU_MIB,

@@ -18,8 +18,8 @@ from llmgw.services.agent.config import (
     load_agent_config,
 )
 from llmgw.shared import pki
-from llmgw.shared.bus import TlsFiles
 from llmgw.shared.errors import ConfigError
+from llmgw.shared.tls import TlsFiles
 
 DATA = Path(__file__).parent / "data"
 

@@ -12,6 +12,7 @@ import pytest
 from llmgw.shared import bus
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import BusError, ConfigError
+from llmgw.shared.tls import TlsFiles
 
 from .waiting import eventually
 
@@ -72,7 +73,7 @@ async def test_initial_connect_gives_up_with_a_clear_error(tmp_path, nats_server
 
 def test_missing_tls_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"tls\.cert: file"):
-        bus.TlsFiles(ca=__file__, cert=str(tmp_path / "missing.pem"), key=__file__).context()
+        TlsFiles(ca=__file__, cert=str(tmp_path / "missing.pem"), key=__file__).context()
 
 
 @pytest.mark.parametrize("attempt, expected", [(0, 1.0), (1, 2.0), (3, 8.0), (10, 30.0)])

@@ -18,7 +18,7 @@ import nats.js.errors
 import pytest
 
 from llmgw.services.devcluster import simcluster
-from llmgw.services.health import HealthMonitor
+from llmgw.services.health.service import HealthMonitor
 from llmgw.shared import subjects as S
 from llmgw.shared.schemas import Lease, encode
 

@@ -789,6 +789,8 @@ def test_onboard_node_without_fabric_and_with_a_server_list(onboarding):
         (["--node", "node07", "--addr", "h", "--server", "https://10.0.0.140:7443"], "earlier design"),
         (["--node", "node07", "--addr", "h", "--server", "tls://n:4222", "--fabric", "ib-a:mlx5_0", "--fabric", "ib-b:mlx5_0"], "cabled to one fabric"),
         (["--node", "node07", "--addr", "h", "--server", "tls://n:4222", "--fabric", "IB_A"], "invalid fabric name"),
+        # longer than the wire and the agent's configuration take (shared/names.py)
+        (["--node", "node07", "--addr", "h", "--server", "tls://n:4222", "--fabric", "ib-a:" + "m" * 65], "is not an HCA name"),
     ],
 )
 def test_onboard_node_refuses_bad_input_before_touching_anything(onboarding, args, message):

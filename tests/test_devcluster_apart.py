@@ -25,7 +25,7 @@ SERVICES = Path(__file__).resolve().parent.parent / "services"
 DEVCLUSTER = "llmgw.services.devcluster"
 # The production services and what they are built on: the modules a node or
 # control-plane machine runs.
-PRODUCTION = ("registry.py", "health.py", "runtime.py", "leases.py", "natsrun.py", "scheduler", "gateway", "agent")
+PRODUCTION = ("registry.py", "health", "runtime.py", "natsrun.py", "scheduler", "gateway", "agent")
 
 
 def production_modules() -> list[tuple[str, Path]]:
@@ -73,7 +73,7 @@ def test_the_production_modules_are_found():
     # The walk itself could go wrong quietly and check nothing.
     assert {
         "llmgw.services.registry",
-        "llmgw.services.health",
+        "llmgw.services.health.service",
         "llmgw.services.scheduler.service",
         "llmgw.services.gateway.service",
         "llmgw.services.agent.agent",

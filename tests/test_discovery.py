@@ -15,9 +15,9 @@ import pytest
 from llmgw.services.agent import discovery as D
 from llmgw.services.agent.config import AgentConfig, DiscoveryConfig, FabricConfig
 from llmgw.services.agent.discovery import DiscoveryError, discover, parse_nvidia_smi_csv, query_nvidia_smi, query_nvml, read_hca
-from llmgw.shared.bus import TlsFiles
 from llmgw.shared.errors import LlmgwError
 from llmgw.shared.schemas import FabricMembership, Gpu, Hca, HcaPort
+from llmgw.shared.tls import TlsFiles
 
 DATA = Path(__file__).parent / "data"
 

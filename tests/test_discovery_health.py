@@ -30,9 +30,9 @@ from llmgw.services.agent.discovery import (
     parse_nvidia_smi_csv,
     split_device_errors,
 )
-from llmgw.shared.bus import TlsFiles
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.schemas import Gpu
+from llmgw.shared.tls import TlsFiles
 
 DATA = Path(__file__).parent / "data"
 UUID = "GPU-73b88528-63cc-b45e-8ae5-d8c543a45569"

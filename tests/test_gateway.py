@@ -434,23 +434,22 @@ def test_access_log_is_written_even_when_the_service_logs_only_warnings():
 
 
 def test_bad_tls_configuration_names_the_file(tmp_path):
-    from llmgw.services.gateway.service import tls_context
     from llmgw.shared.config import GatewaySection
     from llmgw.shared.errors import ConfigError
+    from llmgw.shared.tls import server_context
 
     with pytest.raises(ConfigError, match="tls_cert and tls_key go together"):
         GatewaySection(tls_cert="gw.pem")
-    with pytest.raises(ConfigError, match=r"gateway.tls_cert: .*gw.pem does not exist"):
-        tls_context(str(tmp_path / "gateway.yaml"), str(tmp_path / "gw.pem"), str(tmp_path / "gw-key.pem"))
+    with pytest.raises(ConfigError, match=r"gateway.yaml: gateway.tls_cert: .*gw.pem does not exist"):
+        server_context(str(tmp_path / "gateway.yaml"), str(tmp_path / "gw.pem"), str(tmp_path / "gw-key.pem"))
     (tmp_path / "gw.pem").write_text("not a certificate\n")
     (tmp_path / "gw-key.pem").write_text("not a key\n")
     with pytest.raises(ConfigError, match="are not a PEM certificate and its key"):
-        tls_context(str(tmp_path / "gateway.yaml"), str(tmp_path / "gw.pem"), str(tmp_path / "gw-key.pem"))
+        server_context(str(tmp_path / "gateway.yaml"), str(tmp_path / "gw.pem"), str(tmp_path / "gw-key.pem"))
 
 
 def test_bad_configuration_is_one_clear_error(tmp_path):
     from llmgw.services.gateway.auth import ApiKeys
-    from llmgw.services.gateway.service import parse_listen
     from llmgw.shared.config import GatewaySection
     from llmgw.shared.errors import ConfigError
 
@@ -462,7 +461,7 @@ def test_bad_configuration_is_one_clear_error(tmp_path):
         ApiKeys.load(tmp_path / "empty")
     with pytest.raises(ConfigError, match="does not exist"):
         ApiKeys.load(tmp_path / "missing")
-    with pytest.raises(ConfigError, match="not HOST:PORT"):
-        parse_listen("localhost")
+    with pytest.raises(ConfigError, match="listen: 'localhost' is not HOST:PORT"):
+        GatewaySection(listen="localhost")
     with pytest.raises(ConfigError, match="failures_before_cooldown"):
         GatewaySection(failures_before_cooldown=0)

@@ -124,3 +124,27 @@ def _free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+@pytest.mark.parametrize(
+    "gateway, says",
+    [
+        ({"listen": f"{HOST}:99999"}, "gateway.listen: '127.0.0.1:99999' is not HOST:PORT"),
+        ({"listen": f"{HOST}:0", "tls_cert": "junk.pem", "tls_key": "junk.pem"}, "are not a PEM certificate and its key"),
+        ({"listen": f"{HOST}:0", "api_keys_file": "junk.pem"}, "gateway.api_keys_file: "),
+    ],
+    ids=["listen", "https-pair", "key-file"],
+)
+def test_a_bad_file_is_one_error_before_any_worker_starts(tmp_path, gateway, says):
+    """The parent starts no worker with a file each would refuse: the configuration
+    is checked whole when it is read, and the command ends with that one error."""
+    for f in ("ca.pem", "gw.pem", "gw-key.pem"):
+        (tmp_path / f).write_text("x")
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    conf = {"server": "tls://127.0.0.1:4222", "tls": {"ca": "ca.pem", "cert": "gw.pem", "key": "gw-key.pem"}, "gateway": gateway}
+    (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(conf))
+    argv = [sys.executable, "-m", "llmgw.services", "gateway", "-c", str(tmp_path / "gateway.yaml"), "--workers", "2"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode != 0
+    assert r.stderr.count(says) == 1 and f"{tmp_path / 'gateway.yaml'}: " in r.stderr, r.stderr
+    assert "worker" not in r.stderr, r.stderr

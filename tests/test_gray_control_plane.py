@@ -19,7 +19,7 @@ import json
 import pytest
 
 from llmgw.services.devcluster import simcluster
-from llmgw.services.health import HealthMonitor
+from llmgw.services.health.service import HealthMonitor
 from llmgw.services.registry import Registry
 from llmgw.services.scheduler.service import Scheduler
 from llmgw.shared import subjects as S

@@ -1,6 +1,6 @@
 """A health monitor taking over from the stored leases (issues #15 item 3 and #17).
 
-Leases are stored as checkpoints (``services/leases.py``): a takeover must
+Leases are stored as checkpoints (``services/health/leases.py``): a takeover must
 still know every stored lease, never declare a live node lost, and declare a
 dead one lost — no later than its countdown would have ended, and not before
 the grace. Real nats-server, real bucket; the acting monitor crashes (no
@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from llmgw.services import health as health_mod
-from llmgw.services.leases import CHECKPOINT_HEARTBEATS
+from llmgw.services.health import service as health_mod
+from llmgw.services.health.leases import CHECKPOINT_HEARTBEATS
 from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror
 from llmgw.shared.schemas import ApiError, Lease, NodeRequest, decode, encode

@@ -21,6 +21,7 @@ from nats.js.errors import KeyNotFoundError
 from llmgw.shared import bus, pki
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import BusError, InvalidName
+from llmgw.shared.tls import TlsFiles
 
 from .waiting import eventually
 
@@ -159,7 +160,7 @@ async def test_certificate_from_another_ca_is_refused(connector, tmp_path):
     pki.init_ca(other)
     issued = pki.issue(other, "node01", "node", tmp_path / "other-out")
     # Same name, same role, but the wrong authority.
-    tls = bus.TlsFiles(ca=str(connector.server.pki_dir / pki.CA_CERT), cert=str(issued.cert_path), key=str(issued.key_path))
+    tls = TlsFiles(ca=str(connector.server.pki_dir / pki.CA_CERT), cert=str(issued.cert_path), key=str(issued.key_path))
     await _refused(connector, tls, tap, S.heartbeat("node01"))
 
 
@@ -175,7 +176,7 @@ async def test_expired_certificate_is_refused(connector, tmp_path):
         not_after=now - dt.timedelta(days=1),
     )
     connector.server.reload()
-    tls = bus.TlsFiles(ca=str(issued.ca_path), cert=str(issued.cert_path), key=str(issued.key_path))
+    tls = TlsFiles(ca=str(issued.ca_path), cert=str(issued.cert_path), key=str(issued.key_path))
     await _refused(connector, tls, tap, S.heartbeat("node07"))
 
 
@@ -188,7 +189,7 @@ async def test_certificate_not_in_ledger_is_refused(connector, tmp_path):
         shutil.copy(connector.server.pki_dir / f, shadow / f)
     issued = pki.issue(shadow, "node09", "node", tmp_path / "shadow-out")
     connector.server.reload()
-    tls = bus.TlsFiles(ca=str(issued.ca_path), cert=str(issued.cert_path), key=str(issued.key_path))
+    tls = TlsFiles(ca=str(issued.ca_path), cert=str(issued.cert_path), key=str(issued.key_path))
     await _refused(connector, tls, tap, S.heartbeat("node09"))
 
 
@@ -384,7 +385,7 @@ async def test_reissued_identity_refuses_the_old_certificate(connector, tmp_path
     """Same subject, new key: the server pins the ledger's certificate, not the name."""
     tap = await Tap().start(connector)
     old = connector.identity("node05", "node")
-    old_copy = bus.TlsFiles(ca=old.ca, cert=str(tmp_path / "old.pem"), key=str(tmp_path / "old-key.pem"))
+    old_copy = TlsFiles(ca=old.ca, cert=str(tmp_path / "old.pem"), key=str(tmp_path / "old-key.pem"))
     shutil.copy(old.cert, old_copy.cert)
     shutil.copy(old.key, old_copy.key)
     dropped = asyncio.Event()
@@ -406,7 +407,7 @@ async def test_reissued_identity_refuses_the_old_certificate(connector, tmp_path
     await eventually(lambda: tap.saw(S.heartbeat("node05")), what="the new certificate's heartbeat delivered", timeout=5)
 
 
-def as_issued_before_uri_sans(server, issued: bus.TlsFiles, node: str, out: Path) -> bus.TlsFiles:
+def as_issued_before_uri_sans(server, issued: TlsFiles, node: str, out: Path) -> TlsFiles:
     """``node``'s identity as issued before client certificates carried a URI SAN:
     its ledger entry without one (so its user is named by subject) and its
     certificate re-signed without one, same key (so the same pin)."""
@@ -422,7 +423,7 @@ def as_issued_before_uri_sans(server, issued: bus.TlsFiles, node: str, out: Path
     old = pki._sign(server.pki_dir, subject=cert.subject, public_key=key.public_key(), usage=ExtendedKeyUsageOID.CLIENT_AUTH, sans=[],
                     not_before=cert.not_valid_before_utc, not_after=cert.not_valid_after_utc)  # fmt: skip
     out.write_bytes(old.public_bytes(serialization.Encoding.PEM))
-    return bus.TlsFiles(ca=issued.ca, cert=str(out), key=issued.key)
+    return TlsFiles(ca=issued.ca, cert=str(out), key=issued.key)
 
 
 async def test_certificate_issued_before_uri_sans_still_maps_by_subject(connector, tmp_path):

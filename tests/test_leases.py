@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from llmgw.services.leases import BOOT_SETTLED_HEARTBEATS, CHECKPOINT_HEARTBEATS, LeaseBook, Timings
+from llmgw.services.health.leases import BOOT_SETTLED_HEARTBEATS, CHECKPOINT_HEARTBEATS, LeaseBook, Timings
 from llmgw.shared.schemas import Heartbeat, Lease
 
 T = Timings(heartbeat_interval=1.0, suspect_after_missed=3, node_lost_after=10.0)
@@ -110,7 +110,7 @@ def ticks(first, last, every=1.0, offset=0.5):
 
 
 def simulate(timeline, book=None, store=None):
-    """Replay a timeline as the shell does (services/health.py): a transition is
+    """Replay a timeline as the shell does (services/health/service.py): a transition is
     written at once, and each tick writes what ``due_writes`` names (a boot change
     or a settled boot, which leave the lease dirty, and checkpoints).
     Returns the book and every write as (at, node, cause); ``store`` gets each

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.services.leases import LeaseBook, Timings
+from llmgw.services.health.leases import LeaseBook, Timings
 from llmgw.shared.schemas import Heartbeat, Lease
 
 # heartbeats every 1 s, suspect after 3 s, lost after 10 s, agents reconnect within 20 s

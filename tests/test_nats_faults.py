@@ -28,7 +28,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client import REGISTRY
 
 from llmgw.services.devcluster import simcluster
-from llmgw.services.health import HealthMonitor
+from llmgw.services.health.service import HealthMonitor
 from llmgw.services.registry import Registry
 from llmgw.services.scheduler.service import Scheduler
 from llmgw.shared import bus
@@ -48,7 +48,7 @@ HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 
 # Heartbeats of 0.1 s (agents and monitor alike) for the two-of-three test: it waits
 # until every lease's renewal after the outage is in KV, and renewals are written once
-# per checkpoint interval (services/leases.py: 40 heartbeat intervals, 12 s at the
+# per checkpoint interval (services/health/leases.py: 40 heartbeat intervals, 12 s at the
 # suite's 0.3 s, 4 s at 0.1 s). It checks that nothing is lost and that writes
 # resume, not how fast a silent node is suspected: node_lost_after stays 1.5 s, and
 # suspect needs 5 missed heartbeats (0.5 s) instead of 3 × 0.3 s.

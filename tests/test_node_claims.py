@@ -28,9 +28,8 @@ import yaml
 from prometheus_client import REGISTRY
 
 from llmgw.services.devcluster import simcluster
-from llmgw.services.leases import LeaseBook, Timings
+from llmgw.services.health.leases import LeaseBook, Timings
 from llmgw.services.scheduler.service import MAX_UNKNOWN_PER_NODE, SETTLE_HEARTBEATS
-from llmgw.shared import bus
 from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.schemas import (
@@ -48,6 +47,7 @@ from llmgw.shared.schemas import (
     decode,
     encode,
 )
+from llmgw.shared.tls import TlsFiles
 
 from .cluster_helpers import CLUSTER_ENV, Cluster, sim_spec
 from .waiting import eventually
@@ -66,10 +66,10 @@ async def cluster(nats_server, tmp_path):
     await c.close()
 
 
-def node_tls(cluster: Cluster, node: str) -> bus.TlsFiles:
+def node_tls(cluster: Cluster, node: str) -> TlsFiles:
     """The agent's own certificate files: what an attacker holding them would use."""
     cfg = yaml.safe_load(cluster.nodes[node].config.read_text())
-    return bus.TlsFiles(**cfg["tls"])
+    return TlsFiles(**cfg["tls"])
 
 
 async def api(nc, service: str, verb: str, req) -> tuple[bool, bytes]:

@@ -29,7 +29,7 @@ import openai
 import pytest
 
 from llmgw.services.devcluster import simcluster
-from llmgw.services.health import HealthMonitor
+from llmgw.services.health.service import HealthMonitor
 from llmgw.services.registry import Registry
 from llmgw.services.scheduler import reasons as R
 from llmgw.services.scheduler.service import Scheduler

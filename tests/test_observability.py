@@ -102,7 +102,7 @@ def test_metric_names_reads_what_the_expression_reads():
 def llmgw_sample_names() -> set[str]:
     """Every sample name llmgw's services can expose: the process registry after
     importing each service, and a gateway's own registry."""
-    for mod in ("llmgw.services.registry", "llmgw.services.health", "llmgw.services.scheduler.service", "llmgw.shared.leader"):
+    for mod in ("llmgw.services.registry", "llmgw.services.health.service", "llmgw.services.scheduler.service", "llmgw.shared.leader"):
         __import__(mod)
     families = list(REGISTRY.collect()) + list(GatewayMetrics(Router(cooldown=1, failures_before_cooldown=1, retry_after=1)).registry.collect())
     suffixes = {

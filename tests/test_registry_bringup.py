@@ -12,8 +12,8 @@ import random
 import pytest
 from prometheus_client import REGISTRY
 
-from llmgw.services import health as health_mod
 from llmgw.services import registry as registry_mod
+from llmgw.services.health import service as health_mod
 from llmgw.shared import bus
 from llmgw.shared import subjects as S
 from llmgw.shared.schemas import FabricMembership, Gpu, Heartbeat, Inventory, NodeAddrRequest, NodeRecord, decode, encode

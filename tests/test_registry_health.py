@@ -8,9 +8,9 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from llmgw.services import health as health_mod
 from llmgw.services import registry as registry_mod
-from llmgw.services.leases import CHECKPOINT_HEARTBEATS
+from llmgw.services.health import service as health_mod
+from llmgw.services.health.leases import CHECKPOINT_HEARTBEATS
 from llmgw.shared import subjects as S
 from llmgw.shared.schemas import ApiError, FabricMembership, Gpu, Heartbeat, Inventory, Lease, NodeRecord, decode, encode
 from llmgw.shared.tasks import cancel_and_wait

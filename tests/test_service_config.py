@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from llmgw.shared.config import load_service_config
@@ -75,6 +79,16 @@ REFUSALS = [
         "server[1]: 'https://b:7443' is an HTTP(S) endpoint from the earlier design; the control plane is now reached "
         "through NATS: write the NATS server's URL, e.g. tls://b:4222",
     ),
+    ("listen-not-host-port", S + "{tls}gateway: {{listen: localhost}}\n", "gateway.listen: 'localhost' is not HOST:PORT (e.g. 127.0.0.1:8080)"),
+    ("listen-port-too-high", S + "{tls}gateway: {{listen: '127.0.0.1:70000'}}\n", "gateway.listen: '127.0.0.1:70000' is not HOST:PORT (e.g. 127.0.0.1:8080)"),
+    (
+        "listen-host-with-scheme",
+        S + "{tls}gateway: {{listen: 'http://gw:8080'}}\n",
+        "gateway.listen: 'http://gw:8080': the host has a scheme (give the bare host, e.g. 10.0.0.7)",
+    ),
+    ("listen-wrong-type", S + "{tls}gateway: {{listen: 8080}}\n", "gateway.listen: expected HOST:PORT, such as 127.0.0.1:8080, got an integer 8080"),
+    ("metrics-listen-not-host-port", S + "{tls}metrics_listen: nowhere\n", "metrics_listen: 'nowhere' is not HOST:PORT (e.g. 127.0.0.1:8080)"),
+    ("metrics-listen-wrong-type", S + "{tls}metrics_listen: 9102\n", "metrics_listen: expected HOST:PORT, such as 127.0.0.1:8080, got an integer 9102"),
     ("server-list-empty", "server: []\n{tls}", "server: the list is empty; give at least one NATS URL, e.g. tls://HOST:4222"),
     ("server-listed-twice", "server: [tls://a:4222, tls://a:4222]\n{tls}", "server: the same URL is listed twice"),
 ]
@@ -125,3 +139,86 @@ def test_event_loop_choice_per_service_and_overridden_by_environment(monkeypatch
     monkeypatch.setenv(LOOP_ENV, "trio")
     with pytest.raises(ConfigError, match="LLMGW_EVENT_LOOP='trio': use asyncio or uvloop"):
         event_loop_runner("asyncio")
+
+
+# What reading a configuration must not load: the NATS client and the bus module
+# built on it, and the CA tooling with the cryptography package under it. A tool
+# that only reads a file (ctl's config check, the console's start, a unit test)
+# should not pay for them, and a broken install of either should not stop it.
+NOT_FOR_READING = ("nats", "cryptography", "llmgw.shared.bus", "llmgw.shared.pki")
+
+
+def test_reading_a_configuration_loads_neither_the_bus_nor_the_ca_tooling(tmp_path, tls):
+    path = tmp_path / "svc.yaml"
+    path.write_text(S + tls + "gateway: {listen: 127.0.0.1:8080}\n")
+    probe = textwrap.dedent(
+        f"""
+        import sys
+        from llmgw.shared.config import load_service_config
+        cfg = load_service_config({str(path)!r})
+        assert cfg.tls_files().cert.endswith("svc.pem")
+        print(" ".join(sorted(m for m in sys.modules if m.partition(".")[0] in ("nats", "cryptography") or m.startswith("llmgw."))))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert "llmgw.shared.config" in out  # the probe saw the modules it loaded
+    loaded = [m for m in out if any(m == bad or m.startswith(bad + ".") for bad in NOT_FOR_READING)]
+    assert loaded == [], f"reading a configuration loaded {loaded}"
+
+
+@pytest.mark.parametrize(
+    "listen, expected",
+    [
+        ("127.0.0.1:8080", ("127.0.0.1", 8080)),
+        ("[::1]:8080", ("::1", 8080)),
+        (":8080", ("0.0.0.0", 8080)),
+        ("0.0.0.0:0", ("0.0.0.0", 0)),
+        ("gw-1.example.net:443", ("gw-1.example.net", 443)),
+    ],
+)
+def test_listen_addresses_that_are_host_port(tmp_path, tls, listen, expected):
+    from llmgw.shared.config import parse_listen
+
+    path = tmp_path / "svc.yaml"
+    path.write_text(S + tls + f"metrics_listen: '{listen}'\ngateway: {{listen: '{listen}'}}\n")
+    cfg = load_service_config(path)
+    assert parse_listen(cfg.gateway.listen) == parse_listen(cfg.metrics_listen) == expected
+
+
+@pytest.fixture
+def https_pair(tmp_path):
+    """A real certificate and key from the project's CA tooling."""
+    from llmgw.shared import pki
+
+    pki.init_ca(tmp_path / "pki")
+    issued = pki.issue(tmp_path / "pki", "gw", "gateway", tmp_path / "out")
+    return issued.cert_path, issued.key_path
+
+
+def test_gateway_files_are_read_when_the_configuration_is(tmp_path, tls, https_pair):
+    """The HTTPS pair and the API key file are read at load, as the gateway reads them
+    at start: a bad one is refused naming the file, the key and what is wrong."""
+    cert, key = https_pair
+    path = tmp_path / "svc.yaml"
+
+    def refusal(gateway: str) -> str:
+        path.write_text(S + tls + f"gateway: {{{gateway}}}\n")
+        with pytest.raises(ConfigError) as e:
+            load_service_config(path)
+        return str(e.value)
+
+    assert refusal("tls_cert: gw.pem, tls_key: gw-key.pem") == f"{path}: gateway.tls_cert: {tmp_path / 'gw.pem'} does not exist"
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    assert f"{path}: gateway.tls_cert/tls_key: {tmp_path / 'junk.pem'} and {key} are not a PEM certificate and its key" in refusal(
+        f"tls_cert: junk.pem, tls_key: {key}"
+    )
+    assert refusal("api_keys_file: keys") == f"{path}: gateway.api_keys_file: {tmp_path / 'keys'} does not exist"
+    (tmp_path / "keys").write_text("s3cret\n")
+    assert refusal("api_keys_file: keys").startswith(f"{path}: gateway.api_keys_file: {tmp_path / 'keys'} line 1: expected a SHA-256 hex digest")
+    (tmp_path / "keys").write_text("# nobody yet\n")
+    assert refusal("api_keys_file: keys").startswith(f"{path}: gateway.api_keys_file: {tmp_path / 'keys'} holds no keys")
+
+    (tmp_path / "keys").write_text("0" * 64 + "\n")
+    path.write_text(S + tls + f"gateway: {{tls_cert: {cert}, tls_key: {key}, api_keys_file: keys}}\n")
+    g = load_service_config(path).gateway
+    assert (g.tls_cert, g.tls_key, g.api_keys_file) == (str(cert), str(key), str(tmp_path / "keys"))

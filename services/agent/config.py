@@ -29,12 +29,12 @@ from typing import Annotated
 
 import msgspec
 
-from llmgw.shared.bus import TlsFiles
 from llmgw.shared.config import TlsSection, check_servers, listed, read_yaml_any, resolve_path, resolve_tls
 from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import ConfigError, LlmgwError
-from llmgw.shared.names import check_name
+from llmgw.shared.names import check_name, hca_problem
 from llmgw.shared.structconf import Duration, Invalid, Section, convert
+from llmgw.shared.tls import TlsFiles
 
 __all__ = [
     "AgentConfig",
@@ -45,8 +45,6 @@ __all__ = [
     "load_agent_config",
 ]
 
-# An HCA name becomes a sysfs path component and part of NCCL_IB_HCA.
-_HCA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # Linux interface names: at most 15 bytes (IFNAMSIZ - 1), no '/', ':' or whitespace.
 _IFNAME = re.compile(r"[A-Za-z0-9_.-]{1,15}")
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
@@ -84,8 +82,8 @@ class FabricConfig(Section, frozen=True):
         if not self.hcas:
             raise Invalid("hcas", f"fabric {self.name!r} lists no HCA; a fabric is reached through at least one")
         for j, h in enumerate(self.hcas):
-            if not _HCA_NAME.fullmatch(h):
-                raise Invalid(f"hcas[{j}]", f"{h!r} is not an HCA name (as under /sys/class/infiniband, e.g. mlx5_0)")
+            if problem := hca_problem(h):
+                raise Invalid(f"hcas[{j}]", f"{h!r} is not an HCA name (as under /sys/class/infiniband, e.g. mlx5_0): {problem}")
             if h in self.hcas[:j]:
                 raise Invalid(f"hcas[{j}]", f"HCA {h!r} is listed twice in fabric {self.name!r}")
 

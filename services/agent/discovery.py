@@ -32,6 +32,7 @@ import msgspec
 
 from llmgw.shared.addresses import Resolution, resolve_mgmt
 from llmgw.shared.errors import LlmgwError
+from llmgw.shared.names import hca_problem
 from llmgw.shared.schemas import FabricMembership, Gpu, Hca, HcaPort
 
 from .config import AgentConfig
@@ -555,7 +556,7 @@ def read_hca(ib_root: str | os.PathLike, name: str) -> Hca:
     ``problem`` says why, in the words sysfs uses.
     """
     root = Path(ib_root)
-    if not name or "/" in name or name in (".", ".."):
+    if hca_problem(name):
         return Hca(name=name, usable=False, problem=f"{name!r} is not an HCA name")
     if not root.is_dir():
         return Hca(name=name, usable=False, problem=f"not found: {root} does not exist (no InfiniBand driver loaded?)")

@@ -25,7 +25,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -931,15 +930,15 @@ def sim(args) -> int:
 
 def _node_devices(args) -> int:
     """``sim node-devices``: a simulated machine's nvidia-smi and sysfs, for nodes outside ``llmgw up`` (the compose kit's)."""
-    from llmgw.shared.names import check_name
+    from llmgw.shared.names import check_name, hca_problem
 
     check_name(args.node)
     if not 1 <= args.gpus <= 64:
         raise UpError(f"--gpus must be 1..{64}, got {args.gpus}")
     hcas = tuple(h for h in args.hcas.split(",") if h)
     for h in hcas:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", h) or h in (".", ".."):
-            raise UpError(f"--hcas: {h!r} is not an HCA name (letters, digits, '_', '.', '-')")
+        if problem := hca_problem(h):
+            raise UpError(f"--hcas: {h!r} is not an HCA name: {problem}")
     d = Path(args.node_dir)
     spec = simcluster.SimNodeSpec(node_id=args.node, fabric=None, gpus=args.gpus, mgmt_addr="")
     try:

@@ -1,8 +1,8 @@
-"""Optional API keys: a file of SHA-256 digests of bearer tokens.
+"""Optional API keys: bearer tokens checked against the digests of the key file.
 
-The file holds digests, never tokens, so reading it (or a backup of it) gives
-no one a key. One lowercase or uppercase hex digest per line; ``#`` starts a
-comment; blank lines are ignored. Make a line with::
+The file's format and its reader are ``shared/apikeys.py`` (a configuration
+naming the file is checked with the same reader when it is loaded). Make a
+line for it with::
 
     python -m llmgw.services.gateway.auth hash TOKEN
 
@@ -12,18 +12,11 @@ unguessable token reveals nothing through lookup timing worth having.
 
 from __future__ import annotations
 
-import hashlib
-import re
 import sys
 from pathlib import Path
 
+from llmgw.shared.apikeys import digest, read_digests
 from llmgw.shared.errors import ConfigError
-
-_HEX64 = re.compile(r"[0-9a-fA-F]{64}")
-
-
-def digest(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 class ApiKeys:
@@ -33,28 +26,10 @@ class ApiKeys:
 
     @classmethod
     def load(cls, path: str | Path) -> ApiKeys:
-        p = Path(path)
         try:
-            lines = p.read_text().splitlines()
-        except FileNotFoundError:
-            raise ConfigError(f"gateway.api_keys_file: {p} does not exist") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"gateway.api_keys_file: cannot read {p}: {e}") from None
-        digests: set[str] = set()
-        for n, line in enumerate(lines, 1):
-            text = line.split("#", 1)[0].strip()
-            if not text:
-                continue
-            if not _HEX64.fullmatch(text):
-                raise ConfigError(
-                    f"{p} line {n}: expected a SHA-256 hex digest (64 hex characters), not a token; "
-                    "make one with 'python -m llmgw.services.gateway.auth hash TOKEN'"
-                )
-            digests.add(text.lower())
-        if not digests:
-            # Refusing every request is safe but surely not meant; say so at start.
-            raise ConfigError(f"{p} holds no keys; add one or remove gateway.api_keys_file to run without keys")
-        return cls(digests, str(p))
+            return cls(read_digests(path), str(path))
+        except ConfigError as e:
+            raise ConfigError(f"gateway.api_keys_file: {e}") from None
 
     def allows(self, authorization: str | None) -> bool:
         if not authorization:

@@ -22,16 +22,16 @@ import ctypes.util
 import gc
 import resource
 import signal
-import ssl
 import time
-from pathlib import Path
 
 from llmgw.shared import subjects as S
+from llmgw.shared.config import load_service_config, parse_listen
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.schemas import DeploymentSpec, Replica, ReplicaTraffic, TrafficReport, encode
+from llmgw.shared.tls import server_context
 
-from ..runtime import ServiceRuntime
+from ..runtime import ServiceRuntime, event_loop_runner
 from .access import AccessLog
 from .auth import ApiKeys
 from .httpserver import HttpServer
@@ -39,6 +39,7 @@ from .metrics import GatewayMetrics
 from .proxy import Forwarder, Upstream
 from .router import Router
 from .server import GatewayApp
+from .workers import Supervisor, cores, worker_config
 
 # How long a stopping gateway lets requests in flight finish.
 SHUTDOWN_GRACE = 10.0
@@ -101,14 +102,6 @@ def raise_fd_limit(max_connections: int, log) -> int:
     return soft
 
 
-def parse_listen(listen: str, source: str = "") -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    prefix = f"{source}: " if source else ""
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{prefix}gateway.listen: {listen!r} is not HOST:PORT (e.g. 127.0.0.1:8080)")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
 def traffic_reports(router: Router, gateway: str, reported: dict[str, int], now: float) -> list[TrafficReport]:
     """One report per leader node, for the replicas with activity since the last
     call: answers completed (``completed`` moved past ``reported``, updated here)
@@ -128,22 +121,6 @@ def traffic_reports(router: Router, gateway: str, reported: dict[str, int], now:
     return [TrafficReport(gateway=gateway, node_id=node, replicas=reps, sent_at=now) for node, reps in sorted(by_node.items())]
 
 
-def tls_context(cfg_source: str, cert: str, key: str) -> ssl.SSLContext:
-    """The HTTPS context for clients, or a ConfigError naming the file at fault.
-    (Relative paths were made relative to the configuration file when it was read.)"""
-    cert_path, key_path = Path(cert), Path(key)
-    for what, p in (("tls_cert", cert_path), ("tls_key", key_path)):
-        if not p.is_file():
-            raise ConfigError(f"{cfg_source}: gateway.{what}: {p} does not exist")
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        ctx.load_cert_chain(cert_path, key_path)
-    except (ssl.SSLError, OSError) as e:
-        raise ConfigError(f"{cfg_source}: gateway.tls_cert/tls_key: {cert_path} and {key_path} are not a PEM certificate and its key ({e})") from None
-    return ctx
-
-
 class Gateway(ServiceRuntime):
     role = "gateway"
     buckets = ()
@@ -155,9 +132,9 @@ class Gateway(ServiceRuntime):
     def __init__(self, cfg):
         super().__init__(cfg)
         g = cfg.gateway
-        self.listen = parse_listen(g.listen, cfg.source)
+        self.listen = parse_listen(g.listen)
         self.keys = ApiKeys.load(g.api_keys_file) if g.api_keys_file else None
-        self.tls = tls_context(cfg.source, g.tls_cert, g.tls_key) if g.tls_cert else None
+        self.tls = server_context(cfg.source, g.tls_cert, g.tls_key) if g.tls_cert else None
         self.router = Router(
             cooldown=g.cooldown, failures_before_cooldown=g.failures_before_cooldown, retry_after=g.retry_after,
             routing=g.routing, load_bound=g.routing_load_bound, load_slack=g.routing_load_slack, prefix_chars=g.routing_prefix_chars,
@@ -280,9 +257,26 @@ class Gateway(ServiceRuntime):
 
 
 def main(args) -> int:
-    """One gateway in this process, or with ``--workers N`` (``gateway.workers``) a supervisor of N (workers.py)."""
-    from llmgw.shared.config import load_service_config
-
-    from .workers import main as run
-
-    return run(args, load_service_config(args.config))
+    """``llmgw gateway``: one gateway in this process, a worker of a supervising
+    parent (``--worker INDEX:PORT``), or with ``--workers N`` (``gateway.workers``)
+    that parent, supervising N workers (workers.py). The configuration was checked
+    whole when it was read (listen addresses, TLS and key files), so the parent
+    starts no worker with a file each would refuse."""
+    cfg = load_service_config(args.config)
+    if getattr(args, "worker", None):
+        index, _, port = args.worker.partition(":")
+        if not (index.isdigit() and port.isdigit()):
+            raise ConfigError(f"--worker {args.worker!r}: expected INDEX:PORT")
+        svc = Gateway(worker_config(cfg, int(index), int(port)))
+        svc.reuse_port = True
+        svc.worker = int(index)
+        event_loop_runner(Gateway.event_loop)(svc.serve())
+        return 0
+    n = args.workers if getattr(args, "workers", None) is not None else cfg.gateway.workers
+    if n < 0 or n > 1024:
+        raise ConfigError(f"--workers {n}: must be from 0 (one per core) to 1024")
+    n = n or cores()
+    if n == 1:
+        event_loop_runner(Gateway.event_loop)(Gateway(cfg).serve())
+        return 0
+    return Supervisor(args, cfg, n).run()

@@ -8,8 +8,10 @@ addresses). Routing needs no coordination: prefix ownership is rendezvous
 hashing over the replica ids every gateway mirrors, the same in every worker;
 only the load counts are per worker, as they are per gateway.
 
-The parent does no serving. It checks the configuration once (a bad file is one
-error, not N crash loops), reserves the port (a bound, never-listening
+The parent does no serving. The configuration was checked whole when it was read
+(``shared/config.py``: listen addresses, the HTTPS pair, the key file), so a bad
+file is one error, not N crash loops. The parent, started by ``service.main``
+(the command's one entry point), reserves the port (a bound, never-listening
 ``SO_REUSEPORT`` socket: with ``listen: HOST:0`` every worker gets the same port,
 and the port stays ours while a worker restarts), starts the workers, and then:
 
@@ -37,6 +39,7 @@ import time
 
 from msgspec.structs import replace  # the configuration is msgspec Structs (shared/structconf.py)
 
+from llmgw.shared.config import ServiceConfig, parse_listen
 from llmgw.shared.errors import ConfigError
 
 log = logging.getLogger("llmgw.gateway.workers")
@@ -71,17 +74,13 @@ def reserve(host: str, port: int) -> socket.socket:
     return s
 
 
-def worker_config(cfg, index: int, port: int):
+def worker_config(cfg: ServiceConfig, index: int, port: int) -> ServiceConfig:
     """Worker ``index``'s configuration: the shared port, and its own metrics port (base + index)."""
-    from .service import parse_listen
-
-    host, _ = parse_listen(cfg.gateway.listen, cfg.source)
+    host, _ = parse_listen(cfg.gateway.listen)
     listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     metrics = cfg.metrics_listen
     if metrics:
-        mhost, _, mport = metrics.rpartition(":")
-        if not mport.isdigit():
-            raise ConfigError(f"{cfg.source}: metrics_listen {metrics!r} is not HOST:PORT")
+        mhost, _, mport = metrics.rpartition(":")  # HOST:PORT, checked when the file was read
         metrics = f"{mhost}:{int(mport) + index}" if int(mport) else metrics  # port 0: any, each its own
         if int(mport) + index > 65535:
             raise ConfigError(f"{cfg.source}: metrics_listen {cfg.metrics_listen}: worker {index} would need port {int(mport) + index}")
@@ -89,21 +88,14 @@ def worker_config(cfg, index: int, port: int):
 
 
 class Supervisor:
-    def __init__(self, args, cfg, n: int):
-        from .auth import ApiKeys
-        from .service import parse_listen, tls_context
-
+    def __init__(self, args, cfg: ServiceConfig, n: int):
         self.args = args
         self.cfg = cfg
         self.n = n
-        g = cfg.gateway
-        # Everything a worker would refuse at start, refused once here.
-        host, port = parse_listen(g.listen, cfg.source)
-        if g.api_keys_file:
-            ApiKeys.load(g.api_keys_file)
-        if g.tls_cert:
-            tls_context(cfg.source, g.tls_cert, g.tls_key)
-        worker_config(cfg, n - 1, 1)  # the last worker's metrics port fits
+        # The files and addresses were checked when the configuration was read; what
+        # depends on N is checked here: the last worker's metrics port fits.
+        worker_config(cfg, n - 1, 1)
+        host, port = parse_listen(cfg.gateway.listen)
         self.sock = reserve(host, port)
         self.port = self.sock.getsockname()[1]
         self.procs: dict[int, subprocess.Popen] = {}
@@ -171,29 +163,3 @@ class Supervisor:
             restarts[index] = time.monotonic() + delay
         self.sock.close()
         return 1 if self.unclean else 0
-
-
-def main(args, cfg) -> int:
-    """The ``llmgw gateway`` entry: one gateway in this process, or a supervisor of N."""
-    from ..runtime import event_loop_runner
-    from .service import Gateway
-
-    if getattr(args, "worker", None):
-        index, _, port = args.worker.partition(":")
-        if not (index.isdigit() and port.isdigit()):
-            raise ConfigError(f"--worker {args.worker!r}: expected INDEX:PORT")
-        cfg = worker_config(cfg, int(index), int(port))
-        svc = Gateway(cfg)
-        svc.reuse_port = True
-        svc.worker = int(index)
-        event_loop_runner(Gateway.event_loop)(svc.serve())
-        return 0
-    n = args.workers if getattr(args, "workers", None) is not None else cfg.gateway.workers
-    if n < 0 or n > 1024:
-        raise ConfigError(f"--workers {n}: must be from 0 (one per core) to 1024")
-    n = n or cores()
-    if n == 1:
-        svc = Gateway(cfg)
-        event_loop_runner(Gateway.event_loop)(svc.serve())
-        return 0
-    return Supervisor(args, cfg, n).run()

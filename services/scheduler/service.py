@@ -69,7 +69,7 @@ from llmgw.shared.specs import is_outdated, validate_spec
 from llmgw.shared.states import REPLICA_ORDER, EngineState, ReplicaState
 from llmgw.shared.tasks import cancel_and_wait
 
-from ..leases import BOOT_SETTLED_HEARTBEATS as SETTLE_HEARTBEATS
+from ..health.leases import BOOT_SETTLED_HEARTBEATS as SETTLE_HEARTBEATS
 from ..runtime import ServiceRuntime, Turn, run_service
 from . import ReconcileConfig, explain, fence
 from .fullpass import FullPass, Snapshot
@@ -515,7 +515,7 @@ class Scheduler(ServiceRuntime):
 
         Placement avoids such a node until it is heard from again (the case-3
         suspicion, ``peer_lost_suspects``). The bucket holds a ready lease's
-        renewals only as checkpoints (``services/leases.py``), minutes apart, so
+        renewals only as checkpoints (``services/health/leases.py``), minutes apart, so
         only the acting health monitor knows whether the node has heartbeated
         since: it is asked (``llmgw.api.health.lease``), at most once a heartbeat
         interval per node. Without an answer the stored lease stands and the node

@@ -32,8 +32,8 @@ from llmgw.shared.kvmirror import KvMirror
 from llmgw.shared.names import is_valid_name
 from llmgw.shared.schemas import Heartbeat, Lease, NodeRequest, decode, encode
 
+from ..runtime import ServiceRuntime, Turn, run_service
 from .leases import WRITE_CAUSES, LeaseBook, Timings, Transition
-from .runtime import ServiceRuntime, Turn, run_service
 
 HEARTBEATS = Counter("llmgw_health_heartbeats_total", "Heartbeats received, by result", ["result"])
 LEASES = Gauge("llmgw_health_leases", "Node leases, by state", ["state"])
