@@ -46,7 +46,7 @@ import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from prometheus_client import Counter, Gauge
 
-from llmgw.shared import addresses
+from llmgw.shared import addresses, api
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import LlmgwError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
@@ -84,7 +84,6 @@ VERIFY_EVERY = 10.0
 
 class Registry(ServiceRuntime):
     role = "registry"
-    buckets = (S.BUCKET_NODES,)
 
     async def setup(self) -> None:
         self.nodes_kv = self.kv[S.BUCKET_NODES]
@@ -118,7 +117,7 @@ class Registry(ServiceRuntime):
         self._load_admin()
         self._count()
         await self.nc.subscribe(S.ALL_INVENTORIES, cb=self.on_inventory, queue="llmgw-registry")
-        await self.add_api({"cordon": self.api_cordon, "uncordon": self.api_uncordon, "drain": self.api_drain, "set-addr": self.api_set_addr})
+        await self.add_api({api.CORDON: self.api_cordon, api.UNCORDON: self.api_uncordon, api.DRAIN: self.api_drain, api.SET_ADDR: self.api_set_addr})
         self.spawn(self._apply_loop())
         self.spawn(self._watch_leases())
 
@@ -419,8 +418,7 @@ class Registry(ServiceRuntime):
             NODES.labels(state).set(n)
 
     # -- admin API ---------------------------------------------------------------
-    async def _set_admin(self, data: bytes, admin: str, what: str) -> NodeRecord:
-        req = decode(data, NodeRequest)
+    async def _set_admin(self, req: NodeRequest, admin: str, what: str) -> NodeRecord:
         if not is_valid_name(req.node_id):
             raise BadAdminRequest(f"node_id: {req.node_id!r} is not a node name")
         if len(req.reason) > MAX_REASON:
@@ -455,16 +453,16 @@ class Registry(ServiceRuntime):
             return new
         raise LlmgwError(f"node {req.node_id} is changing too fast; try again")
 
-    async def api_cordon(self, data: bytes) -> NodeRecord:
-        return await self._set_admin(data, "cordoned", "cordoned")
+    async def api_cordon(self, req: NodeRequest) -> NodeRecord:
+        return await self._set_admin(req, "cordoned", "cordoned")
 
-    async def api_uncordon(self, data: bytes) -> NodeRecord:
-        return await self._set_admin(data, "active", "uncordoned")
+    async def api_uncordon(self, req: NodeRequest) -> NodeRecord:
+        return await self._set_admin(req, "active", "uncordoned")
 
-    async def api_drain(self, data: bytes) -> NodeRecord:
-        return await self._set_admin(data, "draining", "draining")
+    async def api_drain(self, req: NodeRequest) -> NodeRecord:
+        return await self._set_admin(req, "draining", "draining")
 
-    async def api_set_addr(self, data: bytes) -> NodeRecord:
+    async def api_set_addr(self, req: NodeAddrRequest) -> NodeRecord:
         """Record the management address an operator vouches for (onboarding).
 
         A node without a record yet gets an onboarding-only record (no boot id,
@@ -472,7 +470,6 @@ class Registry(ServiceRuntime):
         already shows is a no-op, so ``llmgw up`` and the onboarding script may
         repeat it.
         """
-        req = decode(data, NodeAddrRequest)
         if not is_valid_name(req.node_id):
             raise BadAdminRequest(f"node_id: {req.node_id!r} is not a node name")
         problem = host_problem(req.addr)

@@ -146,7 +146,6 @@ def tls_context(cfg_source: str, cert: str, key: str) -> ssl.SSLContext:
 
 class Gateway(ServiceRuntime):
     role = "gateway"
-    buckets = ()
     event_loop = "uvloop"
     # It writes no control-plane state: its traffic reports are true whenever they
     # arrive, so nats-py may buffer them over a reconnect (bus.connect's default).
