@@ -264,20 +264,14 @@ class Watch:
         self._events_task = asyncio.create_task(self._follow_events())
 
     async def open_mirrors(self) -> None:
-        from llmgw.shared import subjects as S
-        from llmgw.shared.kvmirror import KvMirror, open_bucket
-        from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRecord, Replica
+        from llmgw.shared import buckets as B
+        from llmgw.shared.kvmirror import open_mirror
 
         for m in self.mirrors.values():
             await m.stop()
         self.mirrors = {}
-        for name, bucket, schema in (
-            ("replicas", S.BUCKET_REPLICAS, Replica),
-            ("leases", S.BUCKET_LEASES, Lease),
-            ("deployments", S.BUCKET_DEPLOYMENTS, DeploymentSpec),
-            ("nodes", S.BUCKET_NODES, NodeRecord),
-        ):
-            self.mirrors[name] = await KvMirror(await open_bucket(self.js, bucket, wait=30), schema).start(timeout=20)
+        for name, bucket in (("replicas", B.REPLICAS), ("leases", B.LEASES), ("deployments", B.DEPLOYMENTS), ("nodes", B.NODES)):
+            self.mirrors[name] = await open_mirror(self.js, bucket, wait=30, timeout=20)
 
     async def reopen(self) -> None:
         """After the server restarted: fresh watches (the event reader needs none)."""

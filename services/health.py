@@ -27,6 +27,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from llmgw.shared import api
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import LlmgwError
 from llmgw.shared.kvmirror import KvMirror
@@ -116,7 +117,7 @@ class HealthMonitor(ServiceRuntime):
         # The stored leases, kept current while standing by, so taking over needs no
         # bulk read (and none of nats-py's key listing, which can come back empty
         # from a bucket holding values).
-        self.stored_leases: KvMirror[Lease] = await KvMirror(self.leases_kv, Lease).start()
+        self.stored_leases: KvMirror[Lease] = await KvMirror(self.leases_kv, B.LEASES).start()
         self.heard: dict[str, tuple[Heartbeat, float]] = {}
         # Transitions heartbeats made, for transition_writer.
         self._unwritten: list[Transition] = []
@@ -148,7 +149,7 @@ class HealthMonitor(ServiceRuntime):
         if seen >= last:
             return dict(self.stored_leases.items)
         self.log.info("the copy of the stored leases is behind the bucket (sequence %d of %d); reading it afresh", seen, last)
-        fresh = await KvMirror(self.leases_kv, Lease).start()
+        fresh = await KvMirror(self.leases_kv, B.LEASES).start()
         try:
             return dict(fresh.items)
         finally:

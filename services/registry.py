@@ -47,6 +47,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from prometheus_client import Counter, Gauge
 
 from llmgw.shared import addresses, api
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import LlmgwError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
@@ -101,7 +102,7 @@ class Registry(ServiceRuntime):
         self.leases: KvMirror | None = None
         # What the bucket holds, from a watch; and what this registry wrote that
         # the watch may not have reported yet: node -> (record, revision).
-        self.records: KvMirror[NodeRecord] = KvMirror(self.nodes_kv, NodeRecord)
+        self.records: KvMirror[NodeRecord] = KvMirror(self.nodes_kv, B.NODES)
         self.written: dict[str, tuple[NodeRecord, int]] = {}
         self.records.listeners.append(self._on_record)
         # node -> (inventory, counter label) judged acceptable, not yet applied.
@@ -131,7 +132,7 @@ class Registry(ServiceRuntime):
         with a boot id the record does not have is the sign.
         """
         kv = await open_bucket(self.js, S.BUCKET_LEASES, wait=3600, logger=self.log)
-        self.leases = KvMirror(kv, Lease)
+        self.leases = KvMirror(kv, B.LEASES)
 
         def on_lease(node: str, old: Lease | None, new: Lease | None) -> None:
             if new is None or new.state != "ready" or self.boots.get(node) == new.boot_id:

@@ -35,15 +35,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.shared import buckets as B
 from llmgw.shared import bus, pki, procfs
 from llmgw.shared import subjects as S
 from llmgw.shared.config import write_config
 from llmgw.shared.durations import format_duration, parse_duration
 from llmgw.shared.errors import ConfigError, LlmgwError
-from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.natsconf import check_cluster_size
 from llmgw.shared.natsserver import NatsCluster, NatsServer, free_port
-from llmgw.shared.schemas import DeploymentSpec, Lease, NodeAddrRequest, NodeRecord, Replica, encode
+from llmgw.shared.schemas import DeploymentSpec, NodeAddrRequest, Replica, encode
 
 from . import realvllm, simcluster
 from .demo import DEMO_MODEL
@@ -384,8 +385,8 @@ class Cluster:
         return nc, js
 
     async def wait_nodes(self, js, timeout: float) -> None:
-        nodes = await KvMirror(await open_bucket(js, S.BUCKET_NODES, wait=timeout), NodeRecord).start()
-        leases = await KvMirror(await open_bucket(js, S.BUCKET_LEASES, wait=timeout), Lease).start()
+        nodes = await open_mirror(js, B.NODES, wait=timeout)
+        leases = await open_mirror(js, B.LEASES, wait=timeout)
         want = {n.spec.node_id for n in self.nodes}
         deadline = time.monotonic() + timeout
         last = None
@@ -409,7 +410,7 @@ class Cluster:
             await leases.stop()
 
     async def wait_replicas(self, js, deployment: str, count: int, timeout: float) -> dict[str, Replica]:
-        replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS, wait=timeout), Replica).start()
+        replicas = await open_mirror(js, B.REPLICAS, wait=timeout)
         started = time.monotonic()
         deadline = started + timeout
         last, said = None, started

@@ -26,10 +26,11 @@ import ssl
 import time
 from pathlib import Path
 
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
-from llmgw.shared.schemas import DeploymentSpec, Replica, ReplicaTraffic, TrafficReport, encode
+from llmgw.shared.schemas import ReplicaTraffic, TrafficReport, encode
 
 from ..runtime import ServiceRuntime
 from .access import AccessLog
@@ -180,10 +181,10 @@ class Gateway(ServiceRuntime):
         and publishes no events); the router hears each record first."""
         deployments_kv = await open_bucket(self.js, S.BUCKET_DEPLOYMENTS, wait=3600, logger=self.log)
         replicas_kv = await open_bucket(self.js, S.BUCKET_REPLICAS, wait=3600, logger=self.log)
-        self.deployments = KvMirror(deployments_kv, DeploymentSpec)
+        self.deployments = KvMirror(deployments_kv, B.DEPLOYMENTS)
         self.deployments.listeners.append(self.router.on_deployment)
         await self.deployments.start()
-        self.replicas = KvMirror(replicas_kv, Replica)
+        self.replicas = KvMirror(replicas_kv, B.REPLICAS)
         self.replicas.listeners.append(self.router.on_replica)
         await self.replicas.start()
 

@@ -45,6 +45,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from llmgw.shared import api
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.bus import EVENT_MAX_AGE
 from llmgw.shared.errors import BusError, LlmgwError, WireError
@@ -259,10 +260,10 @@ class Scheduler(ServiceRuntime):
         leases_kv = await open_bucket(self.js, S.BUCKET_LEASES, wait=3600, logger=self.log)
         self.deployments_kv = self.kv[S.BUCKET_DEPLOYMENTS]
         self.replicas_kv = self.kv[S.BUCKET_REPLICAS]
-        self.nodes = await KvMirror(nodes_kv, NodeRecord).start()
-        self.leases = await KvMirror(leases_kv, Lease).start()
-        self.deployments = await KvMirror(self.deployments_kv, DeploymentSpec).start()
-        self.replicas = await KvMirror(self.replicas_kv, Replica).start()
+        self.nodes = await KvMirror(nodes_kv, B.NODES).start()
+        self.leases = await KvMirror(leases_kv, B.LEASES).start()
+        self.deployments = await KvMirror(self.deployments_kv, B.DEPLOYMENTS).start()
+        self.replicas = await KvMirror(self.replicas_kv, B.REPLICAS).start()
         # What agents reported, and our own recent writes (the pure fold: reports.py)
         self.book = ReportBook(
             self.replicas.items,
