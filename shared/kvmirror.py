@@ -144,7 +144,7 @@ class KvMirror(Generic[T]):
                 try:
                     value = self.bucket.decode(entry.value)
                 except WireError as e:
-                    log.warning("%s: %s", entry.key, e)
+                    log.warning("%s/%s skipped: %s", self.bucket.name, entry.key, e)
                     if watch.fresh is None:
                         continue
                     # keep what we had for it, as the first watch does
