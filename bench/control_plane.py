@@ -1154,7 +1154,7 @@ class Bench:
         # The lost event's time, as the health monitor stamped it, from the stream.
         stored = await self.js.get_last_msg(S.EVENT_STREAM, S.event("node", victim_id, "lost"))
         ev = decode(stored.data, Event)
-        if abs(ev.time - decode(msg.data, Event).time) > 1e-6:
+        if abs(ev.time - B.EVENTS.decode(msg.data).time) > 1e-6:
             raise BenchError("the lost event in the stream differs from the one published")
         first, lastl = min(s.at for s in new), max(s.at for s in new)
         passes1 = await asyncio.to_thread(self.full_passes)

@@ -102,6 +102,7 @@ from pathlib import Path
 
 import aiohttp
 
+from llmgw.shared import buckets as B
 from llmgw.shared.tasks import cancel_and_wait
 
 FAULTS = ("node-kill", "leader-kill", "worker-kill", "leader-hang", "worker-hang", "stall", "hca-down", "gpu-fault", "agent-kill", "nats-restart")
@@ -264,7 +265,6 @@ class Watch:
         self._events_task = asyncio.create_task(self._follow_events())
 
     async def open_mirrors(self) -> None:
-        from llmgw.shared import buckets as B
         from llmgw.shared.kvmirror import open_mirror
 
         for m in self.mirrors.values():
@@ -290,7 +290,6 @@ class Watch:
 
         from llmgw.shared import subjects as S
         from llmgw.shared.errors import WireError
-        from llmgw.shared.schemas import Event, decode
 
         while not self.last_seq:
             try:
@@ -317,7 +316,7 @@ class Watch:
                 continue
             self.last_seq += 1
             try:
-                ev = decode(msg.data, Event)
+                ev = B.EVENTS.decode(msg.data)
             except WireError:
                 continue
             self.events.append(Ev(self.last_seq, ev.time, ev.kind, ev.subject, ev.what, ev.detail))

@@ -53,7 +53,7 @@ from llmgw.shared.errors import LlmgwError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.names import host_problem, is_valid_name
 from llmgw.shared.pki import subject_dn
-from llmgw.shared.schemas import CommandAck, Inventory, Lease, NodeAddrRequest, NodeRecord, NodeRequest, decode, decode_reply, encode, now
+from llmgw.shared.schemas import CommandAck, Inventory, Lease, NodeAddrRequest, NodeRecord, NodeRequest, decode_reply, encode, now
 
 from .runtime import ServiceRuntime, run_service
 
@@ -247,7 +247,7 @@ class Registry(ServiceRuntime):
             entry = await self.nodes_kv.get(node)
         except KeyNotFoundError:
             return None, 0
-        return decode(entry.value, NodeRecord), entry.revision
+        return B.NODES.decode(entry.value), entry.revision
 
     async def _acceptable(self, inv: Inventory, *, pulled: bool = False) -> bool:
         """Whether ``inv`` may become the node's record: sane, not quarantined, and
@@ -434,7 +434,7 @@ class Registry(ServiceRuntime):
                 entry = await self.nodes_kv.get(req.node_id)
             except KeyNotFoundError:
                 raise UnknownNode(f"no node {req.node_id!r} in the registry") from None
-            rec = decode(entry.value, NodeRecord)
+            rec = B.NODES.decode(entry.value)
             if rec.admin == admin and (req.auto or (rec.admin_by, rec.admin_reason) == (by, reason)):
                 return rec  # already so (an auto-cordon never takes over an operator's)
             if req.auto and rec.admin != "active":
@@ -483,7 +483,7 @@ class Registry(ServiceRuntime):
         for _ in range(5):
             try:
                 entry = await self.nodes_kv.get(req.node_id)
-                old, rev = decode(entry.value, NodeRecord), entry.revision
+                old, rev = B.NODES.decode(entry.value), entry.revision
             except KeyNotFoundError:
                 old, rev = None, 0
             if old is not None and old.recorded_addr == req.addr and old.mgmt_addr == req.addr:

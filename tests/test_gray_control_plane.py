@@ -81,7 +81,7 @@ async def test_crash_loop_backs_off_and_auto_cordon_stays_within_the_share(clust
 
     async def collect():
         async for msg in sub.messages:
-            events.append(decode(msg.data, Event))
+            events.append(B.EVENTS.decode(msg.data))
 
     collector = asyncio.create_task(collect())
     try:

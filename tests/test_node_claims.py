@@ -45,7 +45,6 @@ from llmgw.shared.schemas import (
     NodeAddrRequest,
     NodeRequest,
     StatusReport,
-    decode,
     encode,
 )
 
@@ -82,7 +81,7 @@ async def events_of(nc, kind: str, what: str) -> list[Event]:
     seen: list[Event] = []
 
     async def on(msg) -> None:
-        seen.append(decode(msg.data, Event))
+        seen.append(B.EVENTS.decode(msg.data))
 
     await nc.subscribe(f"llmgw.event.{kind}.*.{what}", cb=on)
     return seen

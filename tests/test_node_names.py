@@ -37,7 +37,7 @@ from llmgw.shared import buckets as B
 from llmgw.shared import procfs, procnet
 from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import open_mirror
-from llmgw.shared.schemas import Event, NameRequest, NodeAddrRequest, NodeRecord, decode, encode
+from llmgw.shared.schemas import Event, NameRequest, NodeAddrRequest, NodeRecord, encode
 
 from .cluster_helpers import HEALTH, SCHED, TIMINGS, Cluster, sim_spec
 from .gateway_helpers import HOST, gateway_config, start_gateway
@@ -100,7 +100,7 @@ class Names:
         self.ops = ops = await c.operator(connector)
 
         async def on_event(msg) -> None:
-            self.events.append(decode(msg.data, Event))
+            self.events.append(B.EVENTS.decode(msg.data))
 
         await ops.subscribe("llmgw.event.node.>", cb=on_event)
         for node, addr in record.items():

@@ -35,16 +35,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.shared import api, bus, pki, procfs
 from llmgw.shared import buckets as B
-from llmgw.shared import bus, pki, procfs
-from llmgw.shared import subjects as S
+from llmgw.shared.api import ApiFailed
 from llmgw.shared.config import write_config
 from llmgw.shared.durations import format_duration, parse_duration
-from llmgw.shared.errors import ConfigError, LlmgwError
+from llmgw.shared.errors import BusError, ConfigError, LlmgwError
 from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.natsconf import check_cluster_size
 from llmgw.shared.natsserver import NatsCluster, NatsServer, free_port
-from llmgw.shared.schemas import DeploymentSpec, NodeAddrRequest, Replica, encode
+from llmgw.shared.schemas import DeploymentSpec, NodeAddrRequest, Replica
 
 from . import realvllm, simcluster
 from .demo import DEMO_MODEL
@@ -444,16 +444,15 @@ class Cluster:
         as ``llmgw ctl node set-addr`` would, retrying until the registry answers."""
         deadline = time.monotonic() + timeout
         for n in self.nodes:
-            req = encode(NodeAddrRequest(node_id=n.spec.node_id, addr=n.spec.mgmt_addr))
+            req = NodeAddrRequest(node_id=n.spec.node_id, addr=n.spec.mgmt_addr)
             while True:
                 try:
-                    reply = await nc.request(S.api("registry", "set-addr"), req, timeout=2)
-                except Exception:
-                    reply = None
-                if reply is not None:
-                    if reply.headers and reply.headers.get("Nats-Service-Error-Code"):
-                        raise UpError(f"the registry refused the address of {n.spec.node_id}: {reply.data.decode(errors='replace')}")
+                    await api.call(nc, api.SET_ADDR, req, timeout=2)
                     break
+                except ApiFailed as e:
+                    raise UpError(f"the registry refused the address of {n.spec.node_id}: {e}") from None
+                except BusError:
+                    pass  # not answering yet
                 self.check_alive()
                 if time.monotonic() > deadline:
                     raise UpError(f"the registry did not answer set-addr within {timeout:.0f}s; see {self.dir / 'logs' / 'registry.log'}")
@@ -487,9 +486,11 @@ class Cluster:
         for spec in specs:
             for _ in range(100):
                 try:
-                    await nc.request(S.api("scheduler", "apply"), encode(spec), timeout=2)
+                    await api.call(nc, api.APPLY, spec, timeout=2)
                     break
-                except Exception:
+                except ApiFailed as e:
+                    raise UpError(f"the scheduler refused the demo deployment {spec.name}: {e}") from None
+                except BusError:  # not answering yet
                     self.check_alive()
                     await asyncio.sleep(0.2)
             else:
