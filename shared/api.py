@@ -1,5 +1,6 @@
 """Every service endpoint, once: which service answers it, its verb, what it is
-asked and what it answers, and who may ask.
+asked and what it answers, and who may ask; and every command a service sends
+a node's agent, with who sends it.
 
 ``ServiceRuntime.add_api`` registers a service's handlers from these rows and
 decodes and encodes for them; a caller asks with :func:`call`; the NATS rights
@@ -10,12 +11,30 @@ of each is ``llmgw.api.<service>.<verb>`` (a ``nats.micro`` endpoint, so
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from . import subjects as S
 from .errors import BusError, LlmgwError, WireError
-from .schemas import ApiError, DeploymentSpec, ExplainReply, Lease, NameRequest, NodeAddrRequest, NodeRecord, NodeRequest, decode, encode
+from .schemas import (
+    ApiError,
+    CommandAck,
+    DeploymentSpec,
+    ExplainReply,
+    Inventory,
+    LaunchCommand,
+    Lease,
+    NameRequest,
+    NodeAddrRequest,
+    NodeRecord,
+    NodeRequest,
+    StatusReport,
+    StopCommand,
+    TrafficReport,
+    decode,
+    encode,
+)
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -67,6 +86,43 @@ def served_by(service: str) -> tuple[Endpoint, ...]:
 
 def callable_by(role: str) -> tuple[Endpoint, ...]:
     return tuple(e for e in ENDPOINTS if role in e.callers)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A message a service sends one node's agent on ``llmgw.cmd.<node>.<verb>``.
+
+    Not a nats.micro endpoint: the subject names the node, the agent answers in
+    its tagged ``AgentReply`` (``schemas.decode_reply``), and only ``sender`` may
+    send it to any node (the node itself only subscribes to its own)."""
+
+    verb: str
+    subject: Callable[[str], str]  # node -> subject
+    request: Any  # None: an empty object ({})
+    reply: Any  # None: no answer is asked for
+    sender: str
+
+    @property
+    def every_node(self) -> str:
+        """The subject on every node (a sender's publish right)."""
+        return self.subject("*")
+
+
+LAUNCH = Command("launch", S.cmd_launch, LaunchCommand, CommandAck, "scheduler")
+STOP = Command("stop", S.cmd_stop, StopCommand, CommandAck, "scheduler")
+# The full list of a node's engines (a full StatusReport): after the scheduler
+# takes over, and when a report looks incomplete.
+LIST = Command("list", S.cmd_list, None, StatusReport, "scheduler")
+# An inventory the registry missed (the agent started before it).
+INVENTORY = Command("inventory", S.cmd_inventory, None, Inventory, "registry")
+# A gateway's traffic evidence for the replicas led from that node (progress probes).
+TRAFFIC = Command("traffic", S.traffic, TrafficReport, None, "gateway")
+
+COMMANDS: tuple[Command, ...] = (LAUNCH, STOP, LIST, INVENTORY, TRAFFIC)
+
+
+def sent_by(role: str) -> tuple[Command, ...]:
+    return tuple(c for c in COMMANDS if c.sender == role)
 
 
 class ApiFailed(LlmgwError):

@@ -79,6 +79,11 @@ def api_calls(role: str) -> list[str]:
     return [e.subject for e in api.callable_by(role)]
 
 
+def commands(role: str) -> list[str]:
+    """The commands ``role`` may send any node's agent."""
+    return [c.every_node for c in api.sent_by(role)]
+
+
 def api_answers(role: str) -> list[str]:
     """The endpoints ``role`` answers (and subscribes to)."""
     return [e.subject for e in api.served_by(role)]
@@ -112,13 +117,13 @@ JS_WRITE_APIS = [
     "$JS.API.META.>",
 ]
 
-_KV = S.kv_stream
 _ALL_STREAMS = [s.stream for s in B.STREAMS]
 
 
-def _service(role: str, name: str, *, reads: list[str], subscribe: list[str], publish: list[str]) -> Permissions:
-    """A service's rights: what it writes from ``shared/buckets.py``, whom it asks
-    and what it answers from ``shared/api.py``, plus its own reads and subjects."""
+def _service(role: str, name: str, *, reads: list[str], subscribe: list[str]) -> Permissions:
+    """A service's rights: what it writes from ``shared/buckets.py``, whom it asks,
+    what it commands agents and what it answers from ``shared/api.py``, plus what
+    it reads and hears."""
     writes = B.written_by(role)
     events = B.publishes_events(role)
     pub = [
@@ -126,7 +131,7 @@ def _service(role: str, name: str, *, reads: list[str], subscribe: list[str], pu
         *_js_read(sorted(set(reads) | set(B.created_by(role)))),
         *_js_own(role),
         *api_calls(role),
-        *publish,
+        *commands(role),
     ]
     if events:
         pub.append(S.ALL_EVENTS)
@@ -148,36 +153,29 @@ def for_identity(role: str, name: str) -> Permissions:
             name,
             # Leases tell it which nodes are alive, so it can ask one whose
             # inventory it never got (an agent that started before it) to send it.
-            reads=[_KV(S.BUCKET_LEASES)],
+            reads=[B.LEASES.stream],
             subscribe=[S.ALL_INVENTORIES],
-            publish=[S.ALL_CMD_INVENTORY],
         )
     if role == "health":
         return _service(
             role,
             name,
-            reads=[_KV(S.BUCKET_NODES)],
+            reads=[B.NODES.stream],
             subscribe=[S.ALL_HEARTBEATS],
-            publish=[],
         )
     if role == "scheduler":
         return _service(
             role,
             name,
-            reads=[_KV(S.BUCKET_NODES), _KV(S.BUCKET_LEASES)],
+            reads=[B.NODES.stream, B.LEASES.stream],
             subscribe=[S.ALL_STATUS],
-            # launch/stop/list requests to agents (what it asks of the
-            # registry and the health monitor: shared/api.py)
-            publish=[f"{S.CMD_SPACE}.*.>"],
         )
     if role == "gateway":
         return _service(
             role,
             name,
-            reads=[_KV(S.BUCKET_REPLICAS), _KV(S.BUCKET_DEPLOYMENTS)],
+            reads=[B.REPLICAS.stream, B.DEPLOYMENTS.stream],
             subscribe=[],
-            # traffic evidence to the agents of ready leaders (progress probes)
-            publish=[S.ALL_TRAFFIC],
         )
     if role == "operator":
         # Reads everything and calls the services' APIs; writes state only

@@ -2,7 +2,8 @@
 
 ``shared/buckets.py`` holds each bucket and stream once (name, schema, writers;
 the first writer owns the stream); ``shared/api.py`` each endpoint once
-(service, verb, request, reply, callers). Every identity's rights are exactly
+(service, verb, request, reply, callers), and each command a service sends an
+agent (verb, subject, request, reply, sender). Every identity's rights are exactly
 what those rows imply — no more (a right nobody's row asks for), no less (a
 writer or caller the server would refuse). That the server enforces the stream
 rights is tests/test_js_permissions.py's, against a real nats-server.
@@ -42,6 +43,16 @@ def test_each_endpoint_is_one_row():
         assert e.service not in e.callers, e  # a service never asks itself over the bus
 
 
+def test_each_command_is_one_row():
+    assert len({c.verb for c in api.COMMANDS}) == len(api.COMMANDS)
+    for c in api.COMMANDS:
+        assert c.sender in SERVICE_ROLES, c
+        assert c.subject("node01") == f"{S.CMD_SPACE}.node01.{c.verb}"  # in the node's command space
+        for schema in (c.request, c.reply):
+            assert schema is None or schema in WIRE_SCHEMAS, c
+    assert api.INVENTORY.every_node == S.ALL_CMD_INVENTORY and api.TRAFFIC.every_node == S.ALL_TRAFFIC
+
+
 def _js(subjects: list[str], api_name: str) -> set[str]:
     prefix = f"$JS.API.{api_name}."
     return {s.removeprefix(prefix) for s in subjects if s.startswith(prefix)}
@@ -63,6 +74,10 @@ def test_rights_are_exactly_what_the_tables_imply(role):
     # endpoints: ask exactly those the table lists the role as a caller of; answer its own
     asks = {s for s in pub if s.startswith(f"{S.API_SPACE}.")}
     assert asks == {e.subject for e in api.ENDPOINTS if role in e.callers}
+    # commands: a sender to every node's agent; a node hears only its own
+    assert {s for s in pub if s.startswith(f"{S.CMD_SPACE}.")} == {c.every_node for c in api.COMMANDS if c.sender == role}
+    if role == "node":
+        assert [s for s in p.subscribe if s.startswith(f"{S.CMD_SPACE}.")] == [S.cmd_space("node1")]
     if role != api.OPERATOR:  # the operator reads every subject (it answers none: no role's publish right names its inbox)
         answers = {s for s in p.subscribe if s.startswith(f"{S.API_SPACE}.")}
         assert answers == {e.subject for e in api.ENDPOINTS if e.service == role}
