@@ -82,10 +82,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import control_plane as cp
 
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.durations import format_duration
 from llmgw.shared.kvmirror import KvMirror, open_bucket
-from llmgw.shared.schemas import Lease
 
 TARGETS = {"steady_cpu_pct": 10.0, "rss_mib": 300.0, "key_p99_s": 0.100, "busy_key_p99_s": 0.250, "lease_p99_s": 1.0}
 KEY_TIMEOUT = 15.0  # a key whose result is not on screen by then counts as this long
@@ -605,7 +605,7 @@ class ConsoleBench(cp.Bench):
         if not nodes:
             raise cp.BenchError("no node row on screen to change")
         kv = await open_bucket(self.js, S.BUCKET_LEASES)
-        mirror: KvMirror = KvMirror(kv, Lease)
+        mirror: KvMirror = KvMirror(kv, B.LEASES)
         stored: dict[str, list[tuple[str, float]]] = {n: [] for n in nodes}  # node -> (state, server time) of each write
         changed = asyncio.Event()
 

@@ -133,10 +133,12 @@ from pathlib import Path
 
 from llmgw.services.devcluster.simcluster import GPU_MEMORY_MIB, GPU_NAME, HCAS_PER_NODE, fabric_name, gpu_uuid
 from llmgw.services.devcluster.up import Cluster
+from llmgw.shared import buckets as B
 from llmgw.shared import bus, pki
 from llmgw.shared import subjects as S
+from llmgw.shared.buckets import Bucket
 from llmgw.shared.durations import format_duration, parse_duration
-from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared.kvmirror import KvMirror, open_mirror
 from llmgw.shared.natsserver import NatsCluster, NatsServer, free_port
 from llmgw.shared.schemas import (
     CommandAck,
@@ -150,9 +152,6 @@ from llmgw.shared.schemas import (
     Heartbeat,
     Inventory,
     LaunchCommand,
-    Lease,
-    NodeRecord,
-    Replica,
     StatusReport,
     StopCommand,
     decode,
@@ -865,8 +864,8 @@ class Bench:
                         raise BenchError(f"{svc} did not answer in {timeout:.0f}s; see {self.root / 'logs'}") from None
                     await asyncio.sleep(0.2)
 
-    async def mirror(self, bucket: str, schema, wait: float = 60.0) -> KvMirror:
-        m = await KvMirror(await open_bucket(self.js, bucket, wait=wait), schema).start(timeout=60)
+    async def mirror(self, bucket: Bucket, wait: float = 60.0) -> KvMirror:
+        m = await open_mirror(self.js, bucket, wait=wait, timeout=60)
         self.mirrors.append(m)
         return m
 
@@ -975,8 +974,8 @@ class Bench:
         await self.connect_operator()
         await self.wait_services()
         self.out("services answer; connecting agents")
-        nodes = await self.mirror(S.BUCKET_NODES, NodeRecord)
-        leases = await self.mirror(S.BUCKET_LEASES, Lease)
+        nodes = await self.mirror(B.NODES)
+        leases = await self.mirror(B.LEASES)
         c0 = await self.connect_agents()
         want = {ag.node_id for ag in self.agents}
         deadline = time.monotonic() + max(120.0, a.nodes * 0.1)
@@ -1047,7 +1046,7 @@ class Bench:
     async def placement(self) -> None:
         a = self.args
         self.phase(3, "placement")
-        replicas = await self.mirror(S.BUCKET_REPLICAS, Replica)
+        replicas = await self.mirror(B.REPLICAS)
         want = a.replicas
         ready_at: dict[str, float] = {}
         recorded_at: dict[str, float] = {}
@@ -1156,7 +1155,7 @@ class Bench:
         # The lost event's time, as the health monitor stamped it, from the stream.
         stored = await self.js.get_last_msg(S.EVENT_STREAM, S.event("node", victim_id, "lost"))
         ev = decode(stored.data, Event)
-        if abs(ev.time - decode(msg.data, Event).time) > 1e-6:
+        if abs(ev.time - B.EVENTS.decode(msg.data).time) > 1e-6:
             raise BenchError("the lost event in the stream differs from the one published")
         first, lastl = min(s.at for s in new), max(s.at for s in new)
         passes1 = await asyncio.to_thread(self.full_passes)
@@ -1335,7 +1334,7 @@ class Bench:
         lost1 = await self.lost_events()
         wrongly = sorted(n for n in live_ids if lost1.get(n, 0) > lost0.get(n, 0))
         trans = self.scrape("health").get('llmgw_health_transitions_total{to="lost"}', 0.0) - trans0
-        leases = await self.mirror(S.BUCKET_LEASES, Lease)
+        leases = await self.mirror(B.LEASES)
         not_ready = sorted(n for n in live_ids if (lease := leases.items.get(n)) is None or lease.state != "ready")
         await self.unmirror(leases)
         self.fig["restart_wrongly_lost"] = len(wrongly)

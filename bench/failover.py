@@ -102,6 +102,7 @@ from pathlib import Path
 
 import aiohttp
 
+from llmgw.shared import buckets as B
 from llmgw.shared.tasks import cancel_and_wait
 
 FAULTS = ("node-kill", "leader-kill", "worker-kill", "leader-hang", "worker-hang", "stall", "hca-down", "gpu-fault", "agent-kill", "nats-restart")
@@ -264,20 +265,13 @@ class Watch:
         self._events_task = asyncio.create_task(self._follow_events())
 
     async def open_mirrors(self) -> None:
-        from llmgw.shared import subjects as S
-        from llmgw.shared.kvmirror import KvMirror, open_bucket
-        from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRecord, Replica
+        from llmgw.shared.kvmirror import open_mirror
 
         for m in self.mirrors.values():
             await m.stop()
         self.mirrors = {}
-        for name, bucket, schema in (
-            ("replicas", S.BUCKET_REPLICAS, Replica),
-            ("leases", S.BUCKET_LEASES, Lease),
-            ("deployments", S.BUCKET_DEPLOYMENTS, DeploymentSpec),
-            ("nodes", S.BUCKET_NODES, NodeRecord),
-        ):
-            self.mirrors[name] = await KvMirror(await open_bucket(self.js, bucket, wait=30), schema).start(timeout=20)
+        for name, bucket in (("replicas", B.REPLICAS), ("leases", B.LEASES), ("deployments", B.DEPLOYMENTS), ("nodes", B.NODES)):
+            self.mirrors[name] = await open_mirror(self.js, bucket, wait=30, timeout=20)
 
     async def reopen(self) -> None:
         """After the server restarted: fresh watches (the event reader needs none)."""
@@ -296,7 +290,6 @@ class Watch:
 
         from llmgw.shared import subjects as S
         from llmgw.shared.errors import WireError
-        from llmgw.shared.schemas import Event, decode
 
         while not self.last_seq:
             try:
@@ -323,7 +316,7 @@ class Watch:
                 continue
             self.last_seq += 1
             try:
-                ev = decode(msg.data, Event)
+                ev = B.EVENTS.decode(msg.data)
             except WireError:
                 continue
             self.events.append(Ev(self.last_seq, ev.time, ev.kind, ev.subject, ev.what, ev.detail))

@@ -46,13 +46,14 @@ import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from prometheus_client import Counter, Gauge
 
-from llmgw.shared import addresses
+from llmgw.shared import addresses, api
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import LlmgwError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.names import host_problem, is_valid_name
 from llmgw.shared.pki import subject_dn
-from llmgw.shared.schemas import CommandAck, Inventory, Lease, NodeAddrRequest, NodeRecord, NodeRequest, decode, decode_reply, encode, now
+from llmgw.shared.schemas import CommandAck, Inventory, Lease, NodeAddrRequest, NodeRecord, NodeRequest, decode_reply, encode, now
 
 from .runtime import ServiceRuntime, run_service
 
@@ -84,7 +85,6 @@ VERIFY_EVERY = 10.0
 
 class Registry(ServiceRuntime):
     role = "registry"
-    buckets = (S.BUCKET_NODES,)
 
     async def setup(self) -> None:
         self.nodes_kv = self.kv[S.BUCKET_NODES]
@@ -102,7 +102,7 @@ class Registry(ServiceRuntime):
         self.leases: KvMirror | None = None
         # What the bucket holds, from a watch; and what this registry wrote that
         # the watch may not have reported yet: node -> (record, revision).
-        self.records: KvMirror[NodeRecord] = KvMirror(self.nodes_kv, NodeRecord)
+        self.records: KvMirror[NodeRecord] = KvMirror(self.nodes_kv, B.NODES)
         self.written: dict[str, tuple[NodeRecord, int]] = {}
         self.records.listeners.append(self._on_record)
         # node -> (inventory, counter label) judged acceptable, not yet applied.
@@ -118,7 +118,7 @@ class Registry(ServiceRuntime):
         self._load_admin()
         self._count()
         await self.nc.subscribe(S.ALL_INVENTORIES, cb=self.on_inventory, queue="llmgw-registry")
-        await self.add_api({"cordon": self.api_cordon, "uncordon": self.api_uncordon, "drain": self.api_drain, "set-addr": self.api_set_addr})
+        await self.add_api({api.CORDON: self.api_cordon, api.UNCORDON: self.api_uncordon, api.DRAIN: self.api_drain, api.SET_ADDR: self.api_set_addr})
         self.spawn(self._apply_loop())
         self.spawn(self._watch_leases())
 
@@ -132,7 +132,7 @@ class Registry(ServiceRuntime):
         with a boot id the record does not have is the sign.
         """
         kv = await open_bucket(self.js, S.BUCKET_LEASES, wait=3600, logger=self.log)
-        self.leases = KvMirror(kv, Lease)
+        self.leases = KvMirror(kv, B.LEASES)
 
         def on_lease(node: str, old: Lease | None, new: Lease | None) -> None:
             if new is None or new.state != "ready" or self.boots.get(node) == new.boot_id:
@@ -247,7 +247,7 @@ class Registry(ServiceRuntime):
             entry = await self.nodes_kv.get(node)
         except KeyNotFoundError:
             return None, 0
-        return decode(entry.value, NodeRecord), entry.revision
+        return B.NODES.decode(entry.value), entry.revision
 
     async def _acceptable(self, inv: Inventory, *, pulled: bool = False) -> bool:
         """Whether ``inv`` may become the node's record: sane, not quarantined, and
@@ -419,8 +419,7 @@ class Registry(ServiceRuntime):
             NODES.labels(state).set(n)
 
     # -- admin API ---------------------------------------------------------------
-    async def _set_admin(self, data: bytes, admin: str, what: str) -> NodeRecord:
-        req = decode(data, NodeRequest)
+    async def _set_admin(self, req: NodeRequest, admin: str, what: str) -> NodeRecord:
         if not is_valid_name(req.node_id):
             raise BadAdminRequest(f"node_id: {req.node_id!r} is not a node name")
         if len(req.reason) > MAX_REASON:
@@ -435,7 +434,7 @@ class Registry(ServiceRuntime):
                 entry = await self.nodes_kv.get(req.node_id)
             except KeyNotFoundError:
                 raise UnknownNode(f"no node {req.node_id!r} in the registry") from None
-            rec = decode(entry.value, NodeRecord)
+            rec = B.NODES.decode(entry.value)
             if rec.admin == admin and (req.auto or (rec.admin_by, rec.admin_reason) == (by, reason)):
                 return rec  # already so (an auto-cordon never takes over an operator's)
             if req.auto and rec.admin != "active":
@@ -455,16 +454,16 @@ class Registry(ServiceRuntime):
             return new
         raise LlmgwError(f"node {req.node_id} is changing too fast; try again")
 
-    async def api_cordon(self, data: bytes) -> NodeRecord:
-        return await self._set_admin(data, "cordoned", "cordoned")
+    async def api_cordon(self, req: NodeRequest) -> NodeRecord:
+        return await self._set_admin(req, "cordoned", "cordoned")
 
-    async def api_uncordon(self, data: bytes) -> NodeRecord:
-        return await self._set_admin(data, "active", "uncordoned")
+    async def api_uncordon(self, req: NodeRequest) -> NodeRecord:
+        return await self._set_admin(req, "active", "uncordoned")
 
-    async def api_drain(self, data: bytes) -> NodeRecord:
-        return await self._set_admin(data, "draining", "draining")
+    async def api_drain(self, req: NodeRequest) -> NodeRecord:
+        return await self._set_admin(req, "draining", "draining")
 
-    async def api_set_addr(self, data: bytes) -> NodeRecord:
+    async def api_set_addr(self, req: NodeAddrRequest) -> NodeRecord:
         """Record the management address an operator vouches for (onboarding).
 
         A node without a record yet gets an onboarding-only record (no boot id,
@@ -472,7 +471,6 @@ class Registry(ServiceRuntime):
         already shows is a no-op, so ``llmgw up`` and the onboarding script may
         repeat it.
         """
-        req = decode(data, NodeAddrRequest)
         if not is_valid_name(req.node_id):
             raise BadAdminRequest(f"node_id: {req.node_id!r} is not a node name")
         problem = host_problem(req.addr)
@@ -485,7 +483,7 @@ class Registry(ServiceRuntime):
         for _ in range(5):
             try:
                 entry = await self.nodes_kv.get(req.node_id)
-                old, rev = decode(entry.value, NodeRecord), entry.revision
+                old, rev = B.NODES.decode(entry.value), entry.revision
             except KeyNotFoundError:
                 old, rev = None, 0
             if old is not None and old.recorded_addr == req.addr and old.mgmt_addr == req.addr:

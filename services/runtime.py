@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -19,8 +20,10 @@ from nats.micro import Service, add_service
 from nats.micro.request import Request
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, start_http_server
 
-from llmgw.shared import bus
+from llmgw.shared import api, bus
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
+from llmgw.shared.api import Endpoint
 from llmgw.shared.coalesce import loop_factory as coalesce_loop_factory
 from llmgw.shared.config import ServiceConfig, load_service_config, parse_listen
 from llmgw.shared.errors import BusError, ConfigError, LlmgwError, WireError
@@ -47,7 +50,6 @@ class Turn(StrEnum):
 
 class ServiceRuntime:
     role: str = ""
-    buckets: tuple[str, ...] = ()
     # The gateway's hot path is socket I/O, where uvloop costs a third less CPU
     # per request (docs/performance.md); the rest keep the standard loop.
     event_loop: str = "asyncio"
@@ -131,15 +133,24 @@ class ServiceRuntime:
         await self.open_buckets()
         await self.setup()
 
+    @property
+    def buckets(self) -> tuple[B.Bucket, ...]:
+        """The buckets this service writes (``shared/buckets.py``)."""
+        return B.written_by(self.role)
+
     async def open_buckets(self) -> None:
         """Connected, before ``setup``: the buckets and streams the service needs.
 
-        Its own buckets and the event stream: created with kv_replicas, and
-        brought to it when they exist with another count (a grown cluster). A
-        service that owns none and only reads others' (the gateway) opens those
-        instead."""
-        self.kv = await bus.provision(self.js, self.buckets, events=True, replicas=self.cfg.kv_replicas, adjust=True, logger=self.log)
-        self._events = EventPublisher(self.js, self.role, on_failure=self.write_failed)
+        The buckets it writes and the event stream: created with kv_replicas when
+        missing. The streams it owns are brought to kv_replicas when they exist
+        with another count (a grown cluster); only an owner may update a stream
+        (``shared/buckets.py``). A service that writes none and only reads
+        others' (the gateway) opens those instead."""
+        events = B.publishes_events(self.role)
+        self.kv = await bus.provision(self.js, tuple(b.name for b in self.buckets), events=events, replicas=self.cfg.kv_replicas)
+        for stream in B.owned_by(self.role):
+            await bus.ensure_replicas(self.js, stream, self.cfg.kv_replicas, logger=self.log)
+        self._events = EventPublisher(self.js, self.role, on_failure=self.write_failed) if events else None
 
     async def setup(self) -> None:
         """Subscriptions, watchers and API endpoints of the concrete service."""
@@ -159,25 +170,35 @@ class ServiceRuntime:
         self._write_failed_logged = stamp
         self.log.warning("bus write failed (%s): %s; keeping the last view", what, (e and (str(e) or type(e).__name__)) or "no ack")
 
-    async def add_api(self, endpoints: dict) -> None:
-        """Expose request/reply endpoints as a nats.micro service (``nats micro ls`` finds it)."""
+    async def add_api(self, handlers: dict[Endpoint, Callable[[Any], Awaitable[Any]]]) -> None:
+        """Serve this service's endpoints (``shared/api.py``) as a nats.micro
+        service (``nats micro ls`` finds it): each request decoded as its
+        endpoint's request type before the handler sees it, each answer encoded.
+        Every endpoint the table gives this service has a handler, and only those."""
+        mine = set(api.served_by(self.role))
+        if set(handlers) != mine:
+            missing = ", ".join(sorted(e.verb for e in mine - set(handlers)))
+            extra = ", ".join(sorted(f"{e.service}.{e.verb}" for e in set(handlers) - mine))
+            raise ValueError(f"the {self.role}'s API handlers do not match shared/api.py (no handler: {missing or '-'}; not the {self.role}'s: {extra or '-'})")
         self.micro = micro = await add_service(
             self.nc, name=f"llmgw-{self.role}", version=VERSION, description=f"llmgw {self.role}", queue_group=f"llmgw-{self.role}"
         )
-        for verb, handler in endpoints.items():
-            await micro.add_endpoint(name=verb, subject=S.api(self.role, verb), handler=self._wrap(verb, handler))
+        for endpoint, handler in handlers.items():
+            await micro.add_endpoint(name=endpoint.verb, subject=endpoint.subject, handler=self._wrap(endpoint, handler))
 
-    def _wrap(self, verb, handler):
+    def _wrap(self, endpoint: Endpoint, handler: Callable[[Any], Awaitable[Any]]):
         async def run(req: Request) -> None:
             try:
-                reply = await handler(req.data)
+                reply = await handler(decode(req.data, endpoint.request))
+                if not isinstance(reply, endpoint.reply):
+                    raise TypeError(f"{endpoint.verb} answered {type(reply).__name__}, not {endpoint.reply.__name__}")
                 await req.respond(encode(reply))
             except WireError as e:
                 await req.respond_error("400", str(e), data=encode(ApiError(code="bad_request", description=str(e))))
             except LlmgwError as e:
                 await req.respond_error("400", str(e), data=encode(ApiError(code=e.code, description=str(e))))
             except Exception as e:  # never leave a caller hanging on a bug
-                self.log.exception("%s: %s failed", self.role, verb)
+                self.log.exception("%s: %s failed", self.role, endpoint.verb)
                 await req.respond_error("500", f"{type(e).__name__}: {e}", data=encode(ApiError(code="internal", description=str(e))))
 
         return run
@@ -208,9 +229,7 @@ class ServiceRuntime:
         return t
 
     def lead(self, ttl: float) -> Leadership:
-        from llmgw.shared import subjects
-
-        self.leadership = Leadership(_CountedWrites(self.kv[subjects.BUCKET_LEADERS], self.write_failed), self.role, self.instance, ttl)
+        self.leadership = Leadership(_CountedWrites(self.kv[B.LEADERS.name], self.write_failed), self.role, self.instance, ttl)
         self.spawn(self.leadership.run())
         return self.leadership
 

@@ -3,6 +3,8 @@
 Names and words (defined once; nothing else spells one)
     subjects     every NATS subject, bucket and stream name
     schemas      every message on the bus and every value in a KV bucket (msgspec)
+    api          every service endpoint and agent command: subject, request, reply, callers
+    buckets      every KV bucket and stream: name, schema, writers (the first owns it)
     states       replica and engine states and the named sets every reader uses
     names        node ids, roles, hosts and HCA names: what a valid one is
     errors       one exception base, a few families, precise leaves
@@ -30,6 +32,7 @@ Identity and the embedded server
     natsbin      where the nats-server binary is
 
 The operator's view
+    operator     an operator's session: connect, read a bucket whole, call an endpoint
     readmodel    every fact ``llmgw ctl`` and the console derive from the buckets
 
 The machine

@@ -28,8 +28,8 @@ import logging
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from llmgw.shared.buckets import Bucket
 from llmgw.shared.errors import WireError
-from llmgw.shared.schemas import decode
 from llmgw.shared.tasks import cancel_and_wait
 
 T = TypeVar("T")
@@ -56,9 +56,14 @@ class _Watch:
 
 
 class KvMirror(Generic[T]):
-    def __init__(self, kv, schema: type[T], *, check_interval: float = CHECK_INTERVAL):
+    """A copy of ``bucket`` (a row of ``shared/buckets.py``, which says what its
+    values are) read through ``kv``, that bucket opened."""
+
+    def __init__(self, kv, bucket: Bucket[T], *, check_interval: float = CHECK_INTERVAL):
+        if getattr(kv, "_stream", bucket.stream) != bucket.stream:
+            raise ValueError(f"a mirror of {bucket.name} over {kv._stream}")
         self.kv = kv
-        self.schema = schema
+        self.bucket = bucket
         self.items: dict[str, T] = {}
         self.revisions: dict[str, int] = {}
         self.ready = asyncio.Event()
@@ -137,9 +142,9 @@ class KvMirror(Generic[T]):
             value: T | None = None
             if entry.operation not in ("DEL", "PURGE") and entry.value:
                 try:
-                    value = decode(entry.value, self.schema)
+                    value = self.bucket.decode(entry.value)
                 except WireError as e:
-                    log.warning("%s: %s", entry.key, e)
+                    log.warning("%s/%s skipped: %s", self.bucket.name, entry.key, e)
                     if watch.fresh is None:
                         continue
                     # keep what we had for it, as the first watch does
@@ -239,6 +244,29 @@ class KvMirror(Generic[T]):
         self._task = asyncio.create_task(self._run(watch))
         await self._wait_caught_up(watch, 10.0)
         self.resyncs += 1
+
+
+async def open_mirror(
+    js,
+    bucket: Bucket[T],
+    *,
+    wait: float = 0.0,
+    timeout: float = 10.0,
+    listeners: tuple[Listener, ...] = (),
+    logger=None,
+    check_interval: float = CHECK_INTERVAL,
+) -> KvMirror[T]:
+    """A started copy of ``bucket``: opened (waiting up to ``wait`` seconds for its
+    writer to create it; ``BucketNotFoundError`` after), every value it held read
+    (``timeout``), and kept current. ``listeners`` hear every change, the first
+    read included."""
+    mirror = KvMirror(await open_bucket(js, bucket.name, wait=wait, logger=logger), bucket, check_interval=check_interval)
+    mirror.listeners.extend(listeners)
+    try:
+        return await mirror.start(timeout=timeout)
+    except BaseException:
+        await mirror.stop()
+        raise
 
 
 async def open_bucket(js, bucket: str, *, wait: float = 0.0, log_every: float = 5.0, logger=None):

@@ -11,9 +11,12 @@ Principles:
   commands and its own inbox. It answers commands through ``allow_responses``
   (a reply to a request it received), never through a broad publish right. It
   has no JetStream rights at all.
-* Each service may write exactly the bucket it is the single writer of
-  (``$KV.<bucket>.>``), may read the buckets it needs through the JetStream
-  read APIs, and may create/update only its own buckets' streams.
+* Each service may write exactly the buckets ``shared/buckets.py`` names it
+  a writer of (``$KV.<bucket>.>``), may read the buckets it needs through the
+  JetStream read APIs, may create the streams it writes and update only the
+  streams it owns; no identity may delete a stream.
+* A service may ask exactly the endpoints ``shared/api.py`` lists it as a
+  caller of, and answers exactly its own.
 * Inboxes are per identity (``_INBOX_<role>_<name>``), so no one reads replies
   meant for someone else.
 """
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import api
+from . import buckets as B
 from . import subjects as S
 
 
@@ -62,12 +67,26 @@ def _js_read(streams: list[str]) -> list[str]:
     return out
 
 
-def _js_own(streams: list[str]) -> list[str]:
-    """Create or update (idempotent provisioning) only the streams a service owns."""
-    out: list[str] = []
-    for st in streams:
-        out += [f"$JS.API.STREAM.CREATE.{st}", f"$JS.API.STREAM.UPDATE.{st}"]
-    return out
+def _js_own(role: str) -> list[str]:
+    """Create the streams ``role`` writes (idempotent provisioning: a create that
+    differs from an existing stream is refused by the server); update only those it
+    owns (the replica count of a grown cluster)."""
+    return [f"$JS.API.STREAM.CREATE.{st}" for st in B.created_by(role)] + [f"$JS.API.STREAM.UPDATE.{st}" for st in B.owned_by(role)]
+
+
+def api_calls(role: str) -> list[str]:
+    """The endpoints ``role`` may ask."""
+    return [e.subject for e in api.callable_by(role)]
+
+
+def commands(role: str) -> list[str]:
+    """The commands ``role`` may send any node's agent."""
+    return [c.every_node for c in api.sent_by(role)]
+
+
+def api_answers(role: str) -> list[str]:
+    """The endpoints ``role`` answers (and subscribes to)."""
+    return [e.subject for e in api.served_by(role)]
 
 
 # Listing streams and consumers (`nats stream ls`, `nats kv ls`, `nats consumer ls`).
@@ -98,30 +117,25 @@ JS_WRITE_APIS = [
     "$JS.API.META.>",
 ]
 
-_KV = S.kv_stream
-_ALL_STREAMS = [_KV(b) for b in S.BUCKETS] + [S.EVENT_STREAM]
+_ALL_STREAMS = [s.stream for s in B.STREAMS]
 
 
-def _service(
-    role: str,
-    name: str,
-    *,
-    writes: list[str],
-    reads: list[str],
-    subscribe: list[str],
-    publish: list[str],
-    events: bool = True,
-) -> Permissions:
-    streams = [_KV(b) for b in writes]
+def _service(role: str, name: str, *, reads: list[str], subscribe: list[str]) -> Permissions:
+    """A service's rights: what it writes from ``shared/buckets.py``, whom it asks,
+    what it commands agents and what it answers from ``shared/api.py``, plus what
+    it reads and hears."""
+    writes = B.written_by(role)
+    events = B.publishes_events(role)
     pub = [
-        *(S.kv_put_space(b) for b in writes),
-        *_js_read(sorted(set(reads) | set(streams) | ({S.EVENT_STREAM} if events else set()))),
-        *_js_own(streams + ([S.EVENT_STREAM] if events else [])),
-        *publish,
+        *(S.kv_put_space(b.name) for b in writes),
+        *_js_read(sorted(set(reads) | set(B.created_by(role)))),
+        *_js_own(role),
+        *api_calls(role),
+        *commands(role),
     ]
     if events:
         pub.append(S.ALL_EVENTS)
-    sub = [f"{S.inbox_prefix(role, name)}.>", S.MICRO_SPACE, S.api_space(role), *subscribe]
+    sub = [f"{S.inbox_prefix(role, name)}.>", S.MICRO_SPACE, *api_answers(role), *subscribe]
     return Permissions(publish=pub, subscribe=sub, allow_responses=True)
 
 
@@ -137,46 +151,31 @@ def for_identity(role: str, name: str) -> Permissions:
         return _service(
             role,
             name,
-            writes=[S.BUCKET_NODES],
             # Leases tell it which nodes are alive, so it can ask one whose
             # inventory it never got (an agent that started before it) to send it.
-            reads=[_KV(S.BUCKET_LEASES)],
+            reads=[B.LEASES.stream],
             subscribe=[S.ALL_INVENTORIES],
-            publish=[S.ALL_CMD_INVENTORY],
         )
     if role == "health":
         return _service(
             role,
             name,
-            writes=[S.BUCKET_LEASES, S.BUCKET_LEADERS],
-            reads=[_KV(S.BUCKET_NODES)],
+            reads=[B.NODES.stream],
             subscribe=[S.ALL_HEARTBEATS],
-            publish=[],
         )
     if role == "scheduler":
         return _service(
             role,
             name,
-            writes=[S.BUCKET_DEPLOYMENTS, S.BUCKET_REPLICAS, S.BUCKET_LEADERS],
-            reads=[_KV(S.BUCKET_NODES), _KV(S.BUCKET_LEASES)],
+            reads=[B.NODES.stream, B.LEASES.stream],
             subscribe=[S.ALL_STATUS],
-            # launch/stop/list requests to agents; of the registry it asks
-            # only cordon (auto-cordon; the registry writes node records) —
-            # drain and the rest are read from node records; of the health
-            # monitor a node's exact lease (whether a node a peer reported lost
-            # was heard since: the bucket holds renewals only as checkpoints).
-            publish=[f"{S.CMD_SPACE}.*.>", S.api("registry", "cordon"), S.api("health", "lease")],
         )
     if role == "gateway":
         return _service(
             role,
             name,
-            writes=[],
-            reads=[_KV(S.BUCKET_REPLICAS), _KV(S.BUCKET_DEPLOYMENTS)],
+            reads=[B.REPLICAS.stream, B.DEPLOYMENTS.stream],
             subscribe=[],
-            # traffic evidence to the agents of ready leaders (progress probes)
-            publish=[S.ALL_TRAFFIC],
-            events=False,
         )
     if role == "operator":
         # Reads everything and calls the services' APIs; writes state only
@@ -189,7 +188,7 @@ def for_identity(role: str, name: str) -> Permissions:
         # for through the named CONSUMER.CREATE form cannot be told apart by subject).
         return Permissions(
             publish=[
-                f"{S.API_SPACE}.>",
+                *api_calls(role),
                 "$SRV.>",
                 *_js_read(_ALL_STREAMS),
                 *OPERATOR_JS_LIST,

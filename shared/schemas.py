@@ -475,6 +475,72 @@ class NodeAddrRequest(Base, kw_only=True):
     addr: str
 
 
+# The scheduler's ``explain``. Every field is sent, defaults included
+# (``omit_defaults`` off): ``llmgw ctl explain -o json`` prints this reply as it
+# came, and scripts read its keys.
+class _Whole(Base, kw_only=True, omit_defaults=False):
+    pass
+
+
+class PlacementShape(_Whole, kw_only=True):
+    """What one replica of the deployment asks for."""
+
+    deployment: str
+    gpus_per_node: int
+    nodes_per_replica: int
+
+
+class NodeVerdict(_Whole, kw_only=True):
+    """Could this node take a member of the next replica, and why not."""
+
+    node_id: str
+    ok: bool
+    reason: str  # "" when ok
+    detail: str
+    fabrics: list[str]
+    free_gpus: int
+    total_gpus: int
+
+
+class BackoffState(_Whole, kw_only=True):
+    failures: int
+    last_failure: str
+    retry_at: float
+    active: bool
+    message: str  # "" unless active
+
+
+class ExplainedMember(_Whole, kw_only=True):
+    node: str
+    rank: int
+    engine_state: EngineState
+    engine_detail: str
+
+
+class ExplainedReplica(_Whole, kw_only=True):
+    id: str
+    state: ReplicaState
+    reason: str
+    members: list[ExplainedMember]
+
+
+class ExplainReply(_Whole, kw_only=True):
+    """Where the next replica would go, node by node; the crash-loop backoff; the
+    deployment's replicas as they stand (oldest generation first)."""
+
+    deployment: str
+    request: PlacementShape
+    nodes: list[NodeVerdict]
+    # fabric -> how many nodes there fit one member (multi-node replicas only)
+    fabrics: dict[str, int]
+    placeable: bool
+    fabric: str | None  # where the next replica would go
+    leader: str | None
+    summary: str
+    backoff: BackoffState
+    replicas: list[ExplainedReplica]
+
+
 # --------------------------------------------------------------------------
 # Encoding and decoding
 # --------------------------------------------------------------------------
@@ -573,4 +639,8 @@ WIRE_SCHEMAS: tuple[type[Base], ...] = (
     Replica,
     LeaderLease,
     ApiError,
+    NameRequest,
+    NodeRequest,
+    NodeAddrRequest,
+    ExplainReply,
 )

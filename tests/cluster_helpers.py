@@ -21,8 +21,9 @@ from llmgw.services.devcluster import simcluster
 from llmgw.services.health.service import HealthMonitor
 from llmgw.services.registry import Registry
 from llmgw.services.scheduler.service import Scheduler
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
-from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.natsserver import NatsServer
 from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRequest, Replica, decode, encode
 from llmgw.shared.tasks import cancel_and_wait
@@ -103,8 +104,8 @@ class Cluster:
     async def operator(self, connector):
         self.ops = await connector.as_new("ops", "operator")
         js = self.ops.jetstream()
-        self.replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS, wait=10), Replica).start()
-        self.leases = await KvMirror(await open_bucket(js, S.BUCKET_LEASES, wait=10), Lease).start()
+        self.replicas = await open_mirror(js, B.REPLICAS, wait=10)
+        self.leases = await open_mirror(js, B.LEASES, wait=10)
         return self.ops
 
     async def apply(self, spec: DeploymentSpec):

@@ -22,8 +22,9 @@ from llmgw.services.devcluster import simcluster
 from llmgw.services.health.service import HealthMonitor
 from llmgw.services.registry import Registry
 from llmgw.services.scheduler.service import Scheduler
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
-from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.schemas import DeploymentSpec, Event, NameRequest, NodeRecord, NodeRequest, decode, encode
 from llmgw.shared.states import ReplicaState as RS
 
@@ -73,14 +74,14 @@ async def test_crash_loop_backs_off_and_auto_cordon_stays_within_the_share(clust
         cluster.start_agent(n)
     ops = await cluster.operator(connector)
     js = ops.jetstream()
-    nodes = await KvMirror(await open_bucket(js, S.BUCKET_NODES, wait=10), NodeRecord).start()
-    deployments = await KvMirror(await open_bucket(js, S.BUCKET_DEPLOYMENTS, wait=10), DeploymentSpec).start()
+    nodes = await open_mirror(js, B.NODES, wait=10)
+    deployments = await open_mirror(js, B.DEPLOYMENTS, wait=10)
     events: list[Event] = []
     sub = await js.subscribe(S.ALL_EVENTS, ordered_consumer=True)
 
     async def collect():
         async for msg in sub.messages:
-            events.append(decode(msg.data, Event))
+            events.append(B.EVENTS.decode(msg.data))
 
     collector = asyncio.create_task(collect())
     try:

@@ -18,6 +18,7 @@ import signal
 import pytest
 from nats.errors import TimeoutError as NatsTimeout
 
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.tasks import cancel_and_wait
 
@@ -164,8 +165,7 @@ async def test_up_ha_survives_killing_the_acting_scheduler_health_monitor_and_a_
 
     from llmgw.shared import bus
     from llmgw.shared.config import load_service_config
-    from llmgw.shared.kvmirror import KvMirror, open_bucket
-    from llmgw.shared.schemas import LeaderLease, Replica
+    from llmgw.shared.kvmirror import open_mirror
 
     from .waiting import eventually
 
@@ -177,8 +177,8 @@ async def test_up_ha_survives_killing_the_acting_scheduler_health_monitor_and_a_
     cfg = load_service_config(ha_dir / "operator.yaml")
     nc = await bus.connect(cfg.server, cfg.tls_files(), name="test-ha", initial_attempts=5, reconnect_base=0.1, reconnect_max=0.5)
     js = nc.jetstream()
-    leaders = await KvMirror(await open_bucket(js, S.BUCKET_LEADERS, wait=10), LeaderLease).start()
-    replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS, wait=10), Replica).start()
+    leaders = await open_mirror(js, B.LEADERS, wait=10)
+    replicas = await open_mirror(js, B.REPLICAS, wait=10)
     try:
 
         def ready() -> list[str]:

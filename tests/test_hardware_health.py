@@ -18,8 +18,8 @@ import sys
 import pytest
 
 from llmgw.services.devcluster import simcluster
-from llmgw.shared import subjects as S
-from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared import buckets as B
+from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.schemas import NodeRecord
 
 from . import spawning
@@ -51,7 +51,7 @@ async def bring_up(cluster, connector, *, nodes, fabrics, gpus=4):
     for n in cluster.nodes:
         cluster.start_agent(n)
     await cluster.operator(connector)
-    cluster.nodes_kv = await KvMirror(await open_bucket(cluster.ops.jetstream(), S.BUCKET_NODES, wait=10), NodeRecord).start()
+    cluster.nodes_kv = await open_mirror(cluster.ops.jetstream(), B.NODES, wait=10)
     await cluster.wait(lambda: len([x for x in cluster.leases.items.values() if x.state == "ready"]) == nodes, timeout=45, what="all nodes ready")
 
 

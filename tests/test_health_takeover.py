@@ -16,8 +16,9 @@ import pytest
 
 from llmgw.services.health import service as health_mod
 from llmgw.services.health.leases import CHECKPOINT_HEARTBEATS
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
-from llmgw.shared.kvmirror import KvMirror
+from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.schemas import ApiError, Lease, NodeRequest, decode, encode
 
 from .cluster_helpers import crash as crash_service
@@ -73,7 +74,7 @@ async def test_a_monitor_starting_on_a_full_bucket_knows_every_stored_lease(nats
         await svc.start()
         started.set()
         await writer
-        leases = await KvMirror(await ops.jetstream(timeout=5).key_value(S.BUCKET_LEASES), Lease).start()
+        leases = await open_mirror(ops.jetstream(timeout=5), B.LEASES)
         try:
             await wait_for(
                 lambda: sorted(n for n, lease in leases.items.items() if lease.state == "lost"),
@@ -105,7 +106,7 @@ async def test_a_standby_takes_over_from_checkpoints_and_what_it_heard(nats_serv
     await wait_for(lambda: a.acting, what="health-a acting")
     n1, n2 = await connector.as_new("node01", "node"), await connector.as_new("node02", "node")
     ops = await connector.as_new("ops", "operator")
-    leases = await KvMirror(await ops.jetstream(timeout=5).key_value(S.BUCKET_LEASES), Lease).start()
+    leases = await open_mirror(ops.jetstream(timeout=5), B.LEASES)
     beat = TAKEOVER["heartbeat_interval"]
     b1, b2 = Beater(n1, "node01", interval=beat).start(), Beater(n2, "node02", interval=beat).start()
     b = None
@@ -149,7 +150,7 @@ async def test_the_acting_monitor_answers_a_nodes_exact_lease(nats_server, conne
     svc = await start_health(nats_server)
     node = await connector.as_new("node07", "node")
     ops = await connector.as_new("ops", "operator")
-    leases = await KvMirror(await ops.jetstream(timeout=5).key_value(S.BUCKET_LEASES), Lease).start()
+    leases = await open_mirror(ops.jetstream(timeout=5), B.LEASES)
     beat = Beater(node, "node07").start()
 
     async def ask(node_id: str):

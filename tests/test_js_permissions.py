@@ -26,8 +26,10 @@ import pytest
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import ConsumerConfig, StreamConfig
 
+from llmgw.shared import buckets as B
 from llmgw.shared import bus
 from llmgw.shared import subjects as S
+from llmgw.shared.names import ROLES
 from llmgw.shared.schemas import encode
 
 from .agent_helpers import AgentProcess, Tap, fake_ib_root, fake_nvidia_smi, kill_engines, make_launch, recorded_engines, write_agent_yaml
@@ -121,6 +123,73 @@ async def test_operator_read_paths_work(idents):
     got = [await sub.next_msg(timeout=5) for _ in range(5)]
     assert [m.subject for m in got] == [f"{S.EVENT_SPACE}.replica.r{i}.created" for i in range(5)]
     await sub.unsubscribe()
+
+
+# --------------------------------------------------------------------------
+# only a stream's owner may change it
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def every_identity(connector, nats_server):
+    """A connection under each role (one reload), and every stream provisioned by its
+    writers, each holding a message."""
+    tls = {role: connector.identity(f"{role}1" if role == "node" else role, role, reload=False) for role in ROLES}
+    nats_server.reload()
+    ncs = {role: await connector.connect(t, label=role) for role, t in tls.items()}
+    for role in ("registry", "health", "scheduler"):
+        js = ncs[role].jetstream(timeout=5)
+        await bus.provision(js, tuple(b.name for b in B.written_by(role)), events=B.publishes_events(role))
+        for b in B.written_by(role):
+            await (await js.key_value(b.name)).put(role, b"{}")
+    await ncs["scheduler"].jetstream(timeout=5).publish(f"{S.EVENT_SPACE}.replica.r1.created", b"{}")
+    return ncs
+
+
+async def _answered(nc, subject: str, payload: bytes) -> dict:
+    reply = await nc.request(subject, payload, timeout=5)
+    return json.loads(reply.data)
+
+
+async def test_only_a_streams_owner_may_update_it_and_no_one_deletes_one(connector, every_identity):
+    """Every identity tries to cut every stream to one message and to delete it:
+    the owner's update is answered, everything else is refused by the server."""
+    ncs = every_identity
+    js = ncs["operator"].jetstream(timeout=5)
+    before = {s.stream: await js.stream_info(s.stream) for s in B.STREAMS}
+    attempts = []
+    for stream in B.STREAMS:
+        info = before[stream.stream]
+        cut = info.config.as_dict() | {"max_msgs": 1}
+        for role, nc in ncs.items():
+            update = f"$JS.API.STREAM.UPDATE.{stream.stream}"
+            if role != stream.owner:
+                attempts.append(refused(connector, nc, role, update, json.dumps(cut).encode()))
+            attempts.append(refused(connector, nc, role, f"$JS.API.STREAM.DELETE.{stream.stream}", b""))
+    await asyncio.gather(*attempts)  # at once: each waits out its own request's timeout
+    for stream in B.STREAMS:
+        info = await js.stream_info(stream.stream)
+        assert info.state.messages == before[stream.stream].state.messages > 0, stream.stream
+        assert info.config.max_msgs == before[stream.stream].config.max_msgs, stream.stream
+    # The owner may (its provisioning brings the replica count to the configured one):
+    # an update leaving the configuration as it is, answered without an error.
+    for stream in B.STREAMS:
+        answer = await _answered(ncs[stream.owner], f"$JS.API.STREAM.UPDATE.{stream.stream}", json.dumps(before[stream.stream].config.as_dict()).encode())
+        assert "error" not in answer, (stream.owner, stream.stream, answer)
+
+
+async def test_a_writer_that_does_not_own_a_stream_cannot_recreate_it_smaller(every_identity):
+    """Every writer may create the streams it writes (it need not wait for the owner
+    to start); on a stream that exists, a create with another configuration is an error."""
+    js = every_identity["operator"].jetstream(timeout=5)
+    shared = [s for s in B.STREAMS if len(s.writers) > 1]
+    assert shared  # the event stream and the leadership leases
+    for stream in shared:
+        for role in stream.writers[1:]:
+            cfg = (await js.stream_info(stream.stream)).config.as_dict() | {"max_msgs": 1}
+            answer = await _answered(every_identity[role], f"$JS.API.STREAM.CREATE.{stream.stream}", json.dumps(cfg).encode())
+            assert answer.get("error"), (role, stream.stream, answer)
+            assert (await js.stream_info(stream.stream)).config.max_msgs != 1
 
 
 # --------------------------------------------------------------------------

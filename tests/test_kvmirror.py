@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
-from llmgw.shared.kvmirror import KvMirror
+from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.schemas import Lease, encode
 
 from .waiting import eventually
@@ -29,7 +30,7 @@ async def test_a_mirror_follows_its_bucket_across_a_server_restart(nats_server, 
     kv_w = await writer.jetstream(timeout=5).create_key_value(bucket=S.BUCKET_LEASES)
     await kv_w.put("node01", lease("node01", "ready"))
     await kv_w.put("node02", lease("node02", "ready"))
-    mirror = await KvMirror(await reader.jetstream(timeout=5).key_value(S.BUCKET_LEASES), Lease, check_interval=0.2).start()
+    mirror = await open_mirror(reader.jetstream(timeout=5), B.LEASES, check_interval=0.2)
     heard: list[tuple[str, str | None, str | None]] = []
     mirror.listeners.append(lambda k, old, new: heard.append((k, old and old.state, new and new.state)))
     try:
@@ -77,7 +78,7 @@ async def test_a_re_read_tells_listeners_only_what_changed(nats_server, connecto
     kv_w = await writer.jetstream(timeout=5).create_key_value(bucket=S.BUCKET_LEASES)
     for n in ("node01", "node02"):
         await kv_w.put(n, lease(n, "ready"))
-    mirror = await KvMirror(await reader.jetstream(timeout=5).key_value(S.BUCKET_LEASES), Lease, check_interval=0.2).start()
+    mirror = await open_mirror(reader.jetstream(timeout=5), B.LEASES, check_interval=0.2)
     heard: list[str] = []
     mirror.listeners.append(lambda k, old, new: heard.append(k))
     try:

@@ -31,12 +31,12 @@ from llmgw.services.devcluster import simcluster
 from llmgw.services.health.service import HealthMonitor
 from llmgw.services.registry import Registry
 from llmgw.services.scheduler.service import Scheduler
+from llmgw.shared import buckets as B
 from llmgw.shared import bus
 from llmgw.shared import subjects as S
 from llmgw.shared.config import GatewaySection, HealthSection, SchedulerSection, ServiceConfig, TlsSection
-from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.natsserver import NatsCluster
-from llmgw.shared.schemas import Lease, Replica
 
 from . import cluster_helpers
 from .cluster_helpers import HEALTH, SCHED, Cluster
@@ -103,8 +103,8 @@ class ClusterOn3(Cluster):
         self.server.reload()
         self.ops = await bus.connect(self.server.nats.urls, tls, name="ops", initial_attempts=5, reconnect_base=0.1, reconnect_max=0.5)
         js = self.ops.jetstream(timeout=5)
-        self.replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS, wait=20), Replica).start()
-        self.leases = await KvMirror(await open_bucket(js, S.BUCKET_LEASES, wait=20), Lease).start()
+        self.replicas = await open_mirror(js, B.REPLICAS, wait=20)
+        self.leases = await open_mirror(js, B.LEASES, wait=20)
 
     async def close(self):
         await super().close()

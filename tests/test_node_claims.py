@@ -30,6 +30,7 @@ from prometheus_client import REGISTRY
 from llmgw.services.devcluster import simcluster
 from llmgw.services.health.leases import LeaseBook, Timings
 from llmgw.services.scheduler.service import MAX_UNKNOWN_PER_NODE, SETTLE_HEARTBEATS
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.schemas import (
@@ -41,10 +42,8 @@ from llmgw.shared.schemas import (
     Heartbeat,
     Inventory,
     NodeAddrRequest,
-    NodeRecord,
     NodeRequest,
     StatusReport,
-    decode,
     encode,
 )
 from llmgw.shared.tls import TlsFiles
@@ -82,7 +81,7 @@ async def events_of(nc, kind: str, what: str) -> list[Event]:
     seen: list[Event] = []
 
     async def on(msg) -> None:
-        seen.append(decode(msg.data, Event))
+        seen.append(B.EVENTS.decode(msg.data))
 
     await nc.subscribe(f"llmgw.event.{kind}.*.{what}", cb=on)
     return seen
@@ -102,7 +101,7 @@ async def bring_up(cluster: Cluster, connector, nodes: int, record: bool = True)
         cluster.start_agent(n)
     await cluster.wait(lambda: len([lease for lease in cluster.leases.items.values() if lease.state == "ready"]) == nodes, timeout=45, what="all nodes ready")
     nodes_kv = await open_bucket(ops.jetstream(), S.BUCKET_NODES, wait=10)
-    cluster.node_records = await KvMirror(nodes_kv, NodeRecord).start()
+    cluster.node_records = await KvMirror(nodes_kv, B.NODES).start()
     await cluster.wait(
         lambda: all(r.boot_id for r in cluster.node_records.items.values()) and len(cluster.node_records.items) == nodes, what="all nodes registered"
     )

@@ -33,10 +33,11 @@ from llmgw.services.health.service import HealthMonitor
 from llmgw.services.registry import Registry
 from llmgw.services.scheduler import reasons as R
 from llmgw.services.scheduler.service import Scheduler
+from llmgw.shared import buckets as B
 from llmgw.shared import procfs, procnet
 from llmgw.shared import subjects as S
-from llmgw.shared.kvmirror import KvMirror, open_bucket
-from llmgw.shared.schemas import Event, NameRequest, NodeAddrRequest, NodeRecord, decode, encode
+from llmgw.shared.kvmirror import open_mirror
+from llmgw.shared.schemas import Event, NameRequest, NodeAddrRequest, NodeRecord, encode
 
 from .cluster_helpers import HEALTH, SCHED, TIMINGS, Cluster, sim_spec
 from .gateway_helpers import HOST, gateway_config, start_gateway
@@ -99,13 +100,13 @@ class Names:
         self.ops = ops = await c.operator(connector)
 
         async def on_event(msg) -> None:
-            self.events.append(decode(msg.data, Event))
+            self.events.append(B.EVENTS.decode(msg.data))
 
         await ops.subscribe("llmgw.event.node.>", cb=on_event)
         for node, addr in record.items():
             reply = await ops.request(S.api("registry", "set-addr"), encode(NodeAddrRequest(node_id=node, addr=addr)), timeout=5)
             assert not (reply.headers or {}).get("Nats-Service-Error-Code"), reply.data
-        self.records = await KvMirror(await open_bucket(ops.jetstream(), S.BUCKET_NODES, wait=10), NodeRecord).start()
+        self.records = await open_mirror(ops.jetstream(), B.NODES, wait=10)
         for node in names:
             c.start_agent(node, wrap=own_hosts(hosts) if hosts else ())
 

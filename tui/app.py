@@ -359,11 +359,11 @@ class LlmgwApp(App[None]):
 
 
 def main(args) -> int:
-    from llmgw.services.ctl.session import Session
+    from llmgw.shared.operator import load_operator_config
 
     # Checks the file, its keys and its certificates before the screen takes over,
     # so a mistake is one plain line on the terminal.
-    cfg = Session(args).cfg
+    cfg = load_operator_config(getattr(args, "config", None))
     # Log lines written to the terminal would tear the screen: send them to
     # Textual's log (textual console) instead.
     from textual.logging import TextualHandler

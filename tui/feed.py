@@ -24,25 +24,25 @@ or shown twice.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from llmgw.services.ctl.session import Session
-from llmgw.shared import bus
+from llmgw.shared import api, bus
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
+from llmgw.shared.buckets import Bucket
 from llmgw.shared.config import ServiceConfig
 from llmgw.shared.errors import BusError, WireError
 from llmgw.shared.kvmirror import KvMirror
-from llmgw.shared.schemas import DeploymentSpec, Event, Lease, NodeRecord, Replica, decode
+from llmgw.shared.operator import OperatorSession
+from llmgw.shared.schemas import Event, NodeRecord, NodeRequest
 from llmgw.shared.tasks import cancel_and_wait
 
 from .cluster import DEPLOYMENTS, LEASES, NODES, REPLICAS
@@ -53,15 +53,15 @@ log = logging.getLogger("llmgw.tui.feed")
 # service's configuration allows for its own reconnects.
 RECONNECT_MAX = 5.0
 
-# bucket -> (the model's name for it, its schema)
-MIRRORED = {
-    S.BUCKET_NODES: (NODES, NodeRecord),
-    S.BUCKET_LEASES: (LEASES, Lease),
-    S.BUCKET_REPLICAS: (REPLICAS, Replica),
-    S.BUCKET_DEPLOYMENTS: (DEPLOYMENTS, DeploymentSpec),  # a deployment's crash-loop backoff
+# bucket -> the model's name for it
+MIRRORED: dict[Bucket, str] = {
+    B.NODES: NODES,
+    B.LEASES: LEASES,
+    B.REPLICAS: REPLICAS,
+    B.DEPLOYMENTS: DEPLOYMENTS,  # a deployment's crash-loop backoff
 }
 # Mirrored when there, not waited for: the banner does not hold the screen for them.
-OPTIONAL = frozenset({S.BUCKET_DEPLOYMENTS})
+OPTIONAL = frozenset({B.DEPLOYMENTS.name})
 
 
 @dataclass(frozen=True)
@@ -96,17 +96,15 @@ def _epoch(ts) -> float | None:
     return ts.timestamp() if ts is not None else None
 
 
-class Feed(Session):
-    """An operator session that stays connected and keeps the console current.
-
-    A ``Session`` (``llmgw ctl``) for its API calls and error mapping; unlike a
-    ctl command it lives as long as the console and survives outages.
+class Feed:
+    """Keeps the console current over an operator session (``shared/operator.py``,
+    as ``llmgw ctl``'s) that, unlike a ctl command's, lives as long as the console
+    and survives outages.
     """
 
     def __init__(self, cfg: ServiceConfig, *, history: int = 500, clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
-        self.nc: NATS | None = None
-        self.js: JetStreamContext | None = None
+        self.session = OperatorSession(cfg, name="tui")
         self.history = history
         self.clock = clock
         self.server = ", ".join(cfg.server)
@@ -127,7 +125,7 @@ class Feed(Session):
         try:
             await self._connect()
             # Each mirror heals itself after a reconnect; started once each.
-            mirrors = {asyncio.create_task(self._keep_mirror(b, name, schema)) for b, (name, schema) in MIRRORED.items()}
+            mirrors = {asyncio.create_task(self._keep_mirror(b, name)) for b, name in MIRRORED.items()}
             while True:
                 self._resync.clear()
                 resync = asyncio.create_task(self._resync.wait())
@@ -153,10 +151,7 @@ class Feed(Session):
         while True:
             self._status("connecting")
             try:
-                self.nc = await bus.connect(
-                    self.cfg.server,
-                    self.cfg.tls_files(),
-                    name="tui",
+                await self.session.connect(
                     initial_attempts=1,
                     connect_timeout=3,
                     reconnect_base=min(self.cfg.reconnect_base, 1.0),
@@ -171,7 +166,6 @@ class Feed(Session):
                 self._status("unreachable", f"{e}; retrying in {delay:.1f}s")
                 await asyncio.sleep(delay)
                 continue
-            self.js = self.nc.jetstream(timeout=5)
             self._status("connected")
             return
 
@@ -181,11 +175,7 @@ class Feed(Session):
                 await asyncio.wait_for(m.stop(), 1)
             except (TimeoutError, Exception):
                 pass
-        if self.nc is not None and not self.nc.is_closed:
-            try:
-                await asyncio.wait_for(self.nc.close(), 2)
-            except (TimeoutError, Exception):
-                pass
+        await self.session.close(timeout=2)
 
     # -- connection callbacks (called by nats-py on the same loop) -------------
 
@@ -213,14 +203,15 @@ class Feed(Session):
 
     # -- buckets ---------------------------------------------------------------
 
-    async def _keep_mirror(self, bucket: str, name: str, schema) -> None:
-        """Watch ``bucket`` once it exists; hand it over whole, then change by change."""
+    async def _keep_mirror(self, row: Bucket, name: str) -> None:
+        """Watch the bucket once it exists; hand it over whole, then change by change."""
+        bucket = row.name
         self._wait_for(bucket, f"reading {bucket} …")
         while True:
             mirror = None
             try:
-                kv = await self.jetstream.key_value(bucket)
-                mirror = KvMirror(kv, schema)
+                kv = await self.session.jetstream.key_value(bucket)
+                mirror = KvMirror(kv, row)
                 mirror.listeners.append(self._listener(bucket, name, mirror))
                 await mirror.start(timeout=30)
                 break
@@ -274,7 +265,7 @@ class Feed(Session):
                 continue  # already shown before a reconnect
             self.next_seq = seq + 1
             try:
-                ev = decode(msg.data, Event)
+                ev = B.EVENTS.decode(msg.data)
             except WireError as e:
                 log.warning("event %d: %s", seq, e)
                 ev = None
@@ -290,7 +281,7 @@ class Feed(Session):
 
     async def _subscribe_events(self):
         """Follow the stream from the next unseen sequence (or the last ``history`` events at first)."""
-        info = await self.jetstream.stream_info(S.EVENT_STREAM)
+        info = await self.session.jetstream.stream_info(S.EVENT_STREAM)
         last = info.state.last_seq
         first_run = self.next_seq == 0
         start = self.next_seq or max(1, info.state.first_seq, last - self.history + 1)
@@ -301,7 +292,7 @@ class Feed(Session):
                 await old.unsubscribe()
             except Exception:
                 pass
-        self._sub = await self.jetstream.subscribe(
+        self._sub = await self.session.jetstream.subscribe(
             S.ALL_EVENTS,
             stream=S.EVENT_STREAM,
             ordered_consumer=True,
@@ -313,6 +304,6 @@ class Feed(Session):
 
     async def admin(self, verb: str, node_id: str) -> NodeRecord:
         """cordon | uncordon | drain through the registry's API (the operator never writes a bucket)."""
-        if self.nc is None or not self.nc.is_connected:
+        if not self.session.connected:
             raise BusError(f"not connected to NATS at {self.server}; try again once the connection is back")
-        return decode(await self.call("registry", verb, json.dumps({"node_id": node_id}).encode(), timeout=5), NodeRecord)
+        return await self.session.call(api.ADMIN[verb], NodeRequest(node_id=node_id), timeout=5)

@@ -699,8 +699,8 @@ def _read_health(
     What cannot be read is a warning and reads as nothing."""
     if nvml is not None and nvml.available:
         try:
-            problems, by_index = nvml.read(healthy)
-            return problems, [(pid, mib, uuid_of[i]) for i, procs in by_index.items() for pid, mib in procs]
+            found, by_index = nvml.read(healthy)
+            return found, [(pid, mib, uuid_of[i]) for i, procs in by_index.items() for pid, mib in procs]
         except DiscoveryError as e:
             _health_warning(f"GPU health through NVML failed, trying nvidia-smi: {e}")
     problems: dict[int, str] = {}

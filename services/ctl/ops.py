@@ -17,8 +17,12 @@ import time
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from llmgw.shared import api
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
+from llmgw.shared.api import ApiFailed
 from llmgw.shared.errors import BusError, ConfigError, WireError
+from llmgw.shared.operator import OperatorSession, load_operator_config, not_provisioned
 from llmgw.shared.readmodel import (
     age_since,
     backoff_cell,
@@ -31,21 +35,21 @@ from llmgw.shared.readmodel import (
 )
 from llmgw.shared.schemas import (
     DeploymentSpec,
-    Event,
-    Lease,
+    ExplainReply,
     NameRequest,
     NodeAddrRequest,
-    NodeRecord,
     NodeRequest,
     Replica,
-    decode,
-    encode,
     to_builtins,
 )
 from llmgw.shared.specs import load_deployments, validate_spec
 from llmgw.shared.states import ReplicaState
 
-from .session import ApiFailed, NotProvisioned, Session
+
+def _session(args) -> OperatorSession:
+    """This command's session: the operator configuration it names (checked now,
+    before anything connects), connected by ``async with``."""
+    return OperatorSession(load_operator_config(getattr(args, "config", None)))
 
 
 def _run(coro):
@@ -77,11 +81,11 @@ def _json(obj) -> None:
 
 def nodes(args) -> int:
     async def go():
-        async with Session(args) as s:
+        async with _session(args) as s:
             return node_rows(
-                await s.read_bucket(S.BUCKET_NODES, NodeRecord, missing="nodes"),
-                await s.read_bucket(S.BUCKET_LEASES, Lease),
-                await s.read_bucket(S.BUCKET_REPLICAS, Replica),
+                await s.read(B.NODES, missing="nodes"),
+                await s.read(B.LEASES),
+                await s.read(B.REPLICAS),
             )
 
     rows = _run(go())
@@ -124,8 +128,8 @@ def admin_text(row: dict) -> str:
 
 def replicas(args) -> int:
     async def go():
-        async with Session(args) as s:
-            return replica_rows(await s.read_bucket(S.BUCKET_REPLICAS, Replica, missing="replicas"))
+        async with _session(args) as s:
+            return replica_rows(await s.read(B.REPLICAS, missing="replicas"))
 
     rows = _run(go())
     now = time.time()
@@ -150,8 +154,8 @@ def replicas(args) -> int:
 
 def deployments(args) -> int:
     async def go():
-        async with Session(args) as s:
-            return await s.read_bucket(S.BUCKET_DEPLOYMENTS, DeploymentSpec, missing="deployments"), await s.read_bucket(S.BUCKET_REPLICAS, Replica)
+        async with _session(args) as s:
+            return await s.read(B.DEPLOYMENTS, missing="deployments"), await s.read(B.REPLICAS)
 
     deps, reps = _run(go())
     if args.output == "json":
@@ -189,16 +193,16 @@ def deploy(args) -> int:
                 raise ConfigError(f"{args.file}: deployment {spec.name!r}: {e}") from None
 
         async def go():
-            async with Session(args) as s:
-                return [decode(await s.call("scheduler", "apply", encode(spec)), DeploymentSpec) for spec in specs]
+            async with _session(args) as s:
+                return [await s.call(api.APPLY, spec) for spec in specs]
 
         for d in _run(go()):
             print(f"deployment {d.name} applied: {d.replicas} × {d.nodes_per_replica} node(s) × {d.gpus_per_node} GPU(s) of {d.model} on {d.engine}")
         return 0
 
     async def go_delete():
-        async with Session(args) as s:
-            return decode(await s.call("scheduler", "delete", encode(NameRequest(name=args.name))), DeploymentSpec)
+        async with _session(args) as s:
+            return await s.call(api.DELETE, NameRequest(name=args.name))
 
     d = _run(go_delete())
     print(f"deployment {d.name} deleted; its replicas are being stopped")
@@ -207,41 +211,41 @@ def deploy(args) -> int:
 
 def explain(args) -> int:
     async def go():
-        async with Session(args) as s:
-            return json.loads(await s.call("scheduler", "explain", encode(NameRequest(name=args.deployment))))
+        async with _session(args) as s:
+            return await s.call(api.EXPLAIN, NameRequest(name=args.deployment))
 
     ex = _run(go())
     if args.output == "json":
-        _json(ex)
+        _json(to_builtins(ex))
         return 0
     for line in explain_lines(ex):
         print(line)
     table = [("NODE", "FABRICS", "GPUS FREE/TOTAL", "VERDICT")]
-    for n in ex["nodes"]:
-        verdict = "ok" if n["ok"] else f"{n['reason']}: {n['detail']}"
-        if n["ok"] and "; out of service: " in n["detail"]:  # a GPU it fits without (issue #14)
-            verdict += " (out of service: " + n["detail"].split("; out of service: ", 1)[1] + ")"
-        table.append((n["node_id"], ",".join(n["fabrics"]) or "(none)", f"{n['free_gpus']}/{n['total_gpus']}", verdict))
+    for n in ex.nodes:
+        verdict = "ok" if n.ok else f"{n.reason}: {n.detail}"
+        if n.ok and "; out of service: " in n.detail:  # a GPU it fits without (issue #14)
+            verdict += " (out of service: " + n.detail.split("; out of service: ", 1)[1] + ")"
+        table.append((n.node_id, ",".join(n.fabrics) or "(none)", f"{n.free_gpus}/{n.total_gpus}", verdict))
     _table(table)
     return 0
 
 
-def explain_lines(ex: dict) -> list[str]:
+def explain_lines(ex: ExplainReply) -> list[str]:
     """The head of ``ctl explain``: the placement summary, the backoff, the replicas
     that are not serving and why (with their members' engine details)."""
-    out = [f"deployment {ex['deployment']}: {ex['summary']}"]
-    backoff = ex.get("backoff") or {}
-    if backoff.get("active"):
-        out.append(backoff["message"])
-    elif backoff.get("failures"):
-        out.append(f"{backoff['failures']} failure(s) before serving in a row (retrying now); last: {backoff['last_failure']}")
-    for r in ex.get("replicas", []):
-        if r["state"] == ReplicaState.READY:
+    out = [f"deployment {ex.deployment}: {ex.summary}"]
+    backoff = ex.backoff
+    if backoff.active:
+        out.append(backoff.message)
+    elif backoff.failures:
+        out.append(f"{backoff.failures} failure(s) before serving in a row (retrying now); last: {backoff.last_failure}")
+    for r in ex.replicas:
+        if r.state == ReplicaState.READY:
             continue
-        out.append(f"replica {r['id']} {r['state']}" + (f": {r['reason']}" if r["reason"] else ""))
-        for m in r["members"]:
-            if m.get("engine_detail"):
-                out.append(f"  rank {m['rank']} on {m['node']}: {m['engine_state'] or 'unreported'}: {m['engine_detail']}")
+        out.append(f"replica {r.id} {r.state}" + (f": {r.reason}" if r.reason else ""))
+        for m in r.members:
+            if m.engine_detail:
+                out.append(f"  rank {m.rank} on {m.node}: {m.engine_state or 'unreported'}: {m.engine_detail}")
     return out
 
 
@@ -249,10 +253,10 @@ def admin(args) -> int:
     verb = args.ctl_cmd
 
     async def go():
-        async with Session(args) as s:
+        async with _session(args) as s:
             # --reason, where the command line offers it, is kept on the record.
             req = NodeRequest(node_id=args.node, reason=getattr(args, "reason", None) or "")
-            return decode(await s.call("registry", verb, encode(req)), NodeRecord)
+            return await s.call(api.ADMIN[verb], req)
 
     rec = _run(go())
     print(f"node {rec.node_id} is now {rec.admin}" + (f": {rec.admin_reason}" if rec.admin_reason else ""))
@@ -268,8 +272,8 @@ def node(args) -> int:
         check_host(args.addr, "address")
 
         async def go_addr():
-            async with Session(args) as s:
-                return decode(await s.call("registry", "set-addr", encode(NodeAddrRequest(node_id=args.node, addr=args.addr))), NodeRecord)
+            async with _session(args) as s:
+                return await s.call(api.SET_ADDR, NodeAddrRequest(node_id=args.node, addr=args.addr))
 
         rec = _run(go_addr())
         print(f"node {rec.node_id}: management address recorded as {rec.recorded_addr}; an inventory claiming another is refused")
@@ -278,13 +282,13 @@ def node(args) -> int:
         return 0
 
     async def go_release():
-        async with Session(args) as s:
+        async with _session(args) as s:
             for attempt in range(10):
                 try:
-                    return decode(await s.call("health", "release", encode(NodeRequest(node_id=args.node))), Lease)
+                    return await s.call(api.RELEASE, NodeRequest(node_id=args.node))
                 except ApiFailed as e:
                     # a standby monitor answered (the API is a queue group); the acting one will
-                    if "standing by" not in str(e) or attempt == 9:
+                    if e.code != "not_acting" or attempt == 9:
                         raise
                     await asyncio.sleep(0.2)
 
@@ -295,11 +299,11 @@ def node(args) -> int:
 
 def events(args) -> int:
     async def go():
-        async with Session(args) as s:
+        async with _session(args) as s:
             try:
-                sub = await s.js.subscribe(S.ALL_EVENTS, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+                sub = await s.jetstream.subscribe(S.ALL_EVENTS, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
             except NotFoundError:  # no stream captures the event subjects yet
-                raise NotProvisioned(f"no events yet: the event stream {S.EVENT_STREAM} does not exist (has the scheduler started?)") from None
+                raise not_provisioned("events", B.EVENTS) from None
             idle = None if args.follow else 0.5
             while True:
                 try:
@@ -309,7 +313,7 @@ def events(args) -> int:
                         continue
                     break
                 try:
-                    ev = decode(msg.data, Event)
+                    ev = B.EVENTS.decode(msg.data)
                 except WireError:
                     continue
                 if args.output == "json":

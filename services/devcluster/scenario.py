@@ -19,10 +19,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmgw.shared import subjects as S
-from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared import buckets as B
+from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.procnet import listening_on
-from llmgw.shared.schemas import Lease, Replica
+from llmgw.shared.schemas import Replica
 
 from . import simcluster
 
@@ -65,8 +65,8 @@ async def observe_seed_story(
     js, *, gateway_url: str, model: str, addresses: dict[str, str], cluster_dir, victim: str = "node02", timeout: float = 180.0, say=print
 ) -> Story:
     story = Story()
-    replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS), Replica).start()
-    leases = await KvMirror(await open_bucket(js, S.BUCKET_LEASES), Lease).start()
+    replicas = await open_mirror(js, B.REPLICAS)
+    leases = await open_mirror(js, B.LEASES)
     try:
         story.before = {k: v for k, v in replicas.items.items() if v.state == "ready"}
         story.listening_before = {n: listening_on(a) for n, a in addresses.items()}
@@ -205,15 +205,14 @@ async def observe_fabric_story(
     would) and time what follows: the agent's inventory, the replica on that
     fabric failed and reaped, its replacement ready on another fabric — while
     the node's lease stays ready and it still fits single-node work."""
-    from llmgw.shared.schemas import NodeRecord
 
     from ..scheduler.placement import explain
     from ..scheduler.view import ClusterView
 
     story = FabricStory(victim=victim, hca=hca)
-    replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS), Replica).start()
-    leases = await KvMirror(await open_bucket(js, S.BUCKET_LEASES), Lease).start()
-    nodes = await KvMirror(await open_bucket(js, S.BUCKET_NODES), NodeRecord).start()
+    replicas = await open_mirror(js, B.REPLICAS)
+    leases = await open_mirror(js, B.LEASES)
+    nodes = await open_mirror(js, B.NODES)
     try:
         rec = nodes.items.get(victim)
         story.fabric = next((f.name for f in rec.fabrics if hca in f.hcas), story.fabric) if rec else story.fabric

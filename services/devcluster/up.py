@@ -34,15 +34,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmgw.shared import bus, pki, procfs
-from llmgw.shared import subjects as S
+from llmgw.shared import api, bus, pki, procfs
+from llmgw.shared import buckets as B
+from llmgw.shared.api import ApiFailed
 from llmgw.shared.config import write_config
 from llmgw.shared.durations import format_duration, parse_duration
-from llmgw.shared.errors import ConfigError, LlmgwError
-from llmgw.shared.kvmirror import KvMirror, open_bucket
+from llmgw.shared.errors import BusError, ConfigError, LlmgwError
+from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.natsconf import check_cluster_size
 from llmgw.shared.natsserver import NatsCluster, NatsServer, free_port
-from llmgw.shared.schemas import DeploymentSpec, Lease, NodeAddrRequest, NodeRecord, Replica, encode
+from llmgw.shared.schemas import DeploymentSpec, NodeAddrRequest, Replica
 
 from . import realvllm, simcluster
 from .demo import DEMO_MODEL
@@ -383,8 +384,8 @@ class Cluster:
         return nc, js
 
     async def wait_nodes(self, js, timeout: float) -> None:
-        nodes = await KvMirror(await open_bucket(js, S.BUCKET_NODES, wait=timeout), NodeRecord).start()
-        leases = await KvMirror(await open_bucket(js, S.BUCKET_LEASES, wait=timeout), Lease).start()
+        nodes = await open_mirror(js, B.NODES, wait=timeout)
+        leases = await open_mirror(js, B.LEASES, wait=timeout)
         want = {n.spec.node_id for n in self.nodes}
         deadline = time.monotonic() + timeout
         last = None
@@ -408,7 +409,7 @@ class Cluster:
             await leases.stop()
 
     async def wait_replicas(self, js, deployment: str, count: int, timeout: float) -> dict[str, Replica]:
-        replicas = await KvMirror(await open_bucket(js, S.BUCKET_REPLICAS, wait=timeout), Replica).start()
+        replicas = await open_mirror(js, B.REPLICAS, wait=timeout)
         started = time.monotonic()
         deadline = started + timeout
         last, said = None, started
@@ -442,16 +443,15 @@ class Cluster:
         as ``llmgw ctl node set-addr`` would, retrying until the registry answers."""
         deadline = time.monotonic() + timeout
         for n in self.nodes:
-            req = encode(NodeAddrRequest(node_id=n.spec.node_id, addr=n.spec.mgmt_addr))
+            req = NodeAddrRequest(node_id=n.spec.node_id, addr=n.spec.mgmt_addr)
             while True:
                 try:
-                    reply = await nc.request(S.api("registry", "set-addr"), req, timeout=2)
-                except Exception:
-                    reply = None
-                if reply is not None:
-                    if reply.headers and reply.headers.get("Nats-Service-Error-Code"):
-                        raise UpError(f"the registry refused the address of {n.spec.node_id}: {reply.data.decode(errors='replace')}")
+                    await api.call(nc, api.SET_ADDR, req, timeout=2)
                     break
+                except ApiFailed as e:
+                    raise UpError(f"the registry refused the address of {n.spec.node_id}: {e}") from None
+                except BusError:
+                    pass  # not answering yet
                 self.check_alive()
                 if time.monotonic() > deadline:
                     raise UpError(f"the registry did not answer set-addr within {timeout:.0f}s; see {self.dir / 'logs' / 'registry.log'}")
@@ -485,9 +485,11 @@ class Cluster:
         for spec in specs:
             for _ in range(100):
                 try:
-                    await nc.request(S.api("scheduler", "apply"), encode(spec), timeout=2)
+                    await api.call(nc, api.APPLY, spec, timeout=2)
                     break
-                except Exception:
+                except ApiFailed as e:
+                    raise UpError(f"the scheduler refused the demo deployment {spec.name}: {e}") from None
+                except BusError:  # not answering yet
                     self.check_alive()
                     await asyncio.sleep(0.2)
             else:

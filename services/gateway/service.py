@@ -24,11 +24,12 @@ import resource
 import signal
 import time
 
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.config import load_service_config, parse_listen
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
-from llmgw.shared.schemas import DeploymentSpec, Replica, ReplicaTraffic, TrafficReport, encode
+from llmgw.shared.schemas import ReplicaTraffic, TrafficReport, encode
 from llmgw.shared.tls import server_context
 
 from ..runtime import ServiceRuntime, event_loop_runner
@@ -123,7 +124,6 @@ def traffic_reports(router: Router, gateway: str, reported: dict[str, int], now:
 
 class Gateway(ServiceRuntime):
     role = "gateway"
-    buckets = ()
     event_loop = "uvloop"
     # It writes no control-plane state: its traffic reports are true whenever they
     # arrive, so nats-py may buffer them over a reconnect (bus.connect's default).
@@ -158,10 +158,10 @@ class Gateway(ServiceRuntime):
         and publishes no events); the router hears each record first."""
         deployments_kv = await open_bucket(self.js, S.BUCKET_DEPLOYMENTS, wait=3600, logger=self.log)
         replicas_kv = await open_bucket(self.js, S.BUCKET_REPLICAS, wait=3600, logger=self.log)
-        self.deployments = KvMirror(deployments_kv, DeploymentSpec)
+        self.deployments = KvMirror(deployments_kv, B.DEPLOYMENTS)
         self.deployments.listeners.append(self.router.on_deployment)
         await self.deployments.start()
-        self.replicas = KvMirror(replicas_kv, Replica)
+        self.replicas = KvMirror(replicas_kv, B.REPLICAS)
         self.replicas.listeners.append(self.router.on_replica)
         await self.replicas.start()
 

@@ -26,11 +26,13 @@ from collections import Counter as Tally
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from llmgw.shared import api
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.errors import LlmgwError
 from llmgw.shared.kvmirror import KvMirror
 from llmgw.shared.names import is_valid_name
-from llmgw.shared.schemas import Heartbeat, Lease, NodeRequest, decode, encode
+from llmgw.shared.schemas import Heartbeat, Lease, NodeRequest, encode
 
 from ..runtime import ServiceRuntime, Turn, run_service
 from .leases import WRITE_CAUSES, LeaseBook, Timings, Transition
@@ -101,7 +103,6 @@ WRITES_AT_ONCE = 256
 
 class HealthMonitor(ServiceRuntime):
     role = "health"
-    buckets = (S.BUCKET_LEASES, S.BUCKET_LEADERS)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -116,7 +117,7 @@ class HealthMonitor(ServiceRuntime):
         # The stored leases, kept current while standing by, so taking over needs no
         # bulk read (and none of nats-py's key listing, which can come back empty
         # from a bucket holding values).
-        self.stored_leases: KvMirror[Lease] = await KvMirror(self.leases_kv, Lease).start()
+        self.stored_leases: KvMirror[Lease] = await KvMirror(self.leases_kv, B.LEASES).start()
         self.heard: dict[str, tuple[Heartbeat, float]] = {}
         # Transitions heartbeats made, for transition_writer.
         self._unwritten: list[Transition] = []
@@ -124,7 +125,7 @@ class HealthMonitor(ServiceRuntime):
         _ACTING.add(self)
         self.lead(h.leader_ttl)
         await self.nc.subscribe(S.ALL_HEARTBEATS, cb=self.on_heartbeat)
-        await self.add_api({"release": self.api_release, "lease": self.api_lease})
+        await self.add_api({api.RELEASE: self.api_release, api.LEASE: self.api_lease})
         self.spawn(self.tick_loop())
         self.spawn(self.transition_writer())
 
@@ -148,7 +149,7 @@ class HealthMonitor(ServiceRuntime):
         if seen >= last:
             return dict(self.stored_leases.items)
         self.log.info("the copy of the stored leases is behind the bucket (sequence %d of %d); reading it afresh", seen, last)
-        fresh = await KvMirror(self.leases_kv, Lease).start()
+        fresh = await KvMirror(self.leases_kv, B.LEASES).start()
         try:
             return dict(fresh.items)
         finally:
@@ -218,10 +219,9 @@ class HealthMonitor(ServiceRuntime):
         self._refusing = True
         self.log.warning("heartbeat from %s refused: %s", node, detail)
 
-    async def api_release(self, data: bytes) -> Lease:
+    async def api_release(self, req: NodeRequest) -> Lease:
         """An operator resolved a quarantined node (stopped the impostor, or
         re-issued the node's certificate): its lease holds its last boot id again."""
-        req = decode(data, NodeRequest)
         if not is_valid_name(req.node_id):
             raise NotQuarantined(f"node_id: {req.node_id!r} is not a node name")
         if not self.acting:
@@ -233,11 +233,10 @@ class HealthMonitor(ServiceRuntime):
         await self._apply([tr])
         return tr.lease
 
-    async def api_lease(self, data: bytes) -> Lease:
+    async def api_lease(self, req: NodeRequest) -> Lease:
         """A node's lease as the acting monitor holds it: ``last_renew`` exact, where
         the stored one is a checkpoint (up to ``checkpoint_interval`` old). For
         whoever must know whether a node was heard since a given moment."""
-        req = decode(data, NodeRequest)
         if not is_valid_name(req.node_id):
             raise UnknownLease(f"node_id: {req.node_id!r} is not a node name")
         if not self.acting:

@@ -44,6 +44,8 @@ from nats.js.errors import NoKeysError
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from llmgw.shared import api
+from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.bus import EVENT_MAX_AGE
 from llmgw.shared.errors import BusError, LlmgwError, WireError
@@ -52,6 +54,7 @@ from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.schemas import (
     CommandAck,
     DeploymentSpec,
+    ExplainReply,
     Lease,
     NameRequest,
     NodeRecord,
@@ -249,7 +252,6 @@ class UnknownDeployment(LlmgwError):
 
 class Scheduler(ServiceRuntime):
     role = "scheduler"
-    buckets = (S.BUCKET_DEPLOYMENTS, S.BUCKET_REPLICAS, S.BUCKET_LEADERS)
 
     async def setup(self) -> None:
         sc = self.cfg.scheduler
@@ -258,10 +260,10 @@ class Scheduler(ServiceRuntime):
         leases_kv = await open_bucket(self.js, S.BUCKET_LEASES, wait=3600, logger=self.log)
         self.deployments_kv = self.kv[S.BUCKET_DEPLOYMENTS]
         self.replicas_kv = self.kv[S.BUCKET_REPLICAS]
-        self.nodes = await KvMirror(nodes_kv, NodeRecord).start()
-        self.leases = await KvMirror(leases_kv, Lease).start()
-        self.deployments = await KvMirror(self.deployments_kv, DeploymentSpec).start()
-        self.replicas = await KvMirror(self.replicas_kv, Replica).start()
+        self.nodes = await KvMirror(nodes_kv, B.NODES).start()
+        self.leases = await KvMirror(leases_kv, B.LEASES).start()
+        self.deployments = await KvMirror(self.deployments_kv, B.DEPLOYMENTS).start()
+        self.replicas = await KvMirror(self.replicas_kv, B.REPLICAS).start()
         # What agents reported, and our own recent writes (the pure fold: reports.py)
         self.book = ReportBook(
             self.replicas.items,
@@ -326,7 +328,7 @@ class Scheduler(ServiceRuntime):
         self.nodes.listeners.append(lambda key, _old, _new: self.touched.add(key))
         self.leases.listeners.append(lambda key, _old, _new: self.touched.add(key))
         await self.nc.subscribe(S.ALL_STATUS, cb=self.on_status)
-        await self.add_api({"apply": self.api_apply, "delete": self.api_delete, "explain": self.api_explain})
+        await self.add_api({api.APPLY: self.api_apply, api.DELETE: self.api_delete, api.EXPLAIN: self.api_explain})
         self.lead(sc.leader_ttl)
         self.spawn(self.loop())
 
@@ -866,8 +868,8 @@ class Scheduler(ServiceRuntime):
         BACKING_OFF.set(sum(1 for d in self.deployments.items.values() if d.retry_at > stamp))
 
     # -- operator API ----------------------------------------------------------------
-    async def api_apply(self, data: bytes) -> DeploymentSpec:
-        spec = validate_spec(decode(data, DeploymentSpec))
+    async def api_apply(self, request: DeploymentSpec) -> DeploymentSpec:
+        spec = validate_spec(request)
         old = self.deployments.items.get(spec.name)
         floor = old.last_generation if old else await self._deleted_generation(spec.name)
         # Applying again is also how an operator says "try now": the backoff is the scheduler's, and starts afresh.
@@ -904,8 +906,7 @@ class Scheduler(ServiceRuntime):
                     continue  # a malformed old revision says nothing about generations
         return last
 
-    async def api_delete(self, data: bytes) -> DeploymentSpec:
-        req = decode(data, NameRequest)
+    async def api_delete(self, req: NameRequest) -> DeploymentSpec:
         spec = self.deployments.items.get(req.name)
         if spec is None:
             raise UnknownDeployment(f"no deployment named {req.name!r}")
@@ -914,13 +915,12 @@ class Scheduler(ServiceRuntime):
         self.wake.set()
         return spec
 
-    async def api_explain(self, data: bytes):
-        req = decode(data, NameRequest)
+    async def api_explain(self, req: NameRequest) -> ExplainReply:
         spec = self.deployments.items.get(req.name)
         if spec is None:
             raise UnknownDeployment(f"no deployment named {req.name!r}")
         view = ClusterView.build(self.nodes.items, self.leases.items, self.replicas.items.values(), ports=self.rconfig.ports)
-        return explain_reply(spec, view, self.replicas.items.values(), now())
+        return msgspec.convert(explain_reply(spec, view, self.replicas.items.values(), now()), ExplainReply)
 
     async def stop(self) -> None:
         await cancel_and_wait(list(getattr(self, "background", ())))
