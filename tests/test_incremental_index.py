@@ -22,9 +22,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmgw.services.scheduler.cycle import ReconcileConfig, remember_failures
 from llmgw.services.scheduler.incremental import Reconciler
-from llmgw.services.scheduler.placement import _indexes, cache_of
-from llmgw.services.scheduler.reconcile import ReconcileConfig, reconcile, remember_failures
+from llmgw.services.scheduler.placement import PlacementCache, _indexes
+from llmgw.services.scheduler.reconcile import reconcile
 from llmgw.services.scheduler.view import ClusterView, PortRange
 
 from .builders import apply_plan, make_deployment, make_lease, make_node, with_engines
@@ -67,11 +68,10 @@ class Recorded(dict):
         return out
 
 
-def view_facts(view: ClusterView) -> dict:
-    """Everything placement reads from a view, in comparable form."""
+def view_facts(view: ClusterView, cache: PlacementCache) -> dict:
+    """Everything placement reads from a view and its memo, in comparable form."""
     for multi in (False, True):
-        _indexes(view, multi)
-    cache = cache_of(view)
+        _indexes(view, cache, multi)
     nodes = {
         nid: (
             n.record,
@@ -88,7 +88,7 @@ def view_facts(view: ClusterView) -> dict:
         )
         for nid, n in view.nodes.items()
     }
-    static = {k: v for k, v in cache.static.items() if k[0] in view.nodes}
+    static = {k: verdict for k, (node, verdict) in cache.static.items() if view.nodes.get(k[0]) is node}
     indexes = {
         (multi, group): (tuple((k, tuple(b)) for k, b in sorted(idx.buckets.items())), idx.total_gpus, idx.used_gpus)
         for multi, by_group in cache.indexes.items()
@@ -107,7 +107,7 @@ def view_facts(view: ClusterView) -> dict:
 
 def assert_view_is_full(rec: Reconciler, nodes, leases, replicas, suspects):
     full = ClusterView.build(nodes, leases, replicas.values(), ports=rec.config.ports, suspects=suspects)
-    live, want = view_facts(rec.view), view_facts(full)
+    live, want = view_facts(rec.view, rec.memo), view_facts(full, PlacementCache())
     for key in want:
         assert live[key] == want[key], f"live view's {key} differs from the full build's"
 

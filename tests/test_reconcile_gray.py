@@ -13,7 +13,8 @@ import datetime as dt
 import msgspec
 import pytest
 
-from llmgw.services.scheduler.reconcile import ReconcileConfig, reconcile, remember_failures
+from llmgw.services.scheduler.cycle import ReconcileConfig, remember_failures
+from llmgw.services.scheduler.reconcile import reconcile
 from llmgw.shared.schemas import Replica
 from llmgw.shared.states import ACTIVE_REPLICA, WANTED_REPLICA
 from llmgw.shared.states import EngineState as E

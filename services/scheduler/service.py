@@ -72,10 +72,10 @@ from llmgw.shared.tasks import cancel_and_wait
 from ..leases import BOOT_SETTLED_HEARTBEATS as SETTLE_HEARTBEATS
 from ..runtime import ServiceRuntime, Turn, run_service
 from . import ReconcileConfig, explain, fence
+from .cycle import SPEC_CHANGED, backoff_text, launches_for, remember_failures
 from .fullpass import FullPass, Snapshot
 from .incremental import Reconciler
 from .plan import Backoff, Cordon, Launch, NodeFailure, Plan, Stop
-from .reconcile import SPEC_CHANGED, backoff_text, launches_for, remember_failures
 from .reports import ReportBook, report_moves
 from .view import ClusterView
 
