@@ -92,7 +92,7 @@ Callback = Callable[[], Awaitable[None]]
 ATTEMPT_TIMEOUTS = 10
 
 
-async def connect(
+async def connect(  # noqa: C901
     servers: str | list[str],
     tls: TlsFiles,
     *,
