@@ -104,7 +104,7 @@ REBUILD_REASONS = ("node_lost", "hardware", "engine_exited", "peer_lost", "start
 
 def rebuild_reason(reason: str) -> str:
     """The bounded label for a replica's failure (or replacement) reason, from the
-    fixed phrases the pure core (reconcile.py) opens its reasons with."""
+    fixed phrases the pure core (cycle.py) opens its reasons with."""
     first = reason.split("; ", 1)[0]
     if first.startswith("member rank "):  # "member rank 1 on node02 peer-lost: ..." / "... exited"
         return "peer_lost" if f" {EngineState.PEER_LOST}" in first.split(":", 1)[0] else "engine_exited"
