@@ -41,8 +41,9 @@ replica none of which changed, whose clocks are not due and which the last
 plan left as it was, is advanced to itself (nothing is written). ``converge``
 reads its deployment's spec and replicas, its members' admin states and —
 only to place — the view; a settled deployment whose spec and replicas did not
-change gives nothing. Phase order, and the order within each phase, are the
-full pass's, so the plans are equal, events in the same order.
+change gives nothing. The phases are ``reconcile``'s own code (``cycle.run``),
+in its order and in its order within each, so the plans are equal, events in
+the same order.
 
 Still pure: nothing is read but the arguments, the clock is ``now``, and what
 is kept is a function of the arguments seen. A caller that could not apply a
@@ -73,9 +74,10 @@ DEADLINE_SLACK = 1e-3
 
 class LiveView(ClusterView):
     """A ``ClusterView`` kept current across cycles: nodes are set, replicas held
-    and released, and every index follows. Equal, at the end of each step, to
-    ``ClusterView.build`` of the same nodes, leases, suspects and replicas (with
-    both shapes' indexes built) — ``tests/test_incremental_index.py`` checks it.
+    and released, and the spread and port counts follow. Equal, at the end of
+    each step, to ``ClusterView.build`` of the same nodes, leases, suspects and
+    replicas, and its memo to a fresh one's with both shapes' indexes built —
+    ``tests/test_incremental_index.py`` checks both.
 
     Placement's memo is not kept here but beside the view (``Reconciler.memo``):
     every node whose inputs or holdings change is marked ``changed``, and the
