@@ -92,7 +92,7 @@ Callback = Callable[[], Awaitable[None]]
 ATTEMPT_TIMEOUTS = 10
 
 
-async def connect(  # noqa: C901
+async def connect(
     servers: str | list[str],
     tls: TlsFiles,
     *,

@@ -302,7 +302,7 @@ class GatewaySection(Section, frozen=True):
     # mirrors; 0: one per core this process may run on. 'llmgw gateway --workers N' overrides.
     workers: int = 0
 
-    def __post_init__(self):  # noqa: C901
+    def __post_init__(self):
         if not (type(self.workers) is int and 0 <= self.workers <= 1024):
             raise Invalid("workers", f"must be a whole number from 0 (one per core) to 1024, got {self.workers!r}")
         if self.routing not in get_args(Routing):  # a file's value msgspec checks; this, a program's

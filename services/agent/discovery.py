@@ -625,7 +625,7 @@ def _lost_problem(bus_id: str, said: str) -> str:
     return f"GPU is lost (XID 79, fallen off the bus?): nvidia-smi: Unable to determine the device handle for GPU {bus_id}: {said}"
 
 
-def gpu_health(  # noqa: C901
+def gpu_health(
     cfg: AgentConfig,
     gpus: list[Gpu],
     warnings: list[str],

@@ -83,7 +83,7 @@ class SimConfig:
         return self.rank == 0
 
     @classmethod
-    def from_args(cls, a: argparse.Namespace) -> SimConfig:  # noqa: C901
+    def from_args(cls, a: argparse.Namespace) -> SimConfig:
         if not a.model.strip():
             raise ConfigError("--model must not be empty")
         served = a.served_model_name if a.served_model_name is not None else a.model

@@ -183,7 +183,7 @@ class Forwarder:
             if self.access is not None:
                 self.access.answered(request, model, status, seconds, backend.id)
 
-    async def _attempt(  # noqa: C901
+    async def _attempt(
         self, request: Request, b: Backend, path: str, body: bytes, model: str, started: float, stream: bool, form: bytes = b""
     ) -> tuple[Response | Stream, int]:
         """One try on ``b``: the response and the status to count. Raises _Retryable while nothing was sent."""
