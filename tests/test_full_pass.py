@@ -17,9 +17,9 @@ import threading
 import pytest
 from prometheus_client import REGISTRY
 
+from llmgw.services.scheduler.cycle import ReconcileConfig
 from llmgw.services.scheduler.fullpass import MAX_DROPPED, FullPass, Snapshot
 from llmgw.services.scheduler.incremental import Reconciler
-from llmgw.services.scheduler.reconcile import ReconcileConfig
 
 from .builders import apply_plan, make_deployment, make_lease, make_node, with_engines
 from .cluster_helpers import Cluster

@@ -14,6 +14,7 @@ them all, and gives the same plans.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import Counter
 
@@ -22,9 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.services.scheduler.incremental import Reconciler
-from llmgw.services.scheduler.placement import _indexes, cache_of
-from llmgw.services.scheduler.reconcile import ReconcileConfig, reconcile, remember_failures
+from llmgw.services.scheduler.cycle import ReconcileConfig, remember_failures
+from llmgw.services.scheduler.incremental import Inputs, Reconciler, changes
+from llmgw.services.scheduler.placement import PlacementCache, _indexes
+from llmgw.services.scheduler.reconcile import reconcile
 from llmgw.services.scheduler.view import ClusterView, PortRange
 
 from .builders import apply_plan, make_deployment, make_lease, make_node, with_engines
@@ -67,11 +69,10 @@ class Recorded(dict):
         return out
 
 
-def view_facts(view: ClusterView) -> dict:
-    """Everything placement reads from a view, in comparable form."""
+def view_facts(view: ClusterView, cache: PlacementCache) -> dict:
+    """Everything placement reads from a view and its memo, in comparable form."""
     for multi in (False, True):
-        _indexes(view, multi)
-    cache = cache_of(view)
+        _indexes(view, cache, multi)
     nodes = {
         nid: (
             n.record,
@@ -88,7 +89,7 @@ def view_facts(view: ClusterView) -> dict:
         )
         for nid, n in view.nodes.items()
     }
-    static = {k: v for k, v in cache.static.items() if k[0] in view.nodes}
+    static = {k: verdict for k, (node, verdict) in cache.static.items() if view.nodes.get(k[0]) is node}
     indexes = {
         (multi, group): (tuple((k, tuple(b)) for k, b in sorted(idx.buckets.items())), idx.total_gpus, idx.used_gpus)
         for multi, by_group in cache.indexes.items()
@@ -107,7 +108,7 @@ def view_facts(view: ClusterView) -> dict:
 
 def assert_view_is_full(rec: Reconciler, nodes, leases, replicas, suspects):
     full = ClusterView.build(nodes, leases, replicas.values(), ports=rec.config.ports, suspects=suspects)
-    live, want = view_facts(rec.view), view_facts(full)
+    live, want = view_facts(rec.view, rec.memo), view_facts(full, PlacementCache())
     for key in want:
         assert live[key] == want[key], f"live view's {key} differs from the full build's"
 
@@ -314,3 +315,83 @@ def test_a_pending_deployment_is_placed_when_a_node_joins():
     plan = rec.step(deps, replicas, nodes, leases, 12.0)
     assert plan == reconcile(deps, replicas, nodes, leases, 12.0)
     assert [launch.node_id for launch in plan.launches] == ["node09"]
+
+
+# --------------------------------------------------------------------------
+# changes(previous, now): what is dirty, as a pure function (table tests)
+# --------------------------------------------------------------------------
+
+
+def _settled():
+    """A reconciler that has placed a deployment of 6 and seen them all ready."""
+    nodes, leases = big_cluster()
+    rec = Reconciler()
+    replicas, deps = placed(rec, {"d": make_deployment("d", replicas=6, startup_timeout=100.0)}, nodes, leases, 10.0)
+    return rec, deps, replicas, nodes, leases
+
+
+def _edit(case, deps, replicas, nodes, leases):
+    """The inputs of the next step after ``case``; returns them and what must be dirty."""
+    first = sorted(replicas)[0]
+    node = replicas[first].members[0].node_id
+    on_node = {rid for rid, r in replicas.items() if any(m.node_id == node for m in r.members)}
+    if case == "nothing":
+        return (deps, replicas, nodes, leases), (set(), set(), set())
+    if case == "a replica record replaced":
+        return (deps, {**replicas, first: msgspec.structs.replace(replicas[first], reason="x")}, nodes, leases), ({first}, {"d"}, set())
+    if case == "a replica record gone":
+        return (deps, {k: v for k, v in replicas.items() if k != first}, nodes, leases), ({first}, {"d"}, set())
+    if case == "a lease renewed, same state":
+        renewed = {**leases, node: msgspec.structs.replace(leases[node], last_renew=20.0, last_seq=9)}
+        return (deps, replicas, nodes, renewed), (set(), set(), set())
+    if case == "a lease gone lost":
+        return (deps, replicas, nodes, {**leases, node: make_lease(node, "lost", since=20.0)}), (on_node, {"d"}, {node})
+    if case == "a node record replaced":
+        return (deps, replicas, {**nodes, node: make_node(node, "ib-a", admin="cordoned")}, leases), (on_node, {"d"}, {node})
+    if case == "the scheduler's own write of a spec":
+        written = {"d": msgspec.structs.replace(deps["d"], last_generation=deps["d"].last_generation + 1)}
+        return (written, replicas, nodes, leases), (set(), {"d"}, set())
+    if case == "a new startup timeout":
+        return ({"d": msgspec.structs.replace(deps["d"], startup_timeout=5.0)}, replicas, nodes, leases), (set(replicas), {"d"}, set())
+    if case == "a deployment deleted":
+        return ({}, replicas, nodes, leases), (set(replicas), {"d"}, set())
+    raise AssertionError(case)
+
+
+CASES = [
+    "nothing",
+    "a replica record replaced",
+    "a replica record gone",
+    "a lease renewed, same state",
+    "a lease gone lost",
+    "a node record replaced",
+    "the scheduler's own write of a spec",
+    "a new startup timeout",
+    "a deployment deleted",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_changes_names_what_is_dirty_and_touches_nothing(case):
+    rec, deps, replicas, nodes, leases = _settled()
+    (d, r, n, le), (want_replicas, want_deployments, want_nodes) = _edit(case, deps, replicas, nodes, leases)
+    before = copy.deepcopy(rec.seen)
+    dirty = changes(rec.seen, Inputs(d, r, n, le, 20.0))
+    assert (dirty.replicas, dirty.deployments, dirty.nodes) == (want_replicas, want_deployments, want_nodes)
+    assert rec.seen == before  # pure: what the previous step left is read, not changed
+    told = changes(rec.seen, Inputs(d, r, n, le, 20.0, touched=set(nodes) | set(leases)))
+    assert (told.replicas, told.deployments, told.nodes) == (want_replicas, want_deployments, want_nodes)
+
+
+def test_changes_names_a_replica_whose_clock_is_due_and_leaves_the_clock_to_remember():
+    nodes, leases = big_cluster(4)
+    rec = Reconciler()
+    deps = {"d": make_deployment("d", replicas=1, startup_timeout=100.0)}
+    replicas, deps = apply_plan(rec.step(deps, {}, nodes, leases, 10.0), {}, deps)
+    rec.step(deps, replicas, nodes, leases, 11.0)  # the write echoed: launching, its clock set
+    (rid,) = replicas
+    assert [rid for _, rid in rec.seen.deadlines] == [rid]
+    assert changes(rec.seen, Inputs(deps, replicas, nodes, leases, 50.0)).replicas == set()
+    due = changes(rec.seen, Inputs(deps, replicas, nodes, leases, 111.0))
+    assert due.replicas == {rid} and due.deployments == {"d"} and [r for _, r in due.due] == [rid]
+    assert [r for _, r in rec.seen.deadlines] == [rid]  # still there: ``remember`` retires it

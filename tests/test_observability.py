@@ -30,7 +30,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from llmgw.services.gateway.metrics import GatewayMetrics
 from llmgw.services.gateway.router import Router
-from llmgw.services.scheduler.service import REBUILD_REASONS, RebuildClock, rebuild_reason
+from llmgw.services.scheduler.metrics import REBUILD_REASONS, RebuildClock, rebuild_reason
 from llmgw.shared.events import Event
 
 from . import spawning

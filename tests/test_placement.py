@@ -12,8 +12,9 @@ from llmgw.services.scheduler import reasons as R
 from llmgw.services.scheduler.placement import (
     FILTERS,
     GROUP_SCORERS,
+    PlacementCache,
     Request,
-    cache_of,
+    _indexes,
     check_node,
     explain,
     place,
@@ -302,8 +303,9 @@ def test_scorers_stay_within_0_and_1():
     nodes, leases = seed_cluster()
     full_a = holding("sim-g1", ("node01", range(8)), ("node02", range(8)), fabric="ib-a", deployment="sim")
     view = view_of(nodes, leases, full_a)
-    place(SEED_REQ, view)  # builds the indexes
-    for group, index in cache_of(view).indexes[True].items():
+    memo = PlacementCache()
+    place(SEED_REQ, view, memo)  # builds the indexes
+    for group, index in memo.indexes[True].items():
         for scorer in GROUP_SCORERS:
             assert 0.0 <= scorer.score(group, index, SEED_REQ, view) <= 1.0
     oracle = NodeBinPack()  # best_fit's test oracle, not a pipeline stage
@@ -312,41 +314,58 @@ def test_scorers_stay_within_0_and_1():
 
 
 # --------------------------------------------------------------------------
-# Placement's memo of a view (PlacementCache)
+# Placement's memo of a view (PlacementCache), kept beside it
 # --------------------------------------------------------------------------
 
 
-def index_buckets(view, multi):
-    return {g: {k: list(b) for k, b in idx.buckets.items()} for g, idx in cache_of(view).indexes[multi].items()}
+def index_buckets(view, memo, multi):
+    """The memo's indexes of ``multi``'s shape, once it has followed the view."""
+    return {g: {k: list(b) for k, b in idx.buckets.items()} for g, idx in _indexes(view, memo, multi).items()}
 
 
 def test_commit_moves_nodes_in_the_indexes_as_a_fresh_build_would_place_them():
     nodes, leases = seed_cluster()
-    view = view_of(nodes, leases)
-    place(SEED_REQ, view)  # builds the multi-node indexes
-    place(Request("one", 4, 1), view)  # and the single-node ones
+    view, memo = view_of(nodes, leases), PlacementCache()
+    place(SEED_REQ, view, memo)  # builds the multi-node indexes
+    place(Request("one", 4, 1), view, memo)  # and the single-node ones
     held = holding("sim-g1", ("node01", range(4), 20000, 20001), ("node02", range(4)), fabric="ib-a", deployment="sim")
     view.commit(held)
-    fresh = view_of(nodes, leases, held)
-    place(SEED_REQ, fresh)
-    place(Request("one", 4, 1), fresh)
-    assert index_buckets(view, True)["ib-a"] == {4: ["node01", "node02"]}
+    assert view.changed == {"node01", "node02"}  # what the memo follows
+    fresh, fresh_memo = view_of(nodes, leases, held), PlacementCache()
+    place(SEED_REQ, fresh, fresh_memo)
+    place(Request("one", 4, 1), fresh, fresh_memo)
+    assert index_buckets(view, memo, True)["ib-a"] == {4: ["node01", "node02"]}
+    assert not view.changed
     for multi in (False, True):
-        assert index_buckets(view, multi) == index_buckets(fresh, multi)
+        assert index_buckets(view, memo, multi) == index_buckets(fresh, fresh_memo, multi)
+
+
+def test_a_memo_follows_a_node_whose_view_was_replaced():
+    """A node view replaced (its record changed: cordoned) is judged again, not by
+    the verdict memoised for the one it replaced, and leaves the indexes."""
+    nodes, leases = seed_cluster()
+    view, memo = view_of(nodes, leases), PlacementCache()
+    place(SEED_REQ, view, memo)
+    assert "node01" in index_buckets(view, memo, True)["ib-a"][8]
+    cordoned = view_of({**nodes, "node01": make_node("node01", "ib-a", admin="cordoned")}, leases).nodes["node01"]
+    view.nodes["node01"] = cordoned
+    view.changed.add("node01")
+    assert "node01" not in index_buckets(view, memo, True)["ib-a"][8]
+    assert check_node(cordoned, SEED_REQ, view, memo).reason == R.CORDONED
 
 
 def test_a_refusal_is_reused_until_the_view_changes_then_recomputed():
     nodes, leases = seed_cluster(node02="lost", node03="lost", node04="lost")
-    view = view_of(nodes, leases, holding("a", ("node01", range(4), 20000, 20001)))
+    view, memo = view_of(nodes, leases, holding("a", ("node01", range(4), 20000, 20001))), PlacementCache()
     whole = Request("d", 8, 1)
-    first = place(whole, view)
+    first = place(whole, view, memo)
     assert not first.placed and first.details["node01"].startswith("4 of 8 GPUs free")
-    assert place(whole, view) == first
-    assert list(cache_of(view).refusals) == [(8, 1)] and cache_of(view).refusals_version == view.version
+    assert place(whole, view, memo) == first
+    assert list(memo.refusals) == [(8, 1)] and memo.refusals_version == view.version
     view.commit(holding("b", ("node01", [4, 5], 20002, 20003)))
-    again = place(whole, view)
+    again = place(whole, view, memo)
     assert again.details["node01"].startswith("2 of 8 GPUs free")  # not the refusal cached before the commit
-    assert cache_of(view).refusals_version == view.version
+    assert memo.refusals_version == view.version
 
 
 # --------------------------------------------------------------------------

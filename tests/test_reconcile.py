@@ -9,8 +9,9 @@ import pytest
 
 from llmgw.services.scheduler import placement
 from llmgw.services.scheduler import reasons as R
+from llmgw.services.scheduler.cycle import ReconcileConfig
 from llmgw.services.scheduler.fence import fence
-from llmgw.services.scheduler.reconcile import ReconcileConfig, reconcile
+from llmgw.services.scheduler.reconcile import reconcile
 from llmgw.services.scheduler.view import PortRange
 from llmgw.shared.schemas import EngineFact, Replica, template_digest
 

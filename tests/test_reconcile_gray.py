@@ -14,7 +14,8 @@ import json
 import msgspec
 import pytest
 
-from llmgw.services.scheduler.reconcile import ReconcileConfig, reconcile, remember_failures
+from llmgw.services.scheduler.cycle import ReconcileConfig, remember_failures
+from llmgw.services.scheduler.reconcile import reconcile
 from llmgw.shared.schemas import ExplainReply, Replica, decode, encode, to_builtins
 from llmgw.shared.states import ACTIVE_REPLICA, WANTED_REPLICA
 from llmgw.shared.states import EngineState as E

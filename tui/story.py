@@ -82,7 +82,7 @@ class StoryBook:
         """The story still unfolding, newest first ('' when none)."""
         return self.open[-1].text() if self.open else ""
 
-    def add(self, ev: Event) -> Rebuild | None:
+    def add(self, ev: Event) -> Rebuild | None:  # noqa: C901
         """Take the next event; returns a story it completed."""
         if ev.kind == "node" and ev.what == "lost":
             self.lost[ev.subject] = ev.time

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRecord, Replica
 from llmgw.shared.tasks import cancel_and_wait
 
-from . import ReconcileConfig
+from .cycle import ReconcileConfig
 from .incremental import Reconciler
 from .plan import NodeFailure, Plan
 

@@ -7,10 +7,10 @@ takes the same arguments and returns the same plan — the property tests in
 ``tests/test_incremental_index.py`` hold the two equal, plan for plan, over
 random histories — but keeps, between calls:
 
-* a ``LiveView``: the ``ClusterView`` (nodes, what each holds, the spread)
-  with placement's memo of it (``PlacementCache``: the static filters'
-  verdicts, the capacity indexes), updated in place by the differences of its
-  inputs instead of rebuilt;
+* a ``LiveView``: the ``ClusterView`` (nodes, what each holds, the spread),
+  updated in place by the differences of its inputs instead of rebuilt, and
+  beside it placement's memo of it (``PlacementCache``: the static filters'
+  verdicts, the capacity indexes), which follows the nodes the view changed;
 * what it was given last time. The shell's KV mirrors replace an entry when it
   changes, so an unchanged entry is the same object: a walk comparing
   identities finds what changed. For nodes and leases the shell names the
@@ -18,8 +18,10 @@ random histories — but keeps, between calls:
   of 10,000 of each cost 2–5 ms a step, and while thousands of agents connect
   the scheduler steps for every few of them (60 % of its CPU at bring-up).
 
-A step advances only the *dirty* replicas and converges only the *dirty*
-deployments:
+A step is three parts: ``changes(previous, now)``, pure, says what is
+*dirty*; the cycle's phases (``cycle.run``, the very ones ``reconcile`` runs
+over everything) run over the dirty replicas and deployments; ``remember``
+keeps what the next step compares against. What is dirty:
 
 * a replica is dirty when its record changed (or appeared, or went), when the
   last plan wrote or deleted it, when the record or the lease state of a node
@@ -39,8 +41,9 @@ replica none of which changed, whose clocks are not due and which the last
 plan left as it was, is advanced to itself (nothing is written). ``converge``
 reads its deployment's spec and replicas, its members' admin states and —
 only to place — the view; a settled deployment whose spec and replicas did not
-change gives nothing. Phase order, and the order within each phase, are the
-full pass's, so the plans are equal, events in the same order.
+change gives nothing. The phases are ``reconcile``'s own code (``cycle.run``),
+in its order and in its order within each, so the plans are equal, events in
+the same order.
 
 Still pure: nothing is read but the arguments, the clock is ``now``, and what
 is kept is a function of the arguments seen. A caller that could not apply a
@@ -54,18 +57,16 @@ from __future__ import annotations
 import heapq
 from collections import Counter, defaultdict
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRecord, Replica
 from llmgw.shared.states import ReplicaState as RS
 
-from .filters import Request
-from .placement import PlacementCache, static_verdict
+from .cycle import LEADER_UP, STARTING, Cycle, ReconcileConfig, Scope, run
+from .placement import PlacementCache
 from .plan import NodeFailure, Plan
-from .reconcile import _LEADER_UP, _STARTING, ReconcileConfig, _Cycle, advance_order, replica_order
 from .view import HOLDS_RESOURCES, LIVE, ClusterView, NodeView, PortRange, node_view
 
-# The shapes the static filters tell apart (``_indexes`` in placement.py).
-SHAPES = {False: Request("", 0, 1), True: Request("", 0, 2)}
 # A clock is treated as due this much early: ``now - t > timeout`` and
 # ``t + timeout < now`` may round apart, and waking early only costs one look.
 DEADLINE_SLACK = 1e-3
@@ -73,20 +74,18 @@ DEADLINE_SLACK = 1e-3
 
 class LiveView(ClusterView):
     """A ``ClusterView`` kept current across cycles: nodes are set, replicas held
-    and released, and every index follows. Equal, at the end of each step, to
-    ``ClusterView.build`` of the same nodes, leases, suspects and replicas (with
-    both shapes' indexes built) — ``tests/test_incremental_index.py`` checks it.
+    and released, and the spread and port counts follow. Equal, at the end of
+    each step, to ``ClusterView.build`` of the same nodes, leases, suspects and
+    replicas, and its memo to a fresh one's with both shapes' indexes built —
+    ``tests/test_incremental_index.py`` checks both.
 
-    Placement's memo is kept here too, since the view changes in ways
-    ``commit`` alone does not: both shapes' static verdicts and indexes from
-    the start, each node's redone when it changes. Its refusals need no care:
-    every change bumps ``version``, which they are valid for."""
-
-    placement: PlacementCache
+    Placement's memo is not kept here but beside the view (``Reconciler.memo``):
+    every node whose inputs or holdings change is marked ``changed``, and the
+    memo follows. Its refusals need no care: every change bumps ``version``,
+    which they are valid for."""
 
     def __init__(self, ports: PortRange):
         super().__init__({}, ports, Counter())
-        self.placement = PlacementCache(indexes={False: {}, True: {}})
         self.held: dict[str, Replica] = {}  # replica id -> the record whose holdings are in the view
         self._spread_key: dict[str, tuple] = {}  # replica id -> the spread entry it counts in
         # node -> how many held members use each GPU / port: two records naming
@@ -108,14 +107,13 @@ class LiveView(ClusterView):
         prev = self._inputs.get(node_id, (None, None, "", ""))
         if old is not None and prev[0] is record and prev[1:] == inputs[1:]:
             return
-        self._unindex(node_id)
+        self.changed.add(node_id)
         old_home = old.home if old is not None else None
         if old is not None:
             self._size(len(old.gpus), -1)
         if record is None and lease is None and not self.on_node.get(node_id):
             self.nodes.pop(node_id, None)
             self._inputs.pop(node_id, None)
-            self._forget_verdicts(node_id)
             self.version += 1
             return
         node = node_view(node_id, record, lease, suspect)
@@ -131,42 +129,13 @@ class LiveView(ClusterView):
     def _add_node(self, node: NodeView) -> None:
         self.nodes[node.node_id] = node
         self._size(len(node.gpus), +1)
-        self._forget_verdicts(node.node_id)
-        for shape in SHAPES.values():
-            static_verdict(node, shape, self)
-        self._index(node.node_id)
-
-    def _forget_verdicts(self, node_id: str) -> None:
-        for multi in SHAPES:
-            self.placement.static.pop((node_id, multi), None)
+        self.changed.add(node.node_id)
 
     def _size(self, gpus: int, delta: int) -> None:
         self._sizes[gpus] += delta
         if self._sizes[gpus] <= 0:
             del self._sizes[gpus]
         self.max_gpus = max(self._sizes, default=0) or 1
-
-    def _index(self, node_id: str) -> None:
-        for multi in SHAPES:
-            if self.placement.indexed(node_id, multi):
-                self.placement.index_add(self, multi, node_id)
-
-    def _unindex(self, node_id: str) -> None:
-        node = self.nodes.get(node_id)
-        if node is None:
-            return
-        key = self.index_key(node_id)
-        if key is None:
-            return
-        indexes = self.placement.indexes
-        for multi in SHAPES:
-            if not self.placement.indexed(node_id, multi):
-                continue
-            for group in self.groups(node, multi):
-                index = indexes[multi][group]
-                index.remove(node_id, key, len(node.gpus))
-                if not index.buckets:
-                    del indexes[multi][group]
 
     # -- replicas ------------------------------------------------------------
 
@@ -200,7 +169,7 @@ class LiveView(ClusterView):
             self.on_node.setdefault(nid, set()).add(rid)
             if nid not in self.nodes:  # neither record nor lease: it still holds what it holds
                 self._add_node(NodeView(nid, None, None, (), {}))
-            self._unindex(nid)
+            self.changed.add(nid)
             node = self.nodes[nid]
             ports = [p for p in (m.rendezvous_port, m.http_port) if p]
             self._gpu_refs.setdefault(nid, Counter()).update(m.gpus)
@@ -209,7 +178,6 @@ class LiveView(ClusterView):
             node.used_ports.update(ports)
             if self.ports.shared_by_nodes:
                 self.host_ports.update(ports)
-            self._index(nid)
         self._respread(rid)
         self.version += 1
 
@@ -220,7 +188,7 @@ class LiveView(ClusterView):
             self._unspread(key)
         for m in replica.members:
             nid = m.node_id
-            self._unindex(nid)
+            self.changed.add(nid)
             node = self.nodes[nid]
             gpus, ports = self._gpu_refs[nid], self._port_refs[nid]
             gpus.subtract(m.gpus)
@@ -238,7 +206,6 @@ class LiveView(ClusterView):
                 on.discard(rid)
                 if not on:
                     del self.on_node[nid]
-            self._index(nid)
             if not self.on_node.get(nid) and node.record is None and node.lease is None:
                 self._forget_node(nid)
         self.version += 1
@@ -248,7 +215,6 @@ class LiveView(ClusterView):
         node = self.nodes.pop(nid)
         self._size(len(node.gpus), -1)
         self._inputs.pop(nid, None)
-        self._forget_verdicts(nid)
         self._gpu_refs.pop(nid, None)
         self._port_refs.pop(nid, None)
 
@@ -274,13 +240,148 @@ def _holdings(replica: Replica) -> list[tuple]:
 
 def deadline(replica: Replica, spec: DeploymentSpec | None, config: ReconcileConfig) -> float | None:
     """When ``advance`` would next act on ``replica`` if nothing else changed (None: never)."""
-    if replica.state in _STARTING and replica.members and spec is not None and replica.members[0].engine_state not in _LEADER_UP:
+    if replica.state in STARTING and replica.members and spec is not None and replica.members[0].engine_state not in LEADER_UP:
         return replica.created_at + spec.startup_timeout
     if replica.state == RS.DEGRADED:
         return replica.since + config.hang_timeout
     if replica.state == RS.REAPING:
         return replica.since + config.reap_timeout
     return None
+
+
+# --------------------------------------------------------------------------
+# What changed: the previous step's inputs against this one's
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One step's arguments (``Reconciler.step``)."""
+
+    deployments: Mapping[str, DeploymentSpec]
+    replicas: Mapping[str, Replica]
+    nodes: Mapping[str, NodeRecord]
+    leases: Mapping[str, Lease]
+    now: float
+    # The nodes whose record or lease may have changed (a superset will do); None: any.
+    touched: Collection[str] | None = None
+
+
+@dataclass
+class Seen:
+    """What a reconciler keeps of its previous step (``remember``): what ``changes`` compares against."""
+
+    on_node: Mapping[str, set[str]]  # the live view's: node -> held replicas with a member there
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)  # as given last step
+    leases: dict[str, tuple] = field(default_factory=dict)  # node -> (state, quarantine) as given last step
+    lease_objs: dict[str, Lease] = field(default_factory=dict)  # and the leases themselves (a renewal is a new one)
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    deployments: dict[str, DeploymentSpec] = field(default_factory=dict)
+    # deployment -> its replicas, and back: the index of the records as given
+    groups: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    dep_of: dict[str, str] = field(default_factory=dict)
+    carry: set[str] = field(default_factory=set)  # written or deleted by the last plan
+    unsettled: set[str] = field(default_factory=set)  # deployments ``cycle.run`` left unsettled
+    deadlines: list[tuple[float, str]] = field(default_factory=list)  # a heap of (when, replica id)
+    deadline_of: dict[str, float] = field(default_factory=dict)  # replica id -> its clock's entry in the heap
+    effective: set[str] = field(default_factory=set)  # nodes the last step auto-cordoned (their record here differs from the input's)
+    suspects: dict[str, str] = field(default_factory=dict)  # the peer-lost suspects the last step placed around
+
+
+@dataclass(frozen=True)
+class Dirty:
+    """What a step looks at: what ``changes`` found, or everything."""
+
+    replicas: set[str]  # advanced (ids of records that are, or were, among the inputs)
+    deployments: set[str]  # converged
+    nodes: set[str]  # whose record or lease changed: the view redoes them
+    joining: Mapping[str, set[str]]  # deployment -> the dirty replicas whose record (now) is of it
+    due: list[tuple[float, str]] = field(default_factory=list)  # deadline entries come due (``remember`` retires them)
+    everything: bool = False
+
+
+def everything(now: Inputs) -> Dirty:
+    """A full step: every replica, deployment and node is dirty."""
+    joining: dict[str, set[str]] = defaultdict(set)
+    for rid, replica in now.replicas.items():
+        joining[replica.deployment].add(rid)
+    return Dirty(set(now.replicas), set(now.deployments) | set(joining), set(now.nodes) | set(now.leases), joining, everything=True)
+
+
+def changes(previous: Seen, now: Inputs) -> Dirty:
+    """What is dirty since ``previous`` (the module docstring says why that is
+    all a step must look at). Pure: reads both, changes neither."""
+    nodes = changed_nodes(previous, now)
+    replicas = {rid for rid, r in now.replicas.items() if previous.replicas.get(rid) is not r}
+    replicas.update(rid for rid in previous.replicas if rid not in now.replicas)
+    replicas |= previous.carry
+    for n in nodes:
+        replicas.update(previous.on_node.get(n, ()))
+    deployments = {d for d, spec in now.deployments.items() if previous.deployments.get(d) is not spec}
+    deployments.update(d for d in previous.deployments if d not in now.deployments)
+    for d in deployments:
+        # Of its replica's spec ``advance`` reads only whether there is one
+        # and its startup timeout. The scheduler's own writes of a spec (a
+        # new generation counter, a backoff) change neither, and dirtying
+        # 4,000 replicas for them cost ~100 ms a step; converge, which reads
+        # all of the spec, runs for the deployment either way.
+        was, spec_now = previous.deployments.get(d), now.deployments.get(d)
+        if was is None or spec_now is None or was.startup_timeout != spec_now.startup_timeout:
+            replicas.update(previous.groups.get(d, ()))
+    due = due_deadlines(previous.deadlines, now.now + DEADLINE_SLACK)
+    replicas.update(rid for at, rid in due if previous.deadline_of.get(rid) == at)
+    deployments |= previous.unsettled
+    # A dirty replica's deployment, before and now, is looked at too.
+    joining: dict[str, set[str]] = defaultdict(set)
+    for rid in replicas:
+        old_dep, new = previous.dep_of.get(rid), now.replicas.get(rid)
+        if old_dep is not None:
+            deployments.add(old_dep)
+        if new is not None:
+            deployments.add(new.deployment)
+            joining[new.deployment].add(rid)
+    return Dirty(replicas, deployments, nodes, joining, due)
+
+
+def changed_nodes(previous: Seen, now: Inputs) -> set[str]:
+    """The nodes whose record or lease state (or quarantine) changed; with
+    ``now.touched``, only those are compared (the identity walk of every node
+    was most of a step's cost at 10,000 nodes)."""
+    if now.touched is None:
+        changed = {n for n, rec in now.nodes.items() if previous.nodes.get(n) is not rec}
+        changed.update(n for n in previous.nodes if n not in now.nodes)
+        changed.update(n for n, lease in now.leases.items() if _lease_changed(previous, n, lease))
+        changed.update(n for n in previous.leases if n not in now.leases)
+        return changed
+    changed = set()
+    for n in now.touched:
+        lease = now.leases.get(n)
+        if previous.nodes.get(n) is not now.nodes.get(n) or (n in previous.leases if lease is None else _lease_changed(previous, n, lease)):
+            changed.add(n)
+    return changed
+
+
+def _lease_changed(previous: Seen, node: str, lease: Lease) -> bool:
+    """A new lease object whose state or quarantine differs (a renewal alone is no change)."""
+    return previous.lease_objs.get(node) is not lease and previous.leases.get(node) != (lease.state, lease.quarantine)
+
+
+def due_deadlines(heap: list[tuple[float, str]], at: float) -> list[tuple[float, str]]:
+    """The entries of a heap of (time, id) at or before ``at``, without popping
+    them: a walk of the heap's tree that stops below any later entry."""
+    out: list[tuple[float, str]] = []
+    stack = [0] if heap else []
+    while stack:
+        i = stack.pop()
+        if heap[i][0] <= at:
+            out.append(heap[i])
+            stack.extend(c for c in (2 * i + 1, 2 * i + 2) if c < len(heap))
+    return out
+
+
+# --------------------------------------------------------------------------
+# The reconciler
+# --------------------------------------------------------------------------
 
 
 class Reconciler:
@@ -294,20 +395,8 @@ class Reconciler:
     def reset(self) -> None:
         """Forget everything: the next step is a full one (a plan was not applied)."""
         self.view = LiveView(self.config.ports)
-        self._nodes: dict[str, NodeRecord] = {}  # as given last step
-        self._leases: dict[str, tuple] = {}  # node -> (state, quarantine) as given last step
-        self._lease_objs: dict[str, Lease] = {}  # and the leases themselves (a renewal is a new one)
-        self._replicas: dict[str, Replica] = {}
-        self._deployments: dict[str, DeploymentSpec] = {}
-        # deployment -> its replicas, and back: the index of the records as given
-        self._by_deployment: dict[str, set[str]] = defaultdict(set)
-        self._dep_of: dict[str, str] = {}
-        self._effective: set[str] = set()  # nodes this step auto-cordoned (their record here differs from the input's)
-        self._suspects: dict[str, str] = {}
-        self._carry_replicas: set[str] = set()  # written or deleted by the last plan
-        self._unsettled: set[str] = set()
-        self._deadlines: list[tuple[float, str]] = []
-        self._deadline_of: dict[str, float] = {}
+        self.memo = PlacementCache.built()  # placement's memo of the view, beside it
+        self.seen = Seen(on_node=self.view.on_node)
         self.fresh = True
         # What the last step did, for metrics and logs.
         self.advanced = 0
@@ -332,152 +421,119 @@ class Reconciler:
         of a step's cost while thousands of agents came and went."""
         if full:
             self.reset()
-        full = self.fresh
-        cfg = self.config
-        view = self.view
-        # -- what changed ------------------------------------------------------
-        if full:
-            dirty_reps = set(replicas)
-            dirty_deps = set(deployments)
-            changed_nodes = set(nodes) | set(leases)
-        else:
-            dirty_reps = {rid for rid, r in replicas.items() if self._replicas.get(rid) is not r}
-            dirty_reps.update(rid for rid in self._replicas if rid not in replicas)
-            dirty_reps |= self._carry_replicas
-            seen = self._lease_objs
-            if touched is None:
-                changed_nodes = {n for n, rec in nodes.items() if self._nodes.get(n) is not rec}
-                changed_nodes.update(n for n in self._nodes if n not in nodes)
-                for n, lease in leases.items():
-                    if seen.get(n) is not lease and self._leases.get(n) != (lease.state, lease.quarantine):
-                        changed_nodes.add(n)
-                changed_nodes.update(n for n in self._leases if n not in leases)
-            else:
-                # The same comparisons, for the touched nodes only.
-                changed_nodes = set()
-                for n in touched:
-                    now_lease = leases.get(n)
-                    if self._nodes.get(n) is not nodes.get(n):
-                        changed_nodes.add(n)
-                    elif now_lease is None:
-                        if n in self._leases:
-                            changed_nodes.add(n)
-                    elif seen.get(n) is not now_lease and self._leases.get(n) != (now_lease.state, now_lease.quarantine):
-                        changed_nodes.add(n)
-            for n in changed_nodes:
-                dirty_reps.update(view.on_node.get(n, ()))
-            dirty_deps = {d for d, spec in deployments.items() if self._deployments.get(d) is not spec}
-            dirty_deps.update(d for d in self._deployments if d not in deployments)
-            for d in dirty_deps:
-                # Of its replica's spec ``advance`` reads only whether there is one
-                # and its startup timeout. The scheduler's own writes of a spec (a
-                # new generation counter, a backoff) change neither, and dirtying
-                # 4,000 replicas for them cost ~100 ms a step; converge, which reads
-                # all of the spec, runs for the deployment either way.
-                was, spec_now = self._deployments.get(d), deployments.get(d)
-                if was is None or spec_now is None or was.startup_timeout != spec_now.startup_timeout:
-                    dirty_reps.update(self._by_deployment.get(d, ()))
-            while self._deadlines and self._deadlines[0][0] <= now + DEADLINE_SLACK:
-                at, rid = heapq.heappop(self._deadlines)
-                if self._deadline_of.get(rid) == at:
-                    del self._deadline_of[rid]
-                    dirty_reps.add(rid)
-            dirty_deps |= self._unsettled
-        # The deployment index follows the records as given.
-        for rid in dirty_reps:
-            old_dep, new = self._dep_of.get(rid), replicas.get(rid)
-            if old_dep is not None:
-                dirty_deps.add(old_dep)
-                if new is None or new.deployment != old_dep:
-                    self._by_deployment[old_dep].discard(rid)
-                    if not self._by_deployment[old_dep]:
-                        del self._by_deployment[old_dep]
-                    del self._dep_of[rid]
-            if new is not None:
-                dirty_deps.add(new.deployment)
-                self._by_deployment[new.deployment].add(rid)
-                self._dep_of[rid] = new.deployment
+        inputs = Inputs(deployments, replicas, nodes, leases, now, touched)
+        dirty = everything(inputs) if self.fresh else changes(self.seen, inputs)
+        cycle = Cycle(deployments, replicas, nodes, leases, now, self.config)
+        unsettled = run(cycle, Scope(dirty.replicas, dirty.deployments, _Members(self.seen.groups, dirty).of), failures or {}, self._sight(dirty))
+        self.remember(inputs, dirty, cycle, unsettled)
+        return cycle.plan
 
-        cycle = _Cycle(deployments, replicas, nodes, leases, now, cfg)
-        cycle.view = view
-        # -- phase 1: the dirty replicas' own facts ----------------------------
-        advancing = sorted((replicas[rid] for rid in dirty_reps if rid in replicas), key=advance_order)
-        for replica in advancing:
-            cycle.advance(replica)
-        # -- phase 2: nodes (auto-cordon) and peer-lost suspects ---------------
-        cycle.judge_nodes(failures or {})
-        suspects = cycle.peer_lost_suspects(failures or {})
-        # -- the view: nodes whose inputs changed, then what replicas hold -----
-        effective = {c.node_id for c in cycle.plan.cordons}
-        if full:
-            touch = sorted(set(nodes) | set(leases))
-        else:
-            touch = sorted(changed_nodes | effective | self._effective | set(suspects) | set(self._suspects))
-        for n in touch:
-            view.set_node(n, cycle.nodes.get(n), leases.get(n), suspects.get(n, ""))
-        for rid in sorted(dirty_reps):
-            view.set_replica(rid, cycle.replicas.get(rid))
-        # -- phase 3: the dirty deployments, by name ---------------------------
-        unsettled: set[str] = set()
-        plan = cycle.plan
-        for name in sorted(dirty_deps):
-            spec = deployments.get(name)
-            mine = sorted((cycle.replicas[r] for r in self._by_deployment.get(name, ()) if r in cycle.replicas), key=replica_order)
-            if spec is None and not mine:
-                continue
-            before = (len(plan.writes), len(plan.deletes), len(plan.events), len(plan.launches), len(plan.stops))
-            cycle.converge(name, spec, mine)
-            after = (len(plan.writes), len(plan.deletes), len(plan.events), len(plan.launches), len(plan.stops))
-            if after != before or name in plan.pending or name in plan.backoffs or any(r.state == RS.PENDING for r in mine):
-                unsettled.add(name)
-        # -- what the next step compares against -------------------------------
-        # The view as the plan leaves it: the next full build's, once applied.
+    def _sight(self, dirty: Dirty):
+        """The view phase of a step: the live view brought up to the cycle's nodes
+        and replicas — only those that may have changed — and its memo."""
+
+        def see(cycle: Cycle, suspects: Mapping[str, str]) -> tuple[ClusterView, PlacementCache]:
+            view, seen = self.view, self.seen
+            if dirty.everything:
+                touch = sorted(dirty.nodes)
+            else:
+                effective = {c.node_id for c in cycle.plan.cordons}
+                touch = sorted(dirty.nodes | effective | seen.effective | set(suspects) | set(seen.suspects))
+            for n in touch:
+                view.set_node(n, cycle.nodes.get(n), cycle.leases.get(n), suspects.get(n, ""))
+            for rid in sorted(dirty.replicas):
+                view.set_replica(rid, cycle.replicas.get(rid))
+            return view, self.memo
+
+        return see
+
+    def remember(self, now: Inputs, dirty: Dirty, cycle: Cycle, unsettled: set[str]) -> None:
+        """What the next step compares against: the view as the plan leaves it (the
+        next full build's, once applied), the clocks, and the inputs as given."""
+        plan, seen = cycle.plan, self.seen
         for rid in sorted(plan.writes.keys() | set(plan.deletes)):
-            view.set_replica(rid, cycle.replicas.get(rid))
-        for rid in dirty_reps | plan.writes.keys():
-            self._track_deadline(rid, cycle.replicas.get(rid), deployments)
-        self.advanced, self.converged = len(advancing), len(dirty_deps)
-        self._carry_replicas = set(plan.writes) | set(plan.deletes)
-        self._unsettled = unsettled
-        self._replicas = dict(replicas)
-        if touched is None or full:
-            self._nodes = dict(nodes)
-            self._lease_objs = dict(leases)
-        else:
-            for n in touched:
-                rec, now_lease = nodes.get(n), leases.get(n)
-                if rec is None:
-                    self._nodes.pop(n, None)
-                else:
-                    self._nodes[n] = rec
-                if now_lease is None:
-                    self._lease_objs.pop(n, None)
-                else:
-                    self._lease_objs[n] = now_lease
-        if full:
-            self._leases = {n: (lease.state, lease.quarantine) for n, lease in leases.items()}
-        else:
-            for n in changed_nodes:
-                now_held = leases.get(n)
-                if now_held is not None:
-                    self._leases[n] = (now_held.state, now_held.quarantine)
-                else:
-                    self._leases.pop(n, None)
-        self._deployments = dict(deployments)
-        self._effective = effective
-        self._suspects = suspects
+            self.view.set_replica(rid, cycle.replicas.get(rid))
+        self.memo.follow(self.view)
+        for at, rid in dirty.due:
+            if seen.deadline_of.get(rid) == at:
+                del seen.deadline_of[rid]
+        for _ in dirty.due:
+            heapq.heappop(seen.deadlines)
+        for rid in dirty.replicas | plan.writes.keys():
+            self._track_deadline(rid, cycle.replicas.get(rid), now.deployments)
+        self.advanced = sum(1 for rid in dirty.replicas if rid in now.replicas)
+        self.converged = len(dirty.deployments)
+        seen.carry = set(plan.writes) | set(plan.deletes)
+        seen.unsettled = unsettled
+        seen.replicas = dict(now.replicas)
+        seen.deployments = dict(now.deployments)
+        self._regroup(dirty, now.replicas)
+        self._remember_nodes(now, dirty)
+        seen.effective = {c.node_id for c in plan.cordons}
+        seen.suspects = cycle.suspects
         self.fresh = False
-        return plan
+
+    def _regroup(self, dirty: Dirty, replicas: Mapping[str, Replica]) -> None:
+        """The deployment index follows the records as given."""
+        groups, dep_of = self.seen.groups, self.seen.dep_of
+        for rid in dirty.replicas:
+            old_dep, new = dep_of.get(rid), replicas.get(rid)
+            if old_dep is not None and (new is None or new.deployment != old_dep):
+                groups[old_dep].discard(rid)
+                if not groups[old_dep]:
+                    del groups[old_dep]
+                del dep_of[rid]
+            if new is not None:
+                groups[new.deployment].add(rid)
+                dep_of[rid] = new.deployment
+
+    def _remember_nodes(self, now: Inputs, dirty: Dirty) -> None:
+        seen = self.seen
+        if now.touched is None or dirty.everything:
+            seen.nodes = dict(now.nodes)
+            seen.lease_objs = dict(now.leases)
+        else:
+            for n in now.touched:
+                _keep(seen.nodes, n, now.nodes.get(n))
+                _keep(seen.lease_objs, n, now.leases.get(n))
+        if dirty.everything:
+            seen.leases = {n: (lease.state, lease.quarantine) for n, lease in now.leases.items()}
+            return
+        for n in dirty.nodes:
+            lease = now.leases.get(n)
+            _keep(seen.leases, n, (lease.state, lease.quarantine) if lease is not None else None)
 
     @property
     def suspects(self) -> dict[str, str]:
         """The peer-lost suspects the last step placed around (node -> why)."""
-        return self._suspects
+        return self.seen.suspects
 
     def _track_deadline(self, rid: str, replica: Replica | None, deployments: Mapping[str, DeploymentSpec]) -> None:
+        seen = self.seen
         at = deadline(replica, deployments.get(replica.deployment), self.config) if replica is not None else None
         if at is None:
-            self._deadline_of.pop(rid, None)
-        elif self._deadline_of.get(rid) != at:
-            self._deadline_of[rid] = at
-            heapq.heappush(self._deadlines, (at, rid))
+            seen.deadline_of.pop(rid, None)
+        elif seen.deadline_of.get(rid) != at:
+            seen.deadline_of[rid] = at
+            heapq.heappush(seen.deadlines, (at, rid))
+
+
+class _Members:
+    """Each deployment's replicas among this step's inputs, for the phases, before
+    the index is brought up to them: the index's ids whose records did not
+    change, and the dirty ones whose records now name the deployment."""
+
+    def __init__(self, groups: Mapping[str, set[str]], dirty: Dirty):
+        self.groups, self.dirty = groups, dirty
+
+    def of(self, name: str) -> list[str]:
+        moved = self.dirty.replicas
+        return [rid for rid in self.groups.get(name, ()) if rid not in moved] + list(self.dirty.joining.get(name, ()))
+
+
+def _keep(store: dict, key: str, value) -> None:
+    """``store[key] = value``, or no entry when ``value`` is None."""
+    if value is None:
+        store.pop(key, None)
+    else:
+        store[key] = value

@@ -14,9 +14,10 @@ single-node replica's group; inside it ``CapacityIndex.best_fit`` chooses the
 nodes, fullest first. ``scorers.NodeBinPack`` is not part of the pipeline: it
 is the oracle the tests hold ``best_fit``'s order to.
 
-Placement's memo of a view is a ``PlacementCache`` (``cache_of``): verdicts and
-indexes that stay true while the view changes only by ``commit``, and refusals
-that stay true until the next change.
+Placement's memo of a view is a ``PlacementCache``, kept beside the view (the
+cycle holds both; the view knows nothing of it): static verdicts and capacity
+indexes, which follow the nodes the view says changed, and refusals, which hold
+until the view's next change.
 """
 
 from __future__ import annotations
@@ -90,30 +91,66 @@ class Refusal:
     summary: str
 
 
+# The shapes the static filters tell apart: single-node and multi-node.
+SHAPES = {False: Request("", 0, 1), True: Request("", 0, 2)}
+
+
 @dataclass(eq=False)
 class PlacementCache:
-    """What placement memoises about one ``ClusterView`` (``view.placement``).
+    """What placement memoises about one ``ClusterView``, kept beside it.
 
-    ``static`` and ``indexes`` stay true while the view changes only by
-    ``commit`` (the view re-buckets committed nodes through ``reindex``); a view
-    that changes otherwise — the incremental ``LiveView`` — keeps them in step
-    itself. ``refusals`` hold for one ``view.version``: capacity only shrinks
-    between commits, so until the next one a shape fails the same way.
+    ``static`` holds while a node's ``NodeView`` is the same object (a node
+    whose record, lease or suspicion changes gets a new one). ``indexes`` hold
+    a shape's nodes by free GPUs; they follow the nodes the view marks changed
+    (``follow``, at the start of every query), so one memo serves a view that
+    is only committed to (one cycle's) and one that is kept across cycles (the
+    incremental ``LiveView``) alike. ``refusals`` hold for one ``view.version``:
+    capacity only shrinks between changes, so until the next one a shape fails
+    the same way. One memo per view: following takes the view's changed nodes.
     """
 
-    # (node id, multi-node shape) -> the static filters' verdict
-    static: dict[tuple[str, bool], Verdict] = field(default_factory=dict)
+    # (node id, multi-node shape) -> (the node view judged, the static filters' verdict)
+    static: dict[tuple[str, bool], tuple[NodeView, Verdict]] = field(default_factory=dict)
     # multi-node shape -> group -> capacity index of the nodes passing ``static``;
     # a shape is present once its indexes are built
     indexes: dict[bool, dict[str | None, CapacityIndex]] = field(default_factory=dict)
+    # (node id, multi-node shape) -> (bucket, groups, total GPUs) the node was entered under
+    entered: dict[tuple[str, bool], tuple[int, tuple[str | None, ...], int]] = field(default_factory=dict)
     # (GPUs per node, nodes per replica) -> why that shape fits nowhere
     refusals: dict[tuple[int, int], Refusal] = field(default_factory=dict)
     refusals_version: int = -1  # the view version ``refusals`` hold for
 
-    def indexed(self, node_id: str, multi: bool) -> bool:
-        """Whether the static filters let ``node_id`` into the ``multi`` shape's indexes."""
-        verdict = self.static.get((node_id, multi))
-        return verdict is not None and verdict.ok
+    @classmethod
+    def built(cls) -> PlacementCache:
+        """A memo with both shapes' indexes present (empty): for a view that starts
+        empty and is filled node by node, every node is indexed as it comes."""
+        return cls(indexes={multi: {} for multi in SHAPES})
+
+    def follow(self, view: ClusterView) -> None:
+        """Bring the indexes up to the view: each node it marked changed is taken
+        out of them and put back as it is now (or left out, if gone or refused)."""
+        changed = view.take_changed()
+        for node_id in changed:  # the indexes keep their buckets sorted: any order will do
+            node = view.nodes.get(node_id)
+            for multi in self.indexes:
+                self._take_out(node_id, multi)
+                if node is not None and static_verdict(node, SHAPES[multi], view, self).ok:
+                    self.index_add(view, multi, node_id)
+            if node is None:
+                for multi in SHAPES:
+                    self.static.pop((node_id, multi), None)
+
+    def _take_out(self, node_id: str, multi: bool) -> None:
+        entry = self.entered.pop((node_id, multi), None)
+        if entry is None:
+            return
+        key, groups, total = entry
+        by_group = self.indexes[multi]
+        for group in groups:
+            index = by_group[group]
+            index.remove(node_id, key, total)
+            if not index.buckets:
+                del by_group[group]
 
     def index_add(self, view: ClusterView, multi: bool, node_id: str) -> None:
         """Put a node the static filters passed into its groups' indexes."""
@@ -121,30 +158,11 @@ class PlacementCache:
         if key is None:
             return
         node = view.nodes[node_id]
-        for group in view.groups(node, multi):
-            self.indexes[multi].setdefault(group, CapacityIndex()).add(node_id, key, len(node.gpus))
-
-    def reindex(self, view: ClusterView, node_id: str, old_key: int | None) -> None:
-        """Move a node whose holdings grew from bucket ``old_key`` to its bucket now."""
-        node = view.nodes[node_id]
-        new_key = view.index_key(node_id)
-        for multi, by_group in self.indexes.items():
-            if not self.indexed(node_id, multi):
-                continue
-            for group in view.groups(node, multi):
-                index = by_group.setdefault(group, CapacityIndex())
-                if old_key is not None:
-                    index.remove(node_id, old_key, len(node.gpus))
-                if new_key is not None:
-                    index.add(node_id, new_key, len(node.gpus))
-
-
-def cache_of(view: ClusterView) -> PlacementCache:
-    """``view``'s placement memo, made empty on first use."""
-    cache = view.placement
-    if cache is None:
-        cache = view.placement = PlacementCache()
-    return cache
+        groups = view.groups(node, multi)
+        total = len(node.gpus)
+        for group in groups:
+            self.indexes[multi].setdefault(group, CapacityIndex()).add(node_id, key, total)
+        self.entered[(node_id, multi)] = (key, groups, total)
 
 
 @dataclass
@@ -202,24 +220,26 @@ def request_for(spec: DeploymentSpec) -> Request:
 # --------------------------------------------------------------------------
 
 
-def static_verdict(node: NodeView, request: Request, view: ClusterView) -> Verdict:
-    """The static filters' verdict, computed once per node and shape per cycle."""
-    static = cache_of(view).static
+def static_verdict(node: NodeView, request: Request, view: ClusterView, memo: PlacementCache | None = None) -> Verdict:
+    """The static filters' verdict, computed once per node view and shape (with a memo)."""
     key = (node.node_id, request.multi)
-    verdict = static.get(key)
-    if verdict is None:
-        verdict = OK
-        for f in STATIC_FILTERS:
-            verdict = f.check(node, request, view)
-            if not verdict.ok:
-                break
-        static[key] = verdict
+    if memo is not None:
+        seen = memo.static.get(key)
+        if seen is not None and seen[0] is node:
+            return seen[1]
+    verdict = OK
+    for f in STATIC_FILTERS:
+        verdict = f.check(node, request, view)
+        if not verdict.ok:
+            break
+    if memo is not None:
+        memo.static[key] = (node, verdict)
     return verdict
 
 
-def check_node(node: NodeView, request: Request, view: ClusterView) -> Verdict:
+def check_node(node: NodeView, request: Request, view: ClusterView, memo: PlacementCache | None = None) -> Verdict:
     """The whole filter pipeline for one node; the first rejection wins."""
-    verdict = static_verdict(node, request, view)
+    verdict = static_verdict(node, request, view, memo)
     if not verdict.ok:
         return verdict
     for f in DYNAMIC_FILTERS:
@@ -229,16 +249,17 @@ def check_node(node: NodeView, request: Request, view: ClusterView) -> Verdict:
     return OK
 
 
-def _indexes(view: ClusterView, multi: bool) -> dict[str | None, CapacityIndex]:
-    """The capacity index of nodes passing the static filters, built on first use."""
-    cache = cache_of(view)
-    by_group = cache.indexes.get(multi)
+def _indexes(view: ClusterView, memo: PlacementCache, multi: bool) -> dict[str | None, CapacityIndex]:
+    """The capacity index of nodes passing the static filters, built on first use
+    and brought up to the view's changes since (``PlacementCache.follow``)."""
+    memo.follow(view)
+    by_group = memo.indexes.get(multi)
     if by_group is None:
-        by_group = cache.indexes[multi] = {}
-        shape = Request("", 0, 2 if multi else 1)
+        by_group = memo.indexes[multi] = {}
+        shape = SHAPES[multi]
         for node in view.nodes.values():
-            if static_verdict(node, shape, view).ok:
-                cache.index_add(view, multi, node.node_id)
+            if static_verdict(node, shape, view, memo).ok:
+                memo.index_add(view, multi, node.node_id)
     return by_group
 
 
@@ -252,9 +273,12 @@ def _group_rank(group: str | None, index: CapacityIndex, request: Request, view:
     return (*[-round(s.score(group, index, request, view), 9) for s in GROUP_SCORERS], group or "")
 
 
-def place(request: Request, view: ClusterView) -> PlacementResult:
-    """Choose nodes, GPUs and ports for one replica, or say why none fit."""
-    by_group = _indexes(view, request.multi)
+def place(request: Request, view: ClusterView, memo: PlacementCache | None = None) -> PlacementResult:
+    """Choose nodes, GPUs and ports for one replica, or say why none fit. ``memo``:
+    placement's memo of ``view``, kept beside it across queries (None: a fresh one)."""
+    if memo is None:
+        memo = PlacementCache()
+    by_group = _indexes(view, memo, request.multi)
     need, n = request.gpus_per_node, request.nodes_per_replica
     # The best-ranked group that fits (the first of equals, as ``min`` would).
     best: tuple | None = None
@@ -264,11 +288,11 @@ def place(request: Request, view: ClusterView) -> PlacementResult:
             if best is None or rank < best[0]:
                 best = (rank, g, idx)
     if best is None:
-        return _unplaceable(request, view)
+        return _unplaceable(request, view, memo)
     _rank, group, index = best
     node_ids = index.best_fit(need, n)  # the nodes, fullest first: what decides inside the group
     for node_id in node_ids:
-        verdict = check_node(view.nodes[node_id], request, view)
+        verdict = check_node(view.nodes[node_id], request, view, memo)
         if not verdict.ok:  # the index and the filters disagree: a bug, never a placement
             raise AssertionError(f"capacity index chose {node_id} but {verdict.reason}: {verdict.detail}")
     members = _members(node_ids, request, view)
@@ -303,9 +327,9 @@ def _members(node_ids: list[str], request: Request, view: ClusterView) -> list[R
 # --------------------------------------------------------------------------
 
 
-def _node_verdicts(request: Request, view: ClusterView) -> tuple[dict[str, Verdict], dict[str, int]]:
+def _node_verdicts(request: Request, view: ClusterView, memo: PlacementCache) -> tuple[dict[str, Verdict], dict[str, int]]:
     """Every node's verdict, with fabric-level refusals; and fits per fabric."""
-    verdicts = {nid: check_node(view.nodes[nid], request, view) for nid in sorted(view.nodes)}
+    verdicts = {nid: check_node(view.nodes[nid], request, view, memo) for nid in sorted(view.nodes)}
     fits: dict[str, int] = {}
     if not request.multi:
         return verdicts, fits
@@ -343,17 +367,16 @@ def _summary(request: Request, verdicts: dict[str, Verdict], fits: dict[str, int
     return text
 
 
-def _unplaceable(request: Request, view: ClusterView) -> PlacementResult:
+def _unplaceable(request: Request, view: ClusterView, cache: PlacementCache) -> PlacementResult:
     # Capacity only shrinks within a cycle, so until the next commit the same
     # shape fails the same way: a thousand pending replicas cost one walk.
-    cache = cache_of(view)
     if cache.refusals_version != view.version:
         cache.refusals.clear()
         cache.refusals_version = view.version
     shape = (request.gpus_per_node, request.nodes_per_replica)
     refusal = cache.refusals.get(shape)
     if refusal is None:
-        verdicts, fits = _node_verdicts(request, view)
+        verdicts, fits = _node_verdicts(request, view, cache)
         if request.multi and any(c >= request.nodes_per_replica for c in fits.values()):
             raise AssertionError(f"capacity index found no fabric but the filters did: {fits}")
         refusal = cache.refusals[shape] = Refusal(
@@ -364,11 +387,13 @@ def _unplaceable(request: Request, view: ClusterView) -> PlacementResult:
     return PlacementResult(None, None, dict(refusal.reasons), dict(refusal.details), refusal.summary)
 
 
-def explain(deployment: DeploymentSpec, view: ClusterView) -> Explanation:
+def explain(deployment: DeploymentSpec, view: ClusterView, memo: PlacementCache | None = None) -> Explanation:
     """Node by node, why each can or cannot take a member of ``deployment``'s next replica."""
     request = request_for(deployment)
-    verdicts, fits = _node_verdicts(request, view)
-    result = place(request, view)
+    if memo is None:
+        memo = PlacementCache()
+    verdicts, fits = _node_verdicts(request, view, memo)
+    result = place(request, view, memo)
     nodes = [
         NodeExplanation(
             node_id=nid,

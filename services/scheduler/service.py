@@ -34,15 +34,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-import weakref
 from collections import defaultdict
 from collections.abc import Mapping
 
 import msgspec
 from nats.errors import NoRespondersError
 from nats.js.errors import NoKeysError
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
 
 from llmgw.shared import api
 from llmgw.shared import buckets as B
@@ -75,41 +72,38 @@ from llmgw.shared.tasks import cancel_and_wait
 from ..health.leases import BOOT_SETTLED_HEARTBEATS as SETTLE_HEARTBEATS
 from ..runtime import ServiceRuntime, Turn, run_service
 from . import ReconcileConfig, explain, fence
+from .cycle import backoff_text, launches_for, remember_failures
 from .fullpass import FullPass, Snapshot
 from .incremental import Reconciler
+from .metrics import (
+    ACTING,
+    AUTO_CORDONS,
+    BACKING_OFF,
+    COMMANDS,
+    FULL_PASS_SECONDS,
+    FULL_PASSES,
+    MEMBERS,
+    RECONCILE_SECONDS,
+    RECONCILE_WORK,
+    RECONCILES,
+    REPLICAS,
+    STATUS,
+    STATUS_UNMOVED,
+    TRUNCATED,
+    RebuildClock,
+)
 from .plan import Backoff, Cordon, Launch, NodeFailure, Plan, Stop
-from .reconcile import SPEC_CHANGED, backoff_text, launches_for, remember_failures
 from .reports import ReportBook, report_moves
 from .view import ClusterView
 
-RECONCILE_SECONDS = Histogram("llmgw_scheduler_reconcile_seconds", "Time to compute and apply one plan")
-RECONCILES = Counter("llmgw_scheduler_reconciles_total", "Reconcile steps, by kind (incremental: what changed; full: the periodic safety net)", ["kind"])
-RECONCILE_WORK = Counter("llmgw_scheduler_reconcile_work_total", "Replicas advanced and deployments converged by reconcile steps", ["what"])
 # The periodic safety net, a full step (the view rebuilt from every record, every
 # replica and deployment looked at), runs every ``scheduler.full_pass_interval``
 # (60 s); between them each wake and each reconcile_interval tick is an
 # incremental step (``incremental.py``).
 SLOW_FULL_PASS = 0.5  # seconds: a full pass this long is logged
-FULL_PASSES = Counter(
-    "llmgw_scheduler_full_passes_total",
-    "Full passes (the safety net), by outcome: adopted (computed beside the loop, nothing applied meanwhile), "
-    "dropped (a plan was applied while it ran: it starts again), on_loop (at takeover, after a plan not applied in full, "
-    "or after passes were dropped too often)",
-    ["outcome"],
-)
-FULL_PASS_SECONDS = Gauge("llmgw_scheduler_full_pass_seconds", "Wall time of the last full pass (beside the loop: on its worker thread)")
 # Replica records written at once while applying a plan (each launch follows its
 # own record's write, so the first launches need not wait for the last write).
 APPLY_CONCURRENCY = 512
-REPLICAS = Gauge("llmgw_scheduler_replicas", "Replicas, by state", ["state"])
-COMMANDS = Counter("llmgw_scheduler_commands_total", "Commands sent to agents", ["verb", "result"])
-STATUS = Counter("llmgw_scheduler_status_reports_total", "Agent status reports", ["result"])
-STATUS_UNMOVED = Counter(
-    "llmgw_scheduler_status_reports_unmoved_total", "Accepted status reports that changed nothing a step reads: no step was woken for them"
-)
-MEMBERS = Gauge("llmgw_scheduler_member_engines", "Replica members, by the engine state their agent reported", ["engine_state"])
-BACKING_OFF = Gauge("llmgw_scheduler_deployments_backing_off", "Deployments waiting out a crash-loop backoff")
-AUTO_CORDONS = Counter("llmgw_scheduler_auto_cordons_total", "Auto-cordon decisions", ["result"])
 # How long a cordon asked of the registry is assumed to be on its way (so the
 # breaker counts it) before its record shows it.
 CORDON_GRACE = 10.0
@@ -117,133 +111,6 @@ CORDON_GRACE = 10.0
 OWN_WRITE_GRACE = 5.0
 # Engines no replica record names, kept per node (for fencing); more are dropped.
 MAX_UNKNOWN_PER_NODE = 256
-# Heartbeats a new agent incarnation must hold the lease before its full report
-# may mark engines absent (a clone's alternation shows within two or three).
-TRUNCATED = Counter("llmgw_scheduler_status_facts_dropped_total", "Engine facts dropped from status reports: unknown engines over the per-node cap")
-# Rebuilds (issue #19). The reason label is one of REBUILD_REASONS, never free text.
-REPLICA_FAILURES = Counter(
-    "llmgw_scheduler_replica_failures_total",
-    "Replicas failed or replaced, by deployment and why (a bounded word: see rebuild_reason)",
-    ["deployment", "reason"],
-)
-REBUILD_BUCKETS = (1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600, 1200, 1800, 3600)
-REBUILD_SECONDS = Histogram(
-    "llmgw_scheduler_rebuild_seconds", "Time from a replica failing (or being replaced) to its replacement being ready", ["deployment"], buckets=REBUILD_BUCKETS
-)
-APPLY_TO_READY_SECONDS = Histogram(
-    "llmgw_scheduler_apply_to_ready_seconds", "Time from a deployment's apply to all its replicas being ready", ["deployment"], buckets=REBUILD_BUCKETS
-)
-_ACTING: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # read by the capacity collector when scraped
-
-
-class _Capacity:
-    """``llmgw_scheduler_nodes{fabric, state, admin}`` and ``llmgw_scheduler_gpus{fabric, state}``
-    (free, used, out_of_service), computed from the acting scheduler's copies when
-    scraped, not on every reconcile. A node on no fabric counts under fabric=""."""
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        nodes = GaugeMetricFamily(
-            "llmgw_scheduler_nodes", "Nodes, by fabric, lease state (unknown: no lease) and admin state", labels=["fabric", "state", "admin"]
-        )
-        gpus = GaugeMetricFamily("llmgw_scheduler_gpus", "GPUs, by fabric and state (free, used, out_of_service)", labels=["fabric", "state"])
-        # The acting one still on the bus: a scheduler that crashed or stopped in
-        # this process (tests, a restart in place) must not answer for the live one.
-        for sched in [s for s in list(_ACTING) if s.acting and getattr(s, "nc", None) is not None and s.nc.is_connected][:1]:
-            # The reconciler's live view, kept current by every step (a full build of
-            # 10,000 nodes per scrape cost more than the steps themselves).
-            live: ClusterView = sched.reconciler.view
-            if sched.reconciler.fresh:
-                live = ClusterView.build(sched.nodes.items, sched.leases.items, sched.replicas.items.values(), ports=sched.rconfig.ports)
-            n: dict[tuple, int] = defaultdict(int)
-            g: dict[tuple, int] = defaultdict(int)
-            for v in list(live.nodes.values()):
-                for fabric in list(v.fabrics) or [""]:
-                    n[(fabric, v.lease or "unknown", v.admin)] += 1
-                    free = v.free_gpu_count()
-                    blocked = len(set(v.blocked) & set(v.gpus))
-                    g[(fabric, "free")] += free
-                    g[(fabric, "out_of_service")] += blocked
-                    g[(fabric, "used")] += max(0, len(v.gpus) - free - blocked)
-            for k, c in sorted(n.items()):
-                nodes.add_metric(list(k), c)
-            for k, c in sorted(g.items()):
-                gpus.add_metric(list(k), c)
-        yield nodes
-        yield gpus
-
-
-REGISTRY.register(_Capacity())
-REBUILD_REASONS = ("node_lost", "hardware", "engine_exited", "peer_lost", "startup_timeout", "hang", "no_members", "spec_changed", "drained", "other")
-
-
-def rebuild_reason(reason: str) -> str:
-    """The bounded label for a replica's failure (or replacement) reason, from the
-    fixed phrases the pure core (reconcile.py) opens its reasons with."""
-    first = reason.split("; ", 1)[0]
-    if first.startswith("member rank "):  # "member rank 1 on node02 peer-lost: ..." / "... exited"
-        return "peer_lost" if f" {EngineState.PEER_LOST}" in first.split(":", 1)[0] else "engine_exited"
-    if first.startswith("not ready within "):
-        return "startup_timeout"
-    if first.startswith("leader on ") and " made no progress for " in first:
-        return "hang"
-    if first.startswith(("fabric ", "GPU ")):
-        return "hardware"
-    if first.startswith("node ") and first.endswith((" lost", " has no record")):
-        return "node_lost"
-    if first.startswith("node ") and first.endswith(" draining"):
-        return "drained"
-    if first == SPEC_CHANGED:
-        return "spec_changed"
-    if first == "no members recorded":
-        return "no_members"
-    return "other"
-
-
-class RebuildClock:
-    """Observes the rebuild metrics from a plan's events (the pure core's history):
-    a failure (or a replacement: counted, not timed) opens a rebuild of its deployment, the next replica of
-    that deployment to become ready from starting closes the oldest one. Kept by
-    the acting scheduler in memory: a takeover starts with none open."""
-
-    def __init__(self):
-        self.open: dict[str, list[float]] = defaultdict(list)  # deployment -> when each rebuild began
-        self.applied: dict[str, float] = {}  # deployment -> applied_at already observed ready
-
-    def events(self, events) -> None:
-        for ev in events:
-            if ev.kind != "replica":
-                continue
-            dep = ev.data.get("deployment", "")
-            prior = ev.data.get("from", "")
-            if ev.what == ReplicaState.FAILED or (ev.what == ReplicaState.REAPING and prior not in ("", ReplicaState.FAILED)):
-                why = rebuild_reason(ev.detail)
-                if ev.what == ReplicaState.REAPING and why not in ("spec_changed", "drained"):
-                    continue  # deleted or scaled down: nothing is rebuilt
-                REPLICA_FAILURES.labels(dep, why).inc()
-                if ev.what == ReplicaState.FAILED:  # a replacement replica is rolled in first, not rebuilt after
-                    self.open[dep] = (self.open[dep] + [ev.time])[-64:]
-            elif ev.what == ReplicaState.READY and prior != ReplicaState.DEGRADED and self.open.get(dep):
-                REBUILD_SECONDS.labels(dep).observe(max(0.0, ev.time - self.open[dep].pop(0)))
-
-    def deployments(self, specs, replicas, since: float) -> None:
-        """Apply to ready: a spec applied after ``since`` whose replicas are all ready now."""
-        waiting = [n for n, spec in specs.items() if spec.applied_at >= since and spec.replicas > 0 and self.applied.get(n) != spec.applied_at]
-        for name in [n for n in self.open if n not in specs]:
-            del self.open[name]  # deleted: nothing will be rebuilt
-        if not waiting:
-            return  # every apply already observed: no need to count thousands of replicas
-        ready: dict[str, int] = defaultdict(int)
-        for rep in replicas:
-            if rep.state == ReplicaState.READY:
-                ready[rep.deployment] += 1
-        stamp = now()
-        for name, spec in specs.items():
-            if spec.applied_at >= since and spec.replicas > 0 and self.applied.get(name) != spec.applied_at and ready[name] >= spec.replicas:
-                self.applied[name] = spec.applied_at
-                APPLY_TO_READY_SECONDS.labels(name).observe(max(0.0, stamp - spec.applied_at))
 
 
 class UnknownDeployment(LlmgwError):
@@ -297,7 +164,7 @@ class Scheduler(ServiceRuntime):
         self.outbox_dirty: set[str] = set()
         # ids of outbox events (Replica.pending_events) known to be in the stream
         self.published: set[str] = set()
-        _ACTING.add(self)
+        ACTING.add(self)
         self.started_at = now()
         self.wake = asyncio.Event()
         for m in (self.nodes, self.deployments, self.replicas):
@@ -650,21 +517,7 @@ class Scheduler(ServiceRuntime):
 
     async def apply(self, plan: Plan) -> None:
         # 1. generations (and backoffs) first: a generation is never issued twice.
-        specs = self._deployments()
-        for name in sorted(set(plan.generations) | set(plan.backoffs)):
-            spec = specs.get(name)
-            if spec is None:
-                continue
-            new = spec
-            gen = plan.generations.get(name, 0)
-            if spec.last_generation < gen:
-                new = msgspec.structs.replace(new, last_generation=gen)
-            b: Backoff | None = plan.backoffs.get(name)
-            if b is not None:
-                new = msgspec.structs.replace(new, failures=b.failures, retry_at=b.retry_at, last_failure=b.last_failure)
-            if new != spec:
-                await self.deployments_kv.put(name, encode(new))
-                self.spec_writes[name] = (time.time(), new)
+        await self._write_specs(plan)
         # 2. records, each carrying its transition's events (the outbox): a crash
         # between a record and its events loses none (``flush_outbox``). A deleted
         # record cannot carry them: its events go out before the delete (a later
@@ -674,40 +527,8 @@ class Scheduler(ServiceRuntime):
             if ev.kind == "replica":
                 outbox[ev.subject].append(ev)
         writes = {rid: msgspec.structs.replace(rep, pending_events=outbox.get(rid, [])) for rid, rep in plan.writes.items()}
-        # 3a. each placed replica's launches follow its own record's write, not the
-        # last of thousands: no engine starts that no record accounts for, and the
-        # first launches go out while later records are still being written.
-        launches: dict[str, list[Launch]] = defaultdict(list)
-        for launch in plan.launches:
-            launches[launch.replica_id].append(launch)
-        room = asyncio.Semaphore(APPLY_CONCURRENCY)
-        launched: list[asyncio.Task] = []
-
-        async def write(rid: str, rep: Replica) -> None:
-            async with room:
-                await self.replicas_kv.put(rid, encode(rep))
-            self.book.wrote(rid, rep, time.time())
-            launched.extend(asyncio.create_task(self._launch(launch)) for launch in launches.get(rid, ()))
-
-        results = await asyncio.gather(*(write(rid, rep) for rid, rep in writes.items()), return_exceptions=True)
-        failed = next((r for r in results if isinstance(r, BaseException)), None)
-        if failed is not None:
-            await asyncio.gather(*launched)  # those whose records were written are launched
-            self.write_failed("replica records", failed)
-            raise failed
-        stamp = time.time()
-        published: set[int] = set()
-        for rid in plan.deletes:
-            for ev in outbox.get(rid, []):
-                await self._publish(ev)
-                published.add(id(ev))
-        for rid in plan.deletes:
-            self.book.wrote(rid, None, stamp)
-            try:
-                await self.replicas_kv.purge(rid)
-            except Exception as e:
-                self.log.warning("could not delete replica %s: %s", rid, e)
-            self.book.forget(rid)
+        launched = await self._write_records(writes, plan.launches)
+        published = await self._delete_records(plan.deletes, outbox)
         # 3b. the launches of records not written here (none today), and the stops,
         # concurrently: a rebuild should not wait on one slow agent.
         orphans = [launch for launch in plan.launches if launch.replica_id not in writes]
@@ -727,6 +548,68 @@ class Scheduler(ServiceRuntime):
             self.cordoning[c.node_id] = (time.time(), c.reason)
             self._background(self._cordon(c))
         AUTO_CORDONS.labels("withheld").inc(sum(1 for e in plan.events if e.what == "auto-cordon-withheld"))
+
+    async def _write_specs(self, plan: Plan) -> None:
+        """Apply step 1: each deployment's new generation counter and backoff."""
+        specs = self._deployments()
+        for name in sorted(set(plan.generations) | set(plan.backoffs)):
+            spec = specs.get(name)
+            if spec is None:
+                continue
+            new = spec
+            gen = plan.generations.get(name, 0)
+            if spec.last_generation < gen:
+                new = msgspec.structs.replace(new, last_generation=gen)
+            b: Backoff | None = plan.backoffs.get(name)
+            if b is not None:
+                new = msgspec.structs.replace(new, failures=b.failures, retry_at=b.retry_at, last_failure=b.last_failure)
+            if new != spec:
+                await self.deployments_kv.put(name, encode(new))
+                self.spec_writes[name] = (time.time(), new)
+
+    async def _write_records(self, writes: dict[str, Replica], plan_launches: list[Launch]) -> list[asyncio.Task]:
+        """Apply step 3a: each placed replica's launches follow its own record's write,
+        not the last of thousands: no engine starts that no record accounts for, and
+        the first launches go out while later records are still being written.
+        Returns the launches under way; raises when a record could not be written
+        (once the launches of those that were have been sent)."""
+        launches: dict[str, list[Launch]] = defaultdict(list)
+        for launch in plan_launches:
+            launches[launch.replica_id].append(launch)
+        room = asyncio.Semaphore(APPLY_CONCURRENCY)
+        launched: list[asyncio.Task] = []
+
+        async def write(rid: str, rep: Replica) -> None:
+            async with room:
+                await self.replicas_kv.put(rid, encode(rep))
+            self.book.wrote(rid, rep, time.time())
+            launched.extend(asyncio.create_task(self._launch(launch)) for launch in launches.get(rid, ()))
+
+        results = await asyncio.gather(*(write(rid, rep) for rid, rep in writes.items()), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            await asyncio.gather(*launched)  # those whose records were written are launched
+            self.write_failed("replica records", failed)
+            raise failed
+        return launched
+
+    async def _delete_records(self, deletes: list[str], outbox: Mapping[str, list]) -> set[int]:
+        """Publish the events of the records a plan deletes, then delete them;
+        returns the ``id()`` of each event published."""
+        stamp = time.time()
+        published: set[int] = set()
+        for rid in deletes:
+            for ev in outbox.get(rid, []):
+                await self._publish(ev)
+                published.add(id(ev))
+        for rid in deletes:
+            self.book.wrote(rid, None, stamp)
+            try:
+                await self.replicas_kv.purge(rid)
+            except Exception as e:
+                self.log.warning("could not delete replica %s: %s", rid, e)
+            self.book.forget(rid)
+        return published
 
     async def _publish(self, ev) -> None:
         """Publish one event under its id; a replica's, once stored, leaves the outbox."""

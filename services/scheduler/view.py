@@ -6,9 +6,8 @@ precomputed facts instead of walking every replica for every node.
 
 The view holds the cluster's state; what placement memoises about it (static
 verdicts, capacity indexes, refusals) is placement's own ``PlacementCache``,
-hung on the view as ``placement`` so that it lives exactly as long as the
-state it describes. The view's only duty to it is to keep the capacity indexes
-in step with what it commits.
+kept beside the view by the cycle. The view knows nothing of it: it marks the
+nodes whose inputs or holdings change (``changed``), and the memo follows them.
 
 Capacity only ever shrinks during a cycle: nothing is freed here. Replicas are
 freed by being deleted (``gone``) before the view is built. That monotonicity
@@ -22,15 +21,11 @@ import functools
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.readmodel import HOLDS_GPUS, gpu_blocks  # the operator tools read the same facts
 from llmgw.shared.schemas import FabricMembership, Lease, NodeRecord, Replica
 from llmgw.shared.states import ACTIVE_REPLICA
-
-if TYPE_CHECKING:  # placement imports the view; the view only names placement's memo
-    from .placement import PlacementCache
 
 # Every state but gone holds its members' GPUs and ports: a failed or reaping
 # replica's processes may still run until an agent reports them exited, and a
@@ -153,9 +148,9 @@ class CapacityIndex:
     Placement asks "which nodes have at least g free GPUs" a thousand times a
     cycle; the buckets answer in O(max GPUs per node) instead of O(nodes). Each
     bucket keeps node ids sorted, so ties break by node id, deterministically.
-    Placement owns the indexes (``PlacementCache.indexes``); the class is
-    defined here, under placement, because the group scorers placement imports
-    take one as an argument.
+    Placement's memo owns the indexes (``PlacementCache.indexes``); the class
+    is defined here, under placement, because the group scorers placement
+    imports take one as an argument.
     """
 
     __slots__ = ("buckets", "total_gpus", "used_gpus")
@@ -214,9 +209,9 @@ class ClusterView:
         # The largest node: the scale of the bin-packing oracle's node scores
         # (``scorers.NodeBinPack``), which tests hold ``best_fit`` to.
         self.max_gpus = max((len(n.gpus) for n in nodes.values()), default=0) or 1
-        # Placement's memo of this view, made by placement on first use
-        # (``placement.cache_of``); None until then.
-        self.placement: PlacementCache | None = None
+        # Nodes whose inputs or holdings changed since placement's memo last
+        # followed the view (``take_changed``).
+        self.changed: set[str] = set()
         # With ``ports.shared_by_nodes``: how many held members use each port, on any node.
         self.host_ports: Counter = Counter()
 
@@ -268,14 +263,15 @@ class ClusterView:
             self.spread[(replica.deployment, self.group_of(replica))] += 1
 
     def commit(self, replica: Replica) -> None:
-        """Reserve a replica placed this cycle, keeping placement's indexes in step."""
-        touched = sorted({m.node_id for m in replica.members})
-        before = {n: self.index_key(n) for n in touched}
+        """Reserve a replica placed this cycle; its nodes are marked changed."""
         self._hold(replica)
-        if self.placement is not None:
-            for node_id in touched:
-                self.placement.reindex(self, node_id, before[node_id])
+        self.changed.update(m.node_id for m in replica.members)
         self.version += 1
+
+    def take_changed(self) -> set[str]:
+        """The nodes changed since the last call (for placement's memo to follow)."""
+        changed, self.changed = self.changed, set()
+        return changed
 
     # -- what placement's capacity indexes are keyed on ----------------------
 
