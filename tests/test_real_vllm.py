@@ -167,13 +167,16 @@ def cluster(tmp_path_factory):
     watcher = threading.Thread(target=watch_bringup, args=(d, seen, done), daemon=True)
     watcher.start()
     argv = [sys.executable, "-m", "llmgw.services", "up", "--dir", str(d), "--engine", "vllm", "--vllm", vllm, "--detach", "--gateway-port", "0", *UP_ARGS]
+    info: dict = {}
+    # One try around all of it: a test timeout while 'up' still waits must stop what it
+    # started too, or its engines keep their ports through every later test.
     try:
-        up = subprocess.run(argv, capture_output=True, text=True, timeout=1200)
-    finally:
-        done.set()
-        watcher.join(5)
-    info = json.loads((d / "cluster.json").read_text()) if (d / "cluster.json").exists() else {}
-    try:
+        try:
+            up = subprocess.run(argv, capture_output=True, text=True, timeout=1200)
+        finally:
+            done.set()
+            watcher.join(5)
+        info = json.loads((d / "cluster.json").read_text()) if (d / "cluster.json").exists() else {}
         assert up.returncode == 0, f"llmgw up --engine vllm failed:\n{up.stdout[-4000:]}\n{up.stderr[-4000:]}"
         yield Cluster(d, info, up.stdout, seen)
     finally:

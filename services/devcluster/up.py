@@ -528,7 +528,9 @@ def stop_recorded(d: Path, node_ids: list[str] | None = None, say=print) -> int:
         try:
             node_ids = [n["node_id"] for n in json.loads((d / "cluster.json").read_text())["nodes"]]
         except (OSError, ValueError, KeyError):
-            node_ids = []
+            # An 'up' ended before it wrote cluster.json: its agents are recorded by name,
+            # and their engines must not outlive them (they hold ports a next run needs).
+            node_ids = [n.removeprefix("agent-") for n in procs if n.startswith("agent-")]
     order = sorted(procs, key=lambda n: (0 if n.startswith("agent-") else 2 if n.startswith("nats-server") else 1, n))
     stopped = 0
     for group in ([n for n in order if n.startswith("agent-")], [n for n in order if not n.startswith("agent-") and not n.startswith("nats-server")]):
