@@ -54,6 +54,7 @@ from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.names import host_problem, is_valid_name
 from llmgw.shared.pki import subject_dn
 from llmgw.shared.schemas import CommandAck, Inventory, Lease, NodeAddrRequest, NodeRecord, NodeRequest, decode_reply, encode, now
+from llmgw.shared.states import AdminBy, AdminState, EventKind, EventWhat, LeaseState
 
 from .runtime import ServiceRuntime, run_service
 
@@ -112,8 +113,8 @@ class Registry(ServiceRuntime):
         # lease going ready with that boot needs no pull, its inventory is here.
         self.heard_boot: dict[str, str] = {}
         # node -> admin state, and how many nodes are in each (the gauges)
-        self.admin: dict[str, str] = {}
-        self.admin_counts: dict[str, int] = {"active": 0, "cordoned": 0, "draining": 0}
+        self.admin: dict[str, AdminState] = {}
+        self.admin_counts: dict[AdminState, int] = dict.fromkeys(AdminState, 0)
         await self.records.start(timeout=60)
         self._load_admin()
         self._count()
@@ -135,7 +136,7 @@ class Registry(ServiceRuntime):
         self.leases = KvMirror(kv, B.LEASES)
 
         def on_lease(node: str, old: Lease | None, new: Lease | None) -> None:
-            if new is None or new.state != "ready" or self.boots.get(node) == new.boot_id:
+            if new is None or new.state != LeaseState.READY or self.boots.get(node) == new.boot_id:
                 return
             if self.heard_boot.get(node) == new.boot_id:
                 return  # its inventory came and is queued, being applied, or was refused: asking again changes nothing
@@ -281,7 +282,7 @@ class Registry(ServiceRuntime):
                 if len(self.refusals_told) > 10_000:
                     self.refusals_told.clear()  # bounded: at worst an event is repeated
                 self.refusals_told.add(key)
-                await self.events.emit("node", node, "addr-refused", detail, claimed=inv.mgmt_addr, recorded=recorded)
+                await self.events.emit(EventKind.NODE, node, EventWhat.ADDR_REFUSED, detail, claimed=inv.mgmt_addr, recorded=recorded)
             # On the record, so placement skips the node and `ctl explain` says why:
             # engines there bind where the recorded address may not reach.
             await self._set_addr_problem(node, detail)
@@ -365,9 +366,9 @@ class Registry(ServiceRuntime):
                 gpus=inv.gpus,
                 fabrics=inv.fabrics,
                 hcas=inv.hcas,
-                admin=old.admin if old else "active",
+                admin=old.admin if old else AdminState.ACTIVE,
                 admin_reason=old.admin_reason if old else "",
-                admin_by=old.admin_by if old else "",
+                admin_by=old.admin_by if old else AdminBy.UNSET,
                 registered_at=old.registered_at if old and old.registered_at else now(),
                 updated_at=now(),
                 recorded_addr=old.recorded_addr if old else "",
@@ -388,13 +389,17 @@ class Registry(ServiceRuntime):
             self.boots[node] = inv.boot_id
             self._count(node, record.admin)
             if old is None or not old.boot_id:  # never joined (or only onboarded: set-addr)
-                await self.events.emit("node", node, "joined", f"{len(inv.gpus)} GPUs, fabrics {', '.join(f.name for f in inv.fabrics) or 'none'}")
+                await self.events.emit(
+                    EventKind.NODE, node, EventWhat.JOINED, f"{len(inv.gpus)} GPUs, fabrics {', '.join(f.name for f in inv.fabrics) or 'none'}"
+                )
             else:
-                await self.events.emit("node", node, "inventory", _describe_change(old, record))
+                await self.events.emit(EventKind.NODE, node, EventWhat.INVENTORY, _describe_change(old, record))
             if record.addr_problem and record.addr_problem != (old.addr_problem if old else ""):
-                await self.events.emit("node", node, "addr-problem", f"{record.addr_problem}; no replica is placed on {node} until it is fixed")
+                await self.events.emit(EventKind.NODE, node, EventWhat.ADDR_PROBLEM, f"{record.addr_problem}; no replica is placed on {node} until it is fixed")
             elif old is not None and old.addr_problem and not record.addr_problem:
-                await self.events.emit("node", node, "addr-ok", f"mgmt_addr {record.mgmt_addr} usable again ({', '.join(record.mgmt_ips) or 'as recorded'})")
+                await self.events.emit(
+                    EventKind.NODE, node, EventWhat.ADDR_OK, f"mgmt_addr {record.mgmt_addr} usable again ({', '.join(record.mgmt_ips) or 'as recorded'})"
+                )
             return
         raise LlmgwError(f"node {node}'s record is changing too fast; its inventory is tried again")
 
@@ -403,7 +408,7 @@ class Registry(ServiceRuntime):
             self._count(key, rec.admin)
             self.boots[key] = rec.boot_id
 
-    def _count(self, node: str | None = None, admin: str | None = None) -> None:
+    def _count(self, node: str | None = None, admin: AdminState | None = None) -> None:
         """Note ``node``'s admin state (None: it has no record any more) and set the
         gauges. Counted as states change, not summed over every node each time:
         a sum per join is quadratic in the node count at bring-up."""
@@ -419,16 +424,16 @@ class Registry(ServiceRuntime):
             NODES.labels(state).set(n)
 
     # -- admin API ---------------------------------------------------------------
-    async def _set_admin(self, req: NodeRequest, admin: str, what: str) -> NodeRecord:
+    async def _set_admin(self, req: NodeRequest, admin: AdminState, what: EventWhat) -> NodeRecord:
         if not is_valid_name(req.node_id):
             raise BadAdminRequest(f"node_id: {req.node_id!r} is not a node name")
         if len(req.reason) > MAX_REASON:
             raise BadAdminRequest(f"reason: at most {MAX_REASON} characters, got {len(req.reason)}")
-        if req.auto and admin != "cordoned":
+        if req.auto and admin != AdminState.CORDONED:
             raise BadAdminRequest("auto: only a cordon can be automatic")
-        by = "auto" if req.auto else "operator"
+        by = AdminBy.AUTO if req.auto else AdminBy.OPERATOR
         # Uncordon clears the why; the who is kept (it says who made it active).
-        reason = req.reason if admin != "active" else ""
+        reason = req.reason if admin != AdminState.ACTIVE else ""
         for _ in range(5):
             try:
                 entry = await self.nodes_kv.get(req.node_id)
@@ -437,7 +442,7 @@ class Registry(ServiceRuntime):
             rec = B.NODES.decode(entry.value)
             if rec.admin == admin and (req.auto or (rec.admin_by, rec.admin_reason) == (by, reason)):
                 return rec  # already so (an auto-cordon never takes over an operator's)
-            if req.auto and rec.admin != "active":
+            if req.auto and rec.admin != AdminState.ACTIVE:
                 return rec  # an operator's cordon or drain outranks the scheduler's
             new = msgspec.structs.replace(rec, admin=admin, admin_reason=reason, admin_by=by, updated_at=now())
             try:
@@ -448,20 +453,20 @@ class Registry(ServiceRuntime):
             detail += f" by {'the scheduler (auto-cordon)' if req.auto else 'an operator'}"
             if reason:
                 detail = f"{reason} ({detail})"
-            await self.events.emit("node", req.node_id, what, detail)
+            await self.events.emit(EventKind.NODE, req.node_id, what, detail)
             self.log.info("node %s %s: %s", req.node_id, what, detail)
             self._count(req.node_id, admin)
             return new
         raise LlmgwError(f"node {req.node_id} is changing too fast; try again")
 
     async def api_cordon(self, req: NodeRequest) -> NodeRecord:
-        return await self._set_admin(req, "cordoned", "cordoned")
+        return await self._set_admin(req, AdminState.CORDONED, EventWhat.CORDONED)
 
     async def api_uncordon(self, req: NodeRequest) -> NodeRecord:
-        return await self._set_admin(req, "active", "uncordoned")
+        return await self._set_admin(req, AdminState.ACTIVE, EventWhat.UNCORDONED)
 
     async def api_drain(self, req: NodeRequest) -> NodeRecord:
-        return await self._set_admin(req, "draining", "draining")
+        return await self._set_admin(req, AdminState.DRAINING, EventWhat.DRAINING)
 
     async def api_set_addr(self, req: NodeAddrRequest) -> NodeRecord:
         """Record the management address an operator vouches for (onboarding).
@@ -510,9 +515,9 @@ class Registry(ServiceRuntime):
             before = old.recorded_addr or (f"{old.mgmt_addr} (unverified)" if old.mgmt_addr else "none") if old else "none"
             detail = f"management address recorded by an operator: {req.addr} (was {before})"
             self.unverified_warned.discard(req.node_id)
-            await self.events.emit("node", req.node_id, "addr-recorded", detail)
+            await self.events.emit(EventKind.NODE, req.node_id, EventWhat.ADDR_RECORDED, detail)
             if new.addr_problem:
-                await self.events.emit("node", req.node_id, "addr-problem", new.addr_problem)
+                await self.events.emit(EventKind.NODE, req.node_id, EventWhat.ADDR_PROBLEM, new.addr_problem)
             self.log.info("node %s: %s", req.node_id, detail)
             if old is not None and old.boot_id:
                 self.heard_boot.pop(req.node_id, None)

@@ -17,6 +17,7 @@ from nats.js import JetStreamContext
 
 from . import subjects as S
 from .schemas import Event, encode, now
+from .states import EventKind, EventWhat
 
 log = logging.getLogger("llmgw.events")
 
@@ -37,7 +38,7 @@ class EventPublisher:
         self.failures = 0
         self.on_failure = on_failure  # called with (what, exception): the service's write-failure count
 
-    async def emit(self, kind: str, subject: str, what: str, detail: str = "", at: float | None = None, msg_id: str = "", **data: str) -> Event:
+    async def emit(self, kind: EventKind, subject: str, what: EventWhat, detail: str = "", at: float | None = None, msg_id: str = "", **data: str) -> Event:
         ev = Event(time=at if at is not None else now(), kind=kind, subject=subject, what=what, detail=detail, data={k: str(v) for k, v in data.items()})
         await self.publish(ev, msg_id=msg_id)
         return ev

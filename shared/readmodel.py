@@ -10,7 +10,7 @@ the console draws it, and neither computes it again.
 Nothing here imports a service: the scheduler's module registers Prometheus
 metrics on import, and a read-only tool must not. The scheduler's own copies
 (its capacity gauges, ``ClusterView``) read the same helpers where they can —
-``gpu_blocks``, ``gpu_counts`` and ``HOLDS_GPUS`` are written to be shared.
+``gpu_blocks``, ``gpu_counts`` and ``states.HOLDING_REPLICA`` are written to be shared.
 
 Lease ages are bounds, not measurements. The health monitor keeps leases in
 memory and writes a ready lease's renewals to the bucket only as a checkpoint
@@ -30,19 +30,7 @@ from dataclasses import dataclass
 
 from .schemas import DeploymentSpec, Event, Lease, NodeRecord, Replica, template_digest
 from .specs import is_outdated
-from .states import ENDING_REPLICA, ROUTABLE_REPLICA, WANTED_REPLICA
-
-# Every replica state but gone holds its members' GPUs (and ports): a failed or
-# reaping replica's engines may run until an agent reports them exited, and a
-# degraded one may recover. The scheduler's view calls this HOLDS_RESOURCES.
-HOLDS_GPUS = WANTED_REPLICA | ENDING_REPLICA
-
-# A node with no lease yet: registered, but the health monitor has not spoken.
-UNKNOWN = "unknown"
-# A node's one word, most urgent first: health beats administration, because a
-# lost node is lost whether or not someone cordoned it.
-NODE_STATES = ("lost", "suspect", "draining", "cordoned", "ready", UNKNOWN)
-
+from .states import ENDING_REPLICA, HOLDING_REPLICA, ROUTABLE_REPLICA, WANTED_REPLICA, AdminState, LeaseState, NodeState
 
 # --------------------------------------------------------------------------
 # GPUs: held, out of service, free
@@ -76,7 +64,7 @@ def gpu_holders(replicas: Mapping[str, Replica]) -> dict[str, dict[int, Replica]
     of two naming one GPU, ``holder_precedence`` decides)."""
     held: dict[str, dict[int, Replica]] = {}
     for r in sorted(replicas.values(), key=holder_precedence, reverse=True):
-        if r.state not in HOLDS_GPUS:
+        if r.state not in HOLDING_REPLICA:
             continue
         for m in r.members:
             for g in m.gpus:
@@ -119,21 +107,21 @@ def node_gpu_counts(record: NodeRecord, in_use: Mapping[str, set[int]]) -> GpuCo
 # --------------------------------------------------------------------------
 
 
-def lease_state(lease: Lease | None) -> str:
+def lease_state(lease: Lease | None) -> NodeState:
     """The lease's state (ready, suspect, lost), or ``unknown`` without one."""
-    return lease.state if lease is not None else UNKNOWN
+    return NodeState(lease.state) if lease is not None else NodeState.UNKNOWN
 
 
-def node_state(record: NodeRecord, lease: Lease | None) -> str:
-    """A node's one word (``NODE_STATES``): the lease's when it is not ready,
+def node_state(record: NodeRecord, lease: Lease | None) -> NodeState:
+    """A node's one word (``states.NodeState``): the lease's when it is not ready,
     else the admin state when not active, else ready."""
     if lease is None:
-        return UNKNOWN
-    if lease.state != "ready":
-        return lease.state
-    if record.admin != "active":
-        return record.admin
-    return "ready"
+        return NodeState.UNKNOWN
+    if lease.state != LeaseState.READY:
+        return NodeState(lease.state)
+    if record.admin != AdminState.ACTIVE:
+        return NodeState(record.admin)
+    return NodeState.READY
 
 
 # --------------------------------------------------------------------------
@@ -176,7 +164,7 @@ def lease_age_text(state: str, age: float | None) -> str:
     lost one (written when it changed, with the last heartbeat), ``-`` for none."""
     if age is None:
         return "-"
-    return f"≤{format_age(age)}" if state == "ready" else format_age(age)
+    return f"≤{format_age(age)}" if state == LeaseState.READY else format_age(age)
 
 
 def lease_line(lease: Lease | None, now: float) -> str:

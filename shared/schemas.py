@@ -28,7 +28,7 @@ import msgspec
 
 from .errors import WireError
 from .names import HCA_NAME_PATTERN
-from .states import EngineState, ReplicaState
+from .states import REPORTED_ENGINE, AdminBy, AdminState, EngineState, EventKind, EventWhat, LeaseState, ReplicaState
 from .structconf import Duration
 
 # NATS' default max_payload; nothing llmgw sends legitimately comes close.
@@ -156,11 +156,6 @@ class Heartbeat(Base, kw_only=True):
 # Engine status: agent -> scheduler on llmgw.node.<node>.status
 # --------------------------------------------------------------------------
 
-# What an agent may report (``states.REPORTED_ENGINE``; a test keeps the two equal).
-# A Literal rather than the enum: "absent" and "" are the scheduler's own words
-# and must not be accepted from a node.
-ReportedEngineState = Literal["starting", "joined", "ready", "stalled", "peer-lost", "exited"]
-
 
 class EngineFact(Base, kw_only=True):
     """What an agent knows about one engine process it supervises."""
@@ -171,7 +166,9 @@ class EngineFact(Base, kw_only=True):
     rank: Annotated[int, msgspec.Meta(ge=0, le=4095)] = 0
     serves_http: bool = False
     pid: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
-    state: ReportedEngineState = "starting"
+    # One of ``states.REPORTED_ENGINE``: "absent" and "" are the scheduler's own
+    # words, refused from a node (``__post_init__``, which msgspec runs on decode).
+    state: EngineState = EngineState.STARTING
     # What the agent saw that put the engine in this state, in words for an
     # operator ("canary sent 12:00:01 got no token in 3s", "log: rank 1 lost").
     detail: Text = ""
@@ -183,6 +180,10 @@ class EngineFact(Base, kw_only=True):
     # the payload limit bounds the whole.
     log_tail: Annotated[list[str], msgspec.Meta(max_length=4096)] = []
     since: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.state not in REPORTED_ENGINE:
+            raise ValueError(f"state: {self.state.value!r} is not a state an agent reports (one of {', '.join(sorted(REPORTED_ENGINE))})")
 
 
 class StatusReport(Base, kw_only=True, tag="status"):
@@ -274,9 +275,11 @@ class TrafficReport(Base, kw_only=True):
 
 class Event(Base, kw_only=True):
     time: float
-    kind: str  # "node" | "replica" | "deployment"
+    # A word this build does not list is kept, not refused (``states.EventKind``):
+    # the stream, and a replica record's outbox, outlive the build that reads them.
+    kind: EventKind
     subject: str  # the node id, replica id or deployment name
-    what: str  # "joined", "suspect", "lost", "scheduled", "ready", …
+    what: EventWhat
     detail: str = ""
     data: dict[str, str] = {}
 
@@ -284,11 +287,6 @@ class Event(Base, kw_only=True):
 # --------------------------------------------------------------------------
 # KV values
 # --------------------------------------------------------------------------
-
-AdminState = Literal["active", "cordoned", "draining"]
-# Who set the admin state: an operator (``llmgw ctl``, the console) or the
-# scheduler's auto-cordon ("auto"); "" on records from before.
-AdminBy = Literal["", "operator", "auto"]
 
 
 class NodeRecord(Base, kw_only=True):
@@ -303,11 +301,12 @@ class NodeRecord(Base, kw_only=True):
     gpus: list[Gpu] = []
     fabrics: list[FabricMembership] = []
     hcas: list[Hca] = []
-    admin: AdminState = "active"
+    admin: AdminState = AdminState.ACTIVE
     # Why the node is cordoned or draining, and who said so ("3 replica
     # failures in 10m: …" from the scheduler). Cleared by uncordon.
     admin_reason: str = ""
-    admin_by: AdminBy = ""
+    # Who set the admin state; unset on records from before it was kept.
+    admin_by: AdminBy = AdminBy.UNSET
     registered_at: float = 0.0
     updated_at: float = 0.0
     # The management address an operator recorded at onboarding (``llmgw ctl
@@ -322,9 +321,6 @@ class NodeRecord(Base, kw_only=True):
     # latest address claim. Placement skips a node with a problem.
     mgmt_ips: list[str] = []
     addr_problem: str = ""
-
-
-LeaseState = Literal["ready", "suspect", "lost"]
 
 
 class Lease(Base, kw_only=True):

@@ -7,8 +7,9 @@ from collections import Counter
 
 import pytest
 
-from llmgw.services.health.leases import BOOT_SETTLED_HEARTBEATS, CHECKPOINT_HEARTBEATS, LeaseBook, Timings
+from llmgw.services.health.leases import CHECKPOINT_HEARTBEATS, LeaseBook, Timings
 from llmgw.shared.schemas import Heartbeat, Lease
+from llmgw.shared.states import BOOT_SETTLED_HEARTBEATS
 
 T = Timings(heartbeat_interval=1.0, suspect_after_missed=3, node_lost_after=10.0)
 
@@ -194,14 +195,11 @@ def test_what_is_written_and_why(timeline, writes):
 
 def test_the_settled_write_comes_when_the_scheduler_starts_trusting_the_boot():
     """The scheduler trusts a new incarnation's full reports for teardown once its lease
-    shows SETTLE_HEARTBEATS heartbeats; the boot write at BOOT_SETTLED_HEARTBEATS is what
+    shows BOOT_SETTLED_HEARTBEATS heartbeats; the boot write at that count is what
     lets it see that without waiting for a checkpoint."""
-    from llmgw.services.scheduler.service import SETTLE_HEARTBEATS
-
-    assert BOOT_SETTLED_HEARTBEATS == SETTLE_HEARTBEATS
     store: dict[str, Lease] = {}
     simulate(beats(0, 10) + ticks(0, 10), store=store)
-    assert store["node02"].boot_heartbeats == SETTLE_HEARTBEATS
+    assert store["node02"].boot_heartbeats == BOOT_SETTLED_HEARTBEATS
 
 
 def test_checkpoints_spread_over_the_interval_and_each_node_gets_one():

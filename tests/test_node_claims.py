@@ -29,7 +29,7 @@ from prometheus_client import REGISTRY
 
 from llmgw.services.devcluster import simcluster
 from llmgw.services.health.leases import LeaseBook, Timings
-from llmgw.services.scheduler.service import MAX_UNKNOWN_PER_NODE, SETTLE_HEARTBEATS
+from llmgw.services.scheduler.service import MAX_UNKNOWN_PER_NODE
 from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import KvMirror, open_bucket
@@ -46,6 +46,7 @@ from llmgw.shared.schemas import (
     StatusReport,
     encode,
 )
+from llmgw.shared.states import BOOT_SETTLED_HEARTBEATS
 from llmgw.shared.tls import TlsFiles
 
 from .cluster_helpers import CLUSTER_ENV, Cluster, sim_spec
@@ -259,7 +260,7 @@ def test_a_legit_restart_changes_the_boot_id_once_and_is_not_quarantined():
         assert book.heartbeat(hb(i, "B"), 4.0 + i) is None
     lease = book.leases["n1"]
     assert (lease.boot_id, lease.quarantine, lease.state) == ("B", "", "ready")
-    assert lease.boot_heartbeats >= SETTLE_HEARTBEATS
+    assert lease.boot_heartbeats >= BOOT_SETTLED_HEARTBEATS
 
 
 def test_alternating_boot_ids_quarantine_and_release_starts_afresh():

@@ -18,8 +18,6 @@ import pytest
 
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.readmodel import (
-    HOLDS_GPUS,
-    NODE_STATES,
     age_since,
     backing_off,
     backoff_cell,
@@ -35,7 +33,7 @@ from llmgw.shared.readmodel import (
 )
 from llmgw.shared.schemas import Lease, Replica, ReplicaMember, template_digest
 from llmgw.shared.specs import OPERATOR_FIELDS, is_outdated, load_deployments, validate_spec
-from llmgw.shared.states import ReplicaState
+from llmgw.shared.states import HOLDING_REPLICA, NodeState, ReplicaState
 
 from .builders import cluster, make_deployment, make_node
 
@@ -93,7 +91,7 @@ def test_gpu_counts(listed, held, blocked, counts):
 def test_every_replica_state_but_gone_holds_its_gpus(state):
     in_use = gpus_in_use({"sim-g1": replica("sim-g1", state, [("node01", [0, 1]), ("node02", [2])])})
     holds = state != ReplicaState.GONE
-    assert (state in HOLDS_GPUS) is holds
+    assert (state in HOLDING_REPLICA) is holds
     assert in_use == ({"node01": {0, 1}, "node02": {2}} if holds else {})
 
 
@@ -144,7 +142,7 @@ def test_the_read_model_counts_free_gpus_as_the_scheduler_places_them():
 @pytest.mark.parametrize("admin", ["active", "cordoned", "draining"])
 def test_a_node_word_is_one_of_the_node_states(lease_state, admin):
     word = node_state(make_node("node01", admin=admin), lease("node01", lease_state) if lease_state else None)
-    assert word in NODE_STATES
+    assert isinstance(word, NodeState)
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from llmgw.services.scheduler.placement import Request, check_node, place
 from llmgw.services.scheduler.reconcile import reconcile
 from llmgw.services.scheduler.scorers import NodeBinPack
-from llmgw.services.scheduler.view import HOLDS_RESOURCES, ClusterView, PortRange
+from llmgw.services.scheduler.view import ClusterView, PortRange
 from llmgw.shared.schemas import Replica, ReplicaMember
+from llmgw.shared.states import HOLDING_REPLICA
 
 from .builders import apply_plan, make_deployment, make_lease, make_node
 
@@ -99,7 +100,7 @@ def report_engines(draw, replicas):
 def assert_holdings_disjoint(replicas, ports: PortRange):
     gpus, used_ports = defaultdict(set), defaultdict(set)
     for r in replicas.values():
-        assert r.state in HOLDS_RESOURCES
+        assert r.state in HOLDING_REPLICA
         for m in r.members:
             assert not gpus[m.node_id] & set(m.gpus), f"GPU over-committed on {m.node_id}: {r.id}"
             gpus[m.node_id].update(m.gpus)
@@ -228,7 +229,7 @@ def views(draw):
                     model="m",
                     engine="sim",
                     generation=1,
-                    state=draw(st.sampled_from(sorted(HOLDS_RESOURCES))),
+                    state=draw(st.sampled_from(sorted(HOLDING_REPLICA))),
                     fabric=None,
                     members=[
                         ReplicaMember(node_id=node_id, rank=0, role="leader", gpus=list(range(taken)), rendezvous_port=20000, http_port=20001, serves_http=True)

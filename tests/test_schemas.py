@@ -44,7 +44,7 @@ def _value(tp, name):
     if origin is typing.Literal:
         return args[-1]
     if isinstance(tp, type) and issubclass(tp, __import__("enum").Enum):
-        return list(tp)[-2]  # a real state (the last EngineState is "")
+        return list(tp)[1]  # not the first (often the default, or ""), and one an agent may report
     if origin in (typing.Union, __import__("types").UnionType):
         non_none = [a for a in args if a is not type(None)]
         return _value(non_none[0], name)
@@ -113,20 +113,71 @@ def test_literal_fields_are_enforced():
         W.decode(b'{"node_id": "n1", "state": "confused", "boot_id": "b", "last_renew": 1, "since": 1}', W.Lease)
 
 
-def test_the_reported_engine_states_on_the_wire_are_the_states_module_s():
-    """The wire Literal and states.REPORTED_ENGINE say the same thing, so an agent
-    can report every state the scheduler acts on, and nothing it must not."""
-    import typing
+def test_a_state_this_build_does_not_know_is_refused_as_before():
+    """Lease and admin states were Literals on the wire and are StrEnums now: a word
+    outside them is still refused whole (a record no reader can act on)."""
+    with pytest.raises(WireError, match="state"):
+        W.decode(b'{"node_id": "n1", "state": "dozing", "boot_id": "b", "last_renew": 1, "since": 1}', W.Lease)
+    with pytest.raises(WireError, match="admin"):
+        W.decode(b'{"node_id": "n1", "admin": "frozen"}', W.NodeRecord)
+    with pytest.raises(WireError, match="admin_by"):
+        W.decode(b'{"node_id": "n1", "admin_by": "robot"}', W.NodeRecord)
 
-    from llmgw.shared.states import REPORTED_ENGINE
 
-    assert set(typing.get_args(W.ReportedEngineState)) == {str(s) for s in REPORTED_ENGINE}
+def test_state_fields_are_their_words_on_the_wire():
+    """A StrEnum encodes as its word: records written before and after the
+    vocabularies became enums are the same bytes, and decode to the members."""
+    from llmgw.shared.states import AdminBy, AdminState, EventKind, EventWhat, LeaseState
+
+    node = W.NodeRecord(node_id="n1", admin=AdminState.CORDONED, admin_by=AdminBy.AUTO)
+    assert W.encode(node) == b'{"node_id":"n1","admin":"cordoned","admin_by":"auto"}'
+    assert W.encode(W.NodeRecord(node_id="n1")) == b'{"node_id":"n1"}'  # the defaults are still left out
+    fresh = W.decode(b'{"node_id":"n1"}', W.NodeRecord)
+    assert fresh.admin is AdminState.ACTIVE and fresh.admin_by is AdminBy.UNSET
+    lease = W.decode(b'{"node_id":"n1","state":"suspect","boot_id":"b","last_renew":1.0,"since":1.0}', W.Lease)
+    assert lease.state is LeaseState.SUSPECT
+    assert W.encode(lease) == b'{"node_id":"n1","state":"suspect","boot_id":"b","last_renew":1.0,"since":1.0}'
+    ev = W.Event(time=1.0, kind=EventKind.REPLICA, subject="sim-g1", what=EventWhat.WAITING)
+    assert W.encode(ev) == b'{"time":1.0,"kind":"replica","subject":"sim-g1","what":"waiting-for-workers"}'
+    assert W.decode(W.encode(ev), W.Event).what is EventWhat.WAITING
 
 
-def test_a_node_cannot_report_a_state_only_the_scheduler_writes():
-    for state in ("absent", ""):
-        with pytest.raises(WireError):
-            W.decode(b'{"replica_id": "r-g1", "generation": 1, "state": "%s"}' % state.encode(), W.EngineFact)
+def test_an_event_word_this_build_does_not_know_is_kept():
+    """The event stream and a replica record's outbox outlive the build reading them:
+    an event a newer peer wrote with a new kind or word decodes (as ``Event.what: str``
+    always did), keeps its word through a re-encode, and equals no word this build
+    lists, so nothing here mistakes it for one it acts on."""
+    from llmgw.shared.states import EventKind, EventWhat
+
+    data = b'{"time":1.0,"kind":"fabric","subject":"ib-a","what":"partitioned","detail":"x"}'
+    ev = W.decode(data, W.Event)
+    assert (ev.kind, ev.what) == ("fabric", "partitioned")
+    assert isinstance(ev.what, EventWhat) and not ev.what.known and not ev.kind.known
+    assert ev.what not in set(EventWhat) and ev.kind not in set(EventKind)
+    assert W.encode(ev) == data
+    replica = b'{"id":"sim-g1","deployment":"sim","model":"m","engine":"sim","generation":1,"state":"ready","pending_events":[%s]}' % data
+    assert W.decode(replica, W.Replica).pending_events == [ev]
+    assert EventWhat("ready") is EventWhat.READY and EventWhat.READY.known
+    # A word must still be a word.
+    with pytest.raises(WireError, match="what"):
+        W.decode(b'{"time":1.0,"kind":"node","subject":"n1","what":5}', W.Event)
+
+
+def test_a_node_reports_exactly_the_reported_engine_states():
+    """EngineFact.state takes every state in states.REPORTED_ENGINE, so an agent can
+    report every state the scheduler acts on, and refuses the rest: the scheduler's
+    own words and words of no vocabulary."""
+    from llmgw.shared.states import REPORTED_ENGINE, EngineState
+
+    for state in EngineState:
+        data = b'{"replica_id": "r-g1", "generation": 1, "state": "%s"}' % state.value.encode()
+        if state in REPORTED_ENGINE:
+            assert W.decode(data, W.EngineFact).state is state
+        else:
+            with pytest.raises(WireError, match="not a state an agent reports"):
+                W.decode(data, W.EngineFact)
+    with pytest.raises(WireError):
+        W.decode(b'{"replica_id": "r-g1", "generation": 1, "state": "confused"}', W.EngineFact)
 
 
 @pytest.mark.parametrize(

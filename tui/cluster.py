@@ -11,7 +11,7 @@ aggregates.
 
 The facts are the operator read model's (``shared/readmodel.py``): a node's
 state word is ``node_state``, its GPUs free/used/out of service are
-``gpu_counts`` over the GPUs replicas hold (``HOLDS_GPUS``) and ``gpu_blocks``,
+``gpu_counts`` over the GPUs replicas hold (``states.HOLDING_REPLICA``) and ``gpu_blocks``,
 and of two replicas naming one GPU ``holder_precedence`` decides — the same
 functions ``llmgw ctl`` reads, so the two never disagree.
 """
@@ -23,8 +23,9 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from llmgw.shared.readmodel import HOLDS_GPUS, GpuCounts, gpu_blocks, gpu_counts, holder_precedence, node_state
+from llmgw.shared.readmodel import GpuCounts, gpu_blocks, gpu_counts, holder_precedence, node_state
 from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRecord, Replica
+from llmgw.shared.states import HOLDING_REPLICA
 
 # The panel of nodes configured on no fabric (they host single-node replicas only).
 NO_FABRIC = "no fabric"
@@ -243,7 +244,7 @@ class ClusterModel:
             del self.totals[fabric]
         self.all.add_replica(replica.state, sign)
         self.changes.totals = True
-        holds = replica.state in HOLDS_GPUS
+        holds = replica.state in HOLDING_REPLICA
         for m in replica.members:
             touched.add(m.node_id)
             if sign > 0:

@@ -12,6 +12,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from .model import Tone
 from .palette import GPU_CELL_STYLE, NODE_STATE_STYLE
 
 KEYS = (
@@ -40,8 +41,8 @@ def help_table(connection: str) -> Table:
     t.add_row("node states", Text(" ").join(Text(s, style=st) for s, st in NODE_STATE_STYLE.items()))
     cells = Text()
     for tone, label in (
-        ("ready", "A ready"), ("degraded", "D degraded"), ("starting", "B starting"), ("failing", "C failed/reaping"), ("free", "· free"),
-        ("broken", "✗ GPU unhealthy"), ("foreign", "f GPU busy, not llmgw's"),
+        (Tone.READY, "A ready"), (Tone.DEGRADED, "D degraded"), (Tone.STARTING, "B starting"), (Tone.FAILING, "C failed/reaping"), (Tone.FREE, "· free"),
+        (Tone.BROKEN, "✗ GPU unhealthy"), (Tone.FOREIGN, "f GPU busy, not llmgw's"),
     ):  # fmt: skip
         cells.append(label[0], style=GPU_CELL_STYLE[tone])
         cells.append(label[1:] + "  ")

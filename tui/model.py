@@ -14,6 +14,7 @@ from __future__ import annotations
 import string
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 
 from llmgw.shared.readmodel import (
     age_since,
@@ -28,29 +29,45 @@ from llmgw.shared.readmodel import (
     node_state,
 )
 from llmgw.shared.schemas import Event, Replica
-from llmgw.shared.states import ENDING_REPLICA, ReplicaState
+from llmgw.shared.states import COMING_UP_REPLICA, ENDING_REPLICA, NODE_ORDER, AdminBy, AdminState, ReplicaState
 
 from .cluster import NO_FABRIC, ClusterModel, FabricTotals, members_text
 
 __all__ = ["NO_FABRIC", "format_age", "members_text", "node_state"]  # re-exported: the console's words come from the read model
 
-# Replica states grouped by what an operator should feel about them.
-STARTING = (ReplicaState.PENDING, ReplicaState.LAUNCHING, ReplicaState.WAITING)
-FAILING = tuple(ENDING_REPLICA)
+
+class Tone(StrEnum):
+    """The console's colour families: replica states grouped by what an operator
+    should feel about them, and the GPU cells' (the palette maps each to colours)."""
+
+    READY = "ready"
+    DEGRADED = "degraded"
+    STARTING = "starting"  # states.COMING_UP_REPLICA
+    FAILING = "failing"  # states.ENDING_REPLICA
+    GONE = "gone"
+    BACKOFF = "backoff"  # a deployment in a crash-loop backoff (BACKOFF's row)
+    # GPU cells only
+    FREE = "free"
+    BROKEN = "broken"  # unhealthy
+    FOREIGN = "foreign"  # busy with a process llmgw did not start
+
+
 # Not a replica state: the row a deployment in a crash-loop backoff shows in the
 # replicas table, where its replacement would be.
 BACKOFF = "backing-off"
+# The tones that are a replica state's own word.
+_OWN_TONE: dict[str, Tone] = {ReplicaState.READY: Tone.READY, ReplicaState.DEGRADED: Tone.DEGRADED, ReplicaState.GONE: Tone.GONE}
 
 
-def replica_tone(state: str) -> str:
-    """ready | degraded | starting | failing | gone | backoff: the colour family of a replica state."""
-    if state in STARTING:
-        return "starting"
-    if state in FAILING:
-        return "failing"
+def replica_tone(state: str) -> Tone:
+    """The colour family of a replica state (or of ``BACKOFF``'s row)."""
+    if state in COMING_UP_REPLICA:
+        return Tone.STARTING
+    if state in ENDING_REPLICA:
+        return Tone.FAILING
     if state == BACKOFF:
-        return "backoff"
-    return state if state in (ReplicaState.READY, ReplicaState.DEGRADED, ReplicaState.GONE) else "starting"
+        return Tone.BACKOFF
+    return _OWN_TONE.get(state, Tone.STARTING)
 
 
 def matches(pattern: str, *texts: str) -> bool:
@@ -94,8 +111,18 @@ class MarkBook:
 # --------------------------------------------------------------------------
 
 # The order node states are counted in: most urgent first.
-STATE_ORDER = ("lost", "suspect", "draining", "cordoned", "unknown", "ready")
-REPLICA_ORDER = ("failed", "reaping", "degraded", "pending", "launching", "waiting-for-workers", "ready", "gone")
+STATE_ORDER: tuple[str, ...] = NODE_ORDER
+# The order replica states are counted in: problems first.
+REPLICA_URGENCY: tuple[str, ...] = (
+    ReplicaState.FAILED,
+    ReplicaState.REAPING,
+    ReplicaState.DEGRADED,
+    ReplicaState.PENDING,
+    ReplicaState.LAUNCHING,
+    ReplicaState.WAITING,
+    ReplicaState.READY,
+    ReplicaState.GONE,
+)
 
 
 @dataclass(frozen=True)
@@ -128,7 +155,7 @@ def fabric_row(name: str, t: FabricTotals) -> FabricRow:
         gpus_used=t.gpus_used,
         gpus_out=t.gpus_out,
         replicas=t.replica_count,
-        replica_states=ordered_counts(t.replicas, REPLICA_ORDER),
+        replica_states=ordered_counts(t.replicas, REPLICA_URGENCY),
     )
 
 
@@ -146,7 +173,7 @@ class GpuCell:
     index: int
     mark: str  # "·" when free
     replica: str = ""
-    tone: str = "free"  # free | ready | degraded | starting | failing | broken | foreign
+    tone: Tone = Tone.FREE
 
 
 @dataclass(frozen=True)
@@ -172,9 +199,9 @@ class NodeView:
 
 def admin_reason(record) -> str:
     """Why a node is out of rotation, and who said so ("" when active or not said)."""
-    if record.admin == "active":
+    if record.admin == AdminState.ACTIVE:
         return ""
-    if record.admin_by == "auto":
+    if record.admin_by == AdminBy.AUTO:
         return f"auto: {record.admin_reason or 'repeated replica failures'}"
     return record.admin_reason
 
@@ -192,11 +219,11 @@ UNHEALTHY_MARK, FOREIGN_MARK = "✗", "f"
 
 def _cell(g, held: dict[int, Replica], marks: MarkBook) -> GpuCell:
     if not g.healthy:
-        return GpuCell(g.index, UNHEALTHY_MARK, held[g.index].id if g.index in held else "", "broken")
+        return GpuCell(g.index, UNHEALTHY_MARK, held[g.index].id if g.index in held else "", Tone.BROKEN)
     if g.index in held:
         return GpuCell(g.index, marks.get(held[g.index].id), held[g.index].id, replica_tone(held[g.index].state))
     if g.foreign_mib or g.foreign_pids:
-        return GpuCell(g.index, FOREIGN_MARK, "", "foreign")
+        return GpuCell(g.index, FOREIGN_MARK, "", Tone.FOREIGN)
     return GpuCell(g.index, "·")
 
 
@@ -213,7 +240,7 @@ def node_view(model: ClusterModel, fabric: str, node_id: str, now: float, marks:
         gpus_free=facts.gpus.free,
         mgmt_addr=rec.mgmt_addr,
         problem=_problem(rec),
-        admin=rec.admin if rec.admin not in ("active", facts.state) else "",
+        admin=rec.admin if rec.admin != AdminState.ACTIVE and rec.admin != facts.state else "",
         admin_reason=admin_reason(rec),
     )
 
@@ -233,13 +260,13 @@ class ReplicaView:
     state: str
     age: str
     reason: str
-    tone: str
+    tone: Tone
     rebuild: bool = False  # the replacement of a failed replica
 
 
 # Problems first: at 4,000 replicas the failed one and its replacement must not
 # be row 3,000 of the table.
-TONE_RANK = {"failing": 0, "backoff": 1, "starting": 2, "degraded": 3, "ready": 4, "gone": 5}
+TONE_RANK = {Tone.FAILING: 0, Tone.BACKOFF: 1, Tone.STARTING: 2, Tone.DEGRADED: 3, Tone.READY: 4, Tone.GONE: 5}
 
 
 def replica_order(model: ClusterModel, pattern: str = "", among: list[str] | None = None) -> list[str]:
@@ -295,7 +322,7 @@ def backoff_views(model: ClusterModel, now: float, pattern: str = "") -> tuple[R
                 state=BACKOFF,
                 age=f"in {format_age(d.retry_at - now)}",
                 reason=backoff_line(d, now),
-                tone="backoff",
+                tone=Tone.BACKOFF,
             )
         )
     return tuple(out)
@@ -306,7 +333,7 @@ def replica_summary(model: ClusterModel, rebuilding: frozenset[str], backoffs: i
 
     def key(state: str) -> str:
         tone = replica_tone(state)
-        return "failed" if tone == "failing" else tone
+        return ReplicaState.FAILED if tone == Tone.FAILING else tone
 
     counts: dict[str, int] = {}
     for state, n in model.all.replicas.items():
@@ -316,8 +343,8 @@ def replica_summary(model: ClusterModel, rebuilding: frozenset[str], backoffs: i
             counts[key(r.state)] -= 1
             counts["rebuilding"] = counts.get("rebuilding", 0) + 1
     if backoffs:
-        counts["backoff"] = backoffs
-    order = ("ready", "degraded", "rebuilding", "starting", "failed", "backoff", "gone")
+        counts[Tone.BACKOFF] = backoffs
+    order = (Tone.READY, Tone.DEGRADED, "rebuilding", Tone.STARTING, ReplicaState.FAILED, Tone.BACKOFF, Tone.GONE)
     return " · ".join(f"{counts[k]:,} {k}" for k in order if counts.get(k))
 
 

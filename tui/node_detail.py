@@ -14,6 +14,8 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Header, Static
 
+from llmgw.shared.states import AdminState
+
 from .confirm import DETAIL, Confirm
 from .lines import event_line
 from .model import NodeDetailView, replica_tone
@@ -35,8 +37,8 @@ def detail_renderable(v: NodeDetailView) -> Group:
     head.append(v.node_id, style="bold")
     head.append("  ")
     head.append(f" {v.state} ", style=NODE_STATE_STYLE.get(v.state, ""))
-    head.append(f"  admin {v.admin}", style="bold" if v.admin != "active" else "")
-    head.append(f" ({v.admin_reason})\n" if v.admin_reason else "\n", style="bold" if v.admin != "active" else "")
+    head.append(f"  admin {v.admin}", style="bold" if v.admin != AdminState.ACTIVE else "")
+    head.append(f" ({v.admin_reason})\n" if v.admin_reason else "\n", style="bold" if v.admin != AdminState.ACTIVE else "")
     head.append(f"lease   {v.lease}\nmgmt    {v.mgmt}\nfabrics {v.fabrics}")
 
     gpus = _table("GPUs", "#", "NAME", "MEMORY", "HELD BY")

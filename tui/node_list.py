@@ -17,6 +17,8 @@ from typing import ClassVar
 from rich.text import Text
 from textual.binding import Binding, BindingType
 
+from llmgw.shared.states import NodeState
+
 from .cluster import Changes, ClusterModel
 from .model import STATE_ORDER, MarkBook, NodeView, node_view, ordered_counts
 from .palette import GPU_CELL_STYLE, NODE_STATE_STYLE
@@ -44,7 +46,7 @@ def row_text(view: NodeView, name_width: int, width: int) -> Text:
     if view.problem:
         text.append(f"  ! {view.problem}", style="bold red")
     if view.admin_reason:  # last: the row's end is cut with an ellipsis when narrow
-        text.append(f"  ({view.admin_reason})", style=NODE_STATE_STYLE.get(view.state, "") if view.state in ("cordoned", "draining") else "dim")
+        text.append(f"  ({view.admin_reason})", style=NODE_STATE_STYLE.get(view.state, "") if view.state in (NodeState.CORDONED, NodeState.DRAINING) else "dim")
     return text
 
 

@@ -15,7 +15,7 @@ from textual.containers import Vertical
 from textual.widgets import Static
 
 from .cluster import ClusterModel
-from .model import MarkBook, ReplicaView, backoff_views, replica_order, replica_summary, replica_view
+from .model import MarkBook, ReplicaView, Tone, backoff_views, replica_order, replica_summary, replica_view
 from .palette import GPU_CELL_STYLE, REPLICA_TONE_STYLE
 from .virtual import GUTTER, VirtualList
 
@@ -25,11 +25,11 @@ AGE_WIDTH = 6
 
 def state_text(view: ReplicaView) -> Text:
     style = REPLICA_TONE_STYLE.get(view.tone, "")
-    if view.tone == "failing":
+    if view.tone == Tone.FAILING:
         return Text(f"✖ {view.state}", style=style)
-    if view.tone == "degraded":
+    if view.tone == Tone.DEGRADED:
         return Text(f"⚠ {view.state}", style=style)
-    if view.tone == "backoff":
+    if view.tone == Tone.BACKOFF:
         return Text(f"⏸ {view.state}", style=style)
     if view.rebuild:
         return Text(f"↻ {view.state}", style=style)
@@ -38,9 +38,9 @@ def state_text(view: ReplicaView) -> Text:
 
 def replica_cells(r: ReplicaView) -> list[Text]:
     """The row's cells, in COLUMNS order."""
-    failing = r.tone == "failing"
+    failing = r.tone == Tone.FAILING
     plain = "bold red" if failing else ""
-    warn = r.tone in ("degraded", "backoff")
+    warn = r.tone in (Tone.DEGRADED, Tone.BACKOFF)
     return [
         Text(f" {r.mark} ", style=GPU_CELL_STYLE.get(r.tone, "")),
         Text(r.id, style="bold red" if failing else ("bold yellow" if r.rebuild else "bold")),

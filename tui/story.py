@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 
 from llmgw.shared.schemas import Event
-from llmgw.shared.states import ReplicaState
+from llmgw.shared.states import EventKind, EventWhat
 
 # A lost node explains a failure only if the failure follows soon after.
 CAUSE_WINDOW = 300.0
@@ -82,40 +82,47 @@ class StoryBook:
         """The story still unfolding, newest first ('' when none)."""
         return self.open[-1].text() if self.open else ""
 
-    def add(self, ev: Event) -> Rebuild | None:  # noqa: C901
+    def add(self, ev: Event) -> Rebuild | None:
         """Take the next event; returns a story it completed."""
-        if ev.kind == "node" and ev.what == "lost":
-            self.lost[ev.subject] = ev.time
-            return None
-        if ev.kind == "node" and ev.what in ("ready", "joined"):
-            self.lost.pop(ev.subject, None)
-            return None
-        if ev.kind == "deployment" and ev.what == "deleted":
+        if ev.kind == EventKind.NODE:
+            self._node(ev)
+        elif ev.kind == EventKind.DEPLOYMENT and ev.what == EventWhat.DELETED:
             self.open = [s for s in self.open if s.deployment != ev.subject]
-            return None
-        if ev.kind != "replica":
-            return None
-        if ev.what == ReplicaState.DEGRADED:
+        elif ev.kind == EventKind.REPLICA:
+            return self._replica(ev)
+        return None
+
+    def _node(self, ev: Event) -> None:
+        if ev.what == EventWhat.LOST:
+            self.lost[ev.subject] = ev.time
+        elif ev.what in (EventWhat.READY, EventWhat.JOINED):
+            self.lost.pop(ev.subject, None)
+
+    def _replica(self, ev: Event) -> Rebuild | None:
+        if ev.what == EventWhat.DEGRADED:
             self.degraded[ev.subject] = ev.time
             return None
-        if ev.what in (ReplicaState.READY, ReplicaState.GONE) and ev.data.get("from") != "":
+        if ev.what in (EventWhat.READY, EventWhat.GONE) and ev.data.get("from") != "":
             self.degraded.pop(ev.subject, None)
-        if ev.what == "failed":
+        if ev.what == EventWhat.FAILED:
             self._failed(ev)
-        elif ev.what == "reaping":
-            for s in self.open:
-                if s.failed == ev.subject and s.reaping_step is None:
-                    s.reaping_step = len(s.steps)
-                    s.steps.append("reaping")
-        elif ev.what == "gone":
+        elif ev.what == EventWhat.REAPING:
+            self._reaping(ev)
+        elif ev.what == EventWhat.GONE:
             for s in self.open:
                 if s.failed == ev.subject and s.reaping_step is not None:
                     s.steps[s.reaping_step] = "reaped"
-        elif ev.data.get("from", "x") == "" or ev.what == "launching":
+        elif ev.data.get("from", "x") == "" or ev.what == EventWhat.LAUNCHING:
             self._placed(ev)
-        if ev.what == "ready":
+        if ev.what == EventWhat.READY:
             return self._ready(ev)
         return None
+
+    def _reaping(self, ev: Event) -> None:
+        for s in self.open:
+            if s.failed == ev.subject and s.reaping_step is None:
+                s.reaping_step = len(s.steps)
+                s.steps.append("reaping")
 
     def _failed(self, ev: Event) -> None:
         for s in self.open:
@@ -140,10 +147,10 @@ class StoryBook:
                 continue
             if s.replacement == ev.subject or (not s.replacement and new and ev.time >= s.started):
                 s.replacement = ev.subject
-                if ev.what == "launching":
+                if ev.what == EventWhat.LAUNCHING:
                     where = placed_where(ev.detail)
                     s.steps.append(f"{ev.subject} placed on {where}" if where else f"{ev.subject} placed")
-                elif ev.what == "pending":
+                elif ev.what == EventWhat.PENDING:
                     s.steps.append(f"{ev.subject} pending")
                 return
 

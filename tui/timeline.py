@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from llmgw.shared.readmodel import format_age
 from llmgw.shared.schemas import Event
+from llmgw.shared.states import EventKind
 
 from .story import Rebuild, StoryBook
 
@@ -184,10 +185,10 @@ class Timeline:
 
     def _index(self, seen: Seen) -> None:
         ev = seen.event
-        if ev.kind == "node":
+        if ev.kind == EventKind.NODE:
             self._file(self.by_node, ev.subject, seen)
             return
-        if ev.kind == "replica":
+        if ev.kind == EventKind.REPLICA:
             self._file(self.by_replica, ev.subject, seen)
             if len(self.by_replica) > MAX_REPLICA_KEYS:
                 del self.by_replica[next(iter(self.by_replica))]

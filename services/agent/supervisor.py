@@ -71,14 +71,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
 
 import aiohttp
 
 from llmgw.shared import addresses, procfs, procnet
 from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import LlmgwError, WireError
-from llmgw.shared.schemas import CommandAck, EngineFact, LaunchCommand, ReportedEngineState, TrafficReport
+from llmgw.shared.schemas import CommandAck, EngineFact, LaunchCommand, TrafficReport
 from llmgw.shared.states import EngineState
 from llmgw.shared.tasks import cancel_and_wait
 
@@ -270,7 +269,7 @@ class Engine:
             pid=self.pid,
             # A supervised engine is never in the scheduler's own states (absent, unreported),
             # and a StrEnum member is the very string the Literal names.
-            state=cast(ReportedEngineState, self.state),
+            state=self.state,
             detail=self.detail,
             exit_code=self.exit_code,
             gpus=list(c.gpus),

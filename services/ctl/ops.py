@@ -43,7 +43,7 @@ from llmgw.shared.schemas import (
     to_builtins,
 )
 from llmgw.shared.specs import load_deployments, validate_spec
-from llmgw.shared.states import ReplicaState
+from llmgw.shared.states import AdminBy, AdminState, ReplicaState
 
 
 def _session(args) -> OperatorSession:
@@ -105,8 +105,8 @@ def nodes(args) -> int:
         print("(no nodes registered yet)")
     # Reasons are long: under the table, one line per node that has one.
     for r in rows:
-        if r["admin"] != "active" and r["admin_reason"]:
-            print(f"{r['node_id']} {r['admin']}{' automatically' if r['admin_by'] == 'auto' else ''}: {r['admin_reason']}")
+        if r["admin"] != AdminState.ACTIVE and r["admin_reason"]:
+            print(f"{r['node_id']} {r['admin']}{' automatically' if r['admin_by'] == AdminBy.AUTO else ''}: {r['admin_reason']}")
         if r["quarantine"]:
             print(f"{r['node_id']} QUARANTINED: {r['quarantine']}")
         if r["addr_problem"]:
@@ -123,7 +123,7 @@ def nodes(args) -> int:
 
 def admin_text(row: dict) -> str:
     """The ADMIN cell: "cordoned (auto)" for the scheduler's auto-cordon."""
-    return f"{row['admin']} (auto)" if row["admin"] != "active" and row.get("admin_by") == "auto" else row["admin"]
+    return f"{row['admin']} (auto)" if row["admin"] != AdminState.ACTIVE and row.get("admin_by") == AdminBy.AUTO else row["admin"]
 
 
 def replicas(args) -> int:

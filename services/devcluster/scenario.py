@@ -23,6 +23,7 @@ from llmgw.shared import buckets as B
 from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.procnet import listening_on
 from llmgw.shared.schemas import Replica
+from llmgw.shared.states import ENDING_REPLICA, LeaseState, ReplicaState
 
 from . import simcluster
 
@@ -68,7 +69,7 @@ async def observe_seed_story(
     replicas = await open_mirror(js, B.REPLICAS)
     leases = await open_mirror(js, B.LEASES)
     try:
-        story.before = {k: v for k, v in replicas.items.items() if v.state == "ready"}
+        story.before = {k: v for k, v in replicas.items.items() if v.state == ReplicaState.READY}
         story.listening_before = {n: listening_on(a) for n, a in addresses.items()}
         story.first_reply = await asyncio.to_thread(chat, gateway_url, model, "hello from the seed scenario")
         doomed = {k for k, r in story.before.items() if any(m.node_id == victim for m in r.members)}
@@ -82,14 +83,14 @@ async def observe_seed_story(
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             lease = leases.items.get(victim)
-            if story.lost_at is None and lease and lease.state == "lost":
+            if story.lost_at is None and lease and lease.state == LeaseState.LOST:
                 story.lost_at = lease.since
                 story.mark(lease.since, f"{victim} declared lost")
                 say(f"{victim} lost at t+{lease.since - story.killed_at:.1f}s")
             if _follow_rebuild(story, replicas.items, doomed, story.killed_at, say, say_failed=False):
                 break
             await asyncio.sleep(0.1)
-        story.after = {k: v for k, v in replicas.items.items() if v.state not in ("gone",)}
+        story.after = {k: v for k, v in replicas.items.items() if v.state != ReplicaState.GONE}
         story.listening_after = {n: listening_on(a) for n, a in addresses.items()}
         story.second_reply = await asyncio.to_thread(chat, gateway_url, model, "hello again, after the rebuild")
     finally:
@@ -216,7 +217,7 @@ async def observe_fabric_story(
     try:
         rec = nodes.items.get(victim)
         story.fabric = next((f.name for f in rec.fabrics if hca in f.hcas), story.fabric) if rec else story.fabric
-        story.before = {k: v for k, v in replicas.items.items() if v.state == "ready"}
+        story.before = {k: v for k, v in replicas.items.items() if v.state == ReplicaState.READY}
         story.first_reply = await asyncio.to_thread(chat, gateway_url, model, "hello from the fabric scenario")
         doomed = {k for k, r in story.before.items() if r.fabric == story.fabric and any(m.node_id == victim for m in r.members)}
 
@@ -239,7 +240,7 @@ async def observe_fabric_story(
             if _follow_rebuild(story, replicas.items, doomed, story.down_at, say, say_failed=True):
                 break
             await asyncio.sleep(0.1)
-        story.after = {k: v for k, v in replicas.items.items() if v.state != "gone"}
+        story.after = {k: v for k, v in replicas.items.items() if v.state != ReplicaState.GONE}
         # Is node02 still offered work? Ask placement itself, on the live records.
         from llmgw.shared.schemas import DeploymentSpec
 
@@ -268,7 +269,7 @@ def _follow_rebuild(story, replicas: dict, doomed, t0: float, say, *, say_failed
     True once the replacement is ready and the doomed ones are gone."""
     for rid in doomed:
         r = replicas.get(rid)
-        if r and r.state in ("failed", "reaping") and story.failed is None:
+        if r and r.state in ENDING_REPLICA and story.failed is None:
             story.failed, story.failed_at = r, r.since
             # failed and reaping happen in one scheduler cycle; the record shows the latter
             story.mark(r.since, f"{rid} failed → reaping ({r.reason})")
@@ -279,7 +280,7 @@ def _follow_rebuild(story, replicas: dict, doomed, t0: float, say, *, say_failed
             story.mark(story.gone_at, f"{rid} reaped (record gone)")
     if story.failed is not None and story.replacement_ready_at is None:
         for r in replicas.values():
-            if r.id not in story.before and r.state == "ready":
+            if r.id not in story.before and r.state == ReplicaState.READY:
                 story.replacement, story.replacement_ready_at = r, r.since
                 story.mark(r.since, f"replacement {r.id} ready on {r.fabric}")
                 say(f"replacement {r.id} ready on {r.fabric} at t+{r.since - t0:.1f}s")
@@ -304,7 +305,7 @@ def report_fabric(story: FabricStory, say=print) -> None:
     say("  after:")
     for r in sorted(story.after.values(), key=lambda r: r.id):
         say(f"    {r.id} {r.state} on {r.fabric}: {_members(r)}")
-    say(f"  {story.victim} lease meanwhile: {' -> '.join(story.victim_leases) or 'unknown'} (never lost: {'lost' not in story.victim_leases})")
+    say(f"  {story.victim} lease meanwhile: {' -> '.join(story.victim_leases) or 'unknown'} (never lost: {LeaseState.LOST not in story.victim_leases})")
     say(f"  {story.victim} for a single-node replica: {'fits' if story.single_node_ok else 'does not fit'} ({story.single_node_detail})")
     say(f"  {story.victim} for a multi-node replica: {story.multi_node_reason}")
     say(f"  request again: {story.second_reply!r}")

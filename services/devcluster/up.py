@@ -44,6 +44,7 @@ from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.natsconf import check_cluster_size
 from llmgw.shared.natsserver import NatsCluster, NatsServer, free_port
 from llmgw.shared.schemas import DeploymentSpec, NodeAddrRequest, Replica
+from llmgw.shared.states import LAUNCHED_REPLICA, LeaseState, ReplicaState
 
 from . import realvllm, simcluster
 from .demo import DEMO_MODEL
@@ -392,7 +393,7 @@ class Cluster:
         try:
             while True:
                 self.check_alive()
-                ready = {k for k, lease in leases.items.items() if lease.state == "ready"} & want
+                ready = {k for k, lease in leases.items.items() if lease.state == LeaseState.READY} & want
                 registered = {k for k, r in nodes.items.items() if r.boot_id} & want  # joined, not only onboarded (set-addr)
                 now_state = (len(registered), len(ready))
                 if now_state != last:
@@ -427,7 +428,7 @@ class Cluster:
                 elif now - said >= 30:  # a real engine's start is minutes of nothing to report
                     self.say(f"replicas: {summary or 'none yet'} (still waiting, {now - started:.0f}s)")
                     said = now
-                ready = {k: r for k, r in mine.items() if r.state == "ready"}
+                ready = {k: r for k, r in mine.items() if r.state == ReplicaState.READY}
                 if len(ready) >= count:
                     return ready
                 if time.monotonic() > deadline:
@@ -506,7 +507,7 @@ class Cluster:
 
 def _engines(r: Replica) -> str:
     """A starting replica's members as their agents last reported them: "[node01 starting, node02 joined]"."""
-    if r.state not in ("launching", "waiting-for-workers"):
+    if r.state not in LAUNCHED_REPLICA:
         return ""
     return " [" + ", ".join(f"{m.node_id} {m.engine_state or 'launched'}" for m in r.members) + "]"
 

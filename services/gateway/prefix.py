@@ -60,6 +60,8 @@ CHUNK_CHARS = 256
 MAX_CHARS = 16384
 MAX_MESSAGES = 4  # an anchor spans at most this many messages' ``max_chars``
 _MASK = (1 << 64) - 1
+# A JSON null where a prompt would be, as a view (a view compares with a view).
+_NULL = memoryview(b"null")
 
 
 class _Message(msgspec.Struct):
@@ -127,9 +129,9 @@ def _anchor_parts(f: Fields, max_chars: int, min_chars: int) -> tuple[list, int]
         length = min(size, max(opening, min_chars))
     else:
         text = memoryview(f.prompt)[:max_chars]
-        if text == b"null":
+        if text == _NULL:
             text = memoryview(f.input)[:max_chars]
-            if text == b"null":
+            if text == _NULL:
                 return None
         parts, length = [text], len(text)
     # A short opening: the conversation is anchored on its first chunk (opening,

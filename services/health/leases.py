@@ -81,10 +81,12 @@ import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 
 from llmgw.shared.schemas import Heartbeat, Lease
+from llmgw.shared.states import BOOT_SETTLED_HEARTBEATS, EventWhat, LeaseState
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,9 @@ class Timings:
 @dataclass(frozen=True)
 class Transition:
     node_id: str
-    old: str  # "" for a node seen for the first time
-    new: str
+    # What the node's events say: a lease state, or quarantined/released.
+    old: EventWhat | Literal[""]  # "" for a node seen for the first time
+    new: EventWhat
     lease: Lease
     detail: str
 
@@ -134,10 +137,9 @@ MAX_COUNTED = 1_000_000
 # Renewals reach KV once per this many heartbeat intervals (Timings.checkpoint_interval):
 # 40 × 5 s by default, 50 lease writes/s at 10,000 nodes instead of ~1,300.
 CHECKPOINT_HEARTBEATS = 40
-# The heartbeat count at which a boot id's lease is written again: the scheduler
-# trusts a new incarnation's full reports for teardown from SETTLE_HEARTBEATS on
-# (services/scheduler/service.py; tests/test_leases.py holds the two equal).
-BOOT_SETTLED_HEARTBEATS = 4
+# The heartbeat count at which a boot id's lease is written again is
+# states.BOOT_SETTLED_HEARTBEATS: the scheduler trusts a new incarnation's full
+# reports for teardown from then on.
 # Why a lease is written (llmgw_health_lease_writes_total{cause}). A lease waiting
 # to be written for several reasons is counted under the first of these.
 WRITE_CAUSES = ("transition", "boot", "checkpoint")
@@ -241,7 +243,13 @@ class LeaseBook:
         # they are facts whoever judged meanwhile, so they are kept, as a heard heartbeat is.
         for node, mine in self.leases.items():
             st = merged.get(node)
-            if st is not None and st.state == "ready" and st.boot_id == mine.boot_id and mine.last_seq > st.last_seq and mine.last_renew > st.last_renew:
+            if (
+                st is not None
+                and st.state == LeaseState.READY
+                and st.boot_id == mine.boot_id
+                and mine.last_seq > st.last_seq
+                and mine.last_renew > st.last_renew
+            ):
                 merged[node] = msgspec.structs.replace(
                     st, last_seq=mine.last_seq, last_renew=mine.last_renew, boot_heartbeats=max(st.boot_heartbeats, mine.boot_heartbeats)
                 )
@@ -284,22 +292,22 @@ class LeaseBook:
             self.boots[node], self.returns[node] = {hb.boot_id: at}, []
             self.checkpoint_phase(node)  # in the phase order from now on
             self._pending.add(node)  # never written: due at once (see due_writes)
-            lease = Lease(node_id=node, state="ready", boot_id=hb.boot_id, last_seq=hb.seq, last_renew=at, since=at, boot_since=at, boot_heartbeats=1)
+            lease = Lease(node_id=node, state=LeaseState.READY, boot_id=hb.boot_id, last_seq=hb.seq, last_renew=at, since=at, boot_since=at, boot_heartbeats=1)
             self.leases[node] = lease
-            return Transition(node, "", "ready", lease, f"first heartbeat (boot {hb.boot_id[:8]})")
-        if old.quarantine and old.state != "lost":
+            return Transition(node, "", EventWhat.READY, lease, f"first heartbeat (boot {hb.boot_id[:8]})")
+        if old.quarantine and old.state != LeaseState.LOST:
             # Either agent keeps the node's lease alive (nothing is torn down for
             # a lost node); which one is real is the operator's call.
-            lease = msgspec.structs.replace(old, state="ready", last_renew=at, since=at if old.state != "ready" else old.since)
+            lease = msgspec.structs.replace(old, state=LeaseState.READY, last_renew=at, since=at if old.state != LeaseState.READY else old.since)
             self.leases[node] = lease
-            if old.state != "ready":
-                return Transition(node, old.state, "ready", lease, "heartbeats resumed (still quarantined)")
+            if old.state != LeaseState.READY:
+                return Transition(node, EventWhat(old.state), EventWhat.READY, lease, "heartbeats resumed (still quarantined)")
             return None
-        if old.state == "lost" and hb.boot_id != old.boot_id:
+        if old.state == LeaseState.LOST and hb.boot_id != old.boot_id:
             self._boot_change(node, old, hb.boot_id, at)
             lease = Lease(
                 node_id=node,
-                state="ready",
+                state=LeaseState.READY,
                 boot_id=hb.boot_id,
                 last_seq=hb.seq,
                 last_renew=at,
@@ -309,7 +317,7 @@ class LeaseBook:
                 quarantine=old.quarantine,
             )
             self.leases[node] = lease
-            return Transition(node, "lost", "ready", lease, f"agent restarted (boot {hb.boot_id[:8]})")
+            return Transition(node, EventWhat.LOST, EventWhat.READY, lease, f"agent restarted (boot {hb.boot_id[:8]})")
         if hb.boot_id == old.boot_id:
             if hb.seq <= old.last_seq:
                 return None  # duplicate or reordered heartbeat: it proves nothing newer
@@ -317,7 +325,7 @@ class LeaseBook:
             if hb.seq > limit:
                 self._refuse(node, "seq_jump", f"heartbeat seq {hb.seq} jumps from {old.last_seq} (at most {limit} plausible); refused")
                 return None
-        state_changes = old.state != "ready"
+        state_changes = old.state != LeaseState.READY
         detail = ""
         if hb.boot_id != old.boot_id:
             detail = f"agent restarted (boot {hb.boot_id[:8]})"
@@ -331,13 +339,13 @@ class LeaseBook:
                     f"{node}: two agents with one identity — boot ids {' and '.join(b[:8] for b in boots)} heartbeat in alternation; "
                     f"quarantined until an operator resolves it (llmgw ctl node release {node})"
                 )
-                lease = msgspec.structs.replace(old, state="ready", last_renew=at, quarantine=why, since=at if state_changes else old.since)
+                lease = msgspec.structs.replace(old, state=LeaseState.READY, last_renew=at, quarantine=why, since=at if state_changes else old.since)
                 self.leases[node] = lease
-                return Transition(node, old.state, "quarantined", lease, why)
+                return Transition(node, EventWhat(old.state), EventWhat.QUARANTINED, lease, why)
             self.unstored(node, "boot")
         lease = msgspec.structs.replace(
             old,
-            state="ready",
+            state=LeaseState.READY,
             boot_id=hb.boot_id,
             last_seq=hb.seq,
             last_renew=at,
@@ -349,9 +357,9 @@ class LeaseBook:
         if lease.boot_heartbeats == BOOT_SETTLED_HEARTBEATS and not state_changes:
             self.unstored(node, "boot")  # the scheduler may trust this incarnation's reports now
         if state_changes:
-            if not detail and old.state == "lost":
+            if not detail and old.state == LeaseState.LOST:
                 detail = f"heartbeats resumed (same agent, boot {hb.boot_id[:8]}); its stale engines are fenced"
-            return Transition(node, old.state, "ready", lease, detail or "heartbeats resumed")
+            return Transition(node, EventWhat(old.state), EventWhat.READY, lease, detail or "heartbeats resumed")
         return None
 
     def release(self, node: str, at: float) -> Transition | None:
@@ -366,7 +374,7 @@ class LeaseBook:
         self.boots[node], self.returns[node] = {old.boot_id: at}, []
         lease = msgspec.structs.replace(old, quarantine="", boot_since=at, boot_heartbeats=0)
         self.leases[node] = lease
-        return Transition(node, "quarantined", "released", lease, f"quarantine lifted by an operator (boot {old.boot_id[:8]} holds the lease)")
+        return Transition(node, EventWhat.QUARANTINED, EventWhat.RELEASED, lease, f"quarantine lifted by an operator (boot {old.boot_id[:8]} holds the lease)")
 
     def expire(self, at: float) -> list[Transition]:
         """Leases whose heartbeats stopped: ready → suspect → lost."""
@@ -380,15 +388,15 @@ class LeaseBook:
         # float rounding from skipping a node the exact test below would judge.
         heard_since = at - t.suspect_after + 1e-6
         for node, lease in self.leases.items():
-            if lease.last_renew > heard_since or lease.state == "lost":
+            if lease.last_renew > heard_since or lease.state == LeaseState.LOST:
                 continue
             silent = at - lease.last_renew
             if silent >= t.node_lost_after:
-                new = msgspec.structs.replace(lease, state="lost", since=at)
-                out.append(Transition(node, lease.state, "lost", new, f"no heartbeat for {silent:.1f}s"))
-            elif silent >= t.suspect_after and lease.state == "ready":
-                new = msgspec.structs.replace(lease, state="suspect", since=at)
-                out.append(Transition(node, "ready", "suspect", new, f"{int(silent / t.heartbeat_interval)} heartbeats missed"))
+                new = msgspec.structs.replace(lease, state=LeaseState.LOST, since=at)
+                out.append(Transition(node, EventWhat(lease.state), EventWhat.LOST, new, f"no heartbeat for {silent:.1f}s"))
+            elif silent >= t.suspect_after and lease.state == LeaseState.READY:
+                new = msgspec.structs.replace(lease, state=LeaseState.SUSPECT, since=at)
+                out.append(Transition(node, EventWhat.READY, EventWhat.SUSPECT, new, f"{int(silent / t.heartbeat_interval)} heartbeats missed"))
         for tr in out:
             self.leases[tr.node_id] = tr.lease
         return out
@@ -438,7 +446,7 @@ class LeaseBook:
             elif lease.last_renew > self.stored_renew.get(node, -math.inf):
                 self._pending.discard(node)
                 out.append((lease, "checkpoint"))
-            elif lease.state == "ready":
+            elif lease.state == LeaseState.READY:
                 self._pending.add(node)  # its boundary passed before a renewal: the next one is due
             else:
                 # Suspect or lost: its next renewal makes it ready, a transition written

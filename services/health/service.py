@@ -33,6 +33,7 @@ from llmgw.shared.errors import LlmgwError
 from llmgw.shared.kvmirror import KvMirror
 from llmgw.shared.names import is_valid_name
 from llmgw.shared.schemas import Heartbeat, Lease, NodeRequest, encode
+from llmgw.shared.states import EventKind, LeaseState
 
 from ..runtime import ServiceRuntime, Turn, run_service
 from .leases import WRITE_CAUSES, LeaseBook, Timings, Transition
@@ -311,9 +312,9 @@ class HealthMonitor(ServiceRuntime):
                     self.book.unstored(rest.node_id, "transition")
                 raise
             TRANSITIONS.labels(tr.new).inc()
-            what = tr.new  # the registry announces "joined"; the lease says "ready"
+            # The registry announces "joined"; the lease says "ready".
             self.log.info("node %s %s → %s (%s)", tr.node_id, tr.old or "new", tr.new, tr.detail)
-            await self.events.emit("node", tr.node_id, what, tr.detail, at=tr.lease.since, previous=tr.old or "none")
+            await self.events.emit(EventKind.NODE, tr.node_id, tr.new, tr.detail, at=tr.lease.since, previous=tr.old or "none")
             # Counted once per tick, not per transition: 10,000 first heartbeats
             # would otherwise count 10,000 leases each.
             self._gauge_stale = True
@@ -354,7 +355,7 @@ class HealthMonitor(ServiceRuntime):
         self._gauge_stale = False
         # One walk over the leases, not one per state.
         states = Tally(lease.state for lease in self.book.leases.values())
-        for state in ("ready", "suspect", "lost"):
+        for state in LeaseState:
             LEASES.labels(state).set(states[state])
         QUARANTINED.set(sum(1 for lease in self.book.leases.values() if lease.quarantine))
 

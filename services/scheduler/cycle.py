@@ -140,8 +140,15 @@ from llmgw.shared.states import (
     BROKEN_ENGINE,
     ENDED_ENGINE,
     IN_FLIGHT_REPLICA,
+    LAUNCHED_REPLICA,
     RUNNING_ENGINE,
+    UP_ENGINE,
     WANTED_REPLICA,
+    AdminBy,
+    AdminState,
+    EventKind,
+    EventWhat,
+    LeaseState,
 )
 from llmgw.shared.states import (
     EngineState as E,
@@ -155,10 +162,6 @@ from .plan import Backoff, Cordon, Launch, NodeFailure, Plan, Stop
 from .view import ClusterView, PortRange
 
 SPEC_CHANGED = "deployment spec changed"
-# Not yet serving: a failure from here counts towards the crash-loop backoff.
-STARTING = frozenset({RS.LAUNCHING, RS.WAITING})
-# A leader that came up (whether or not it makes progress now).
-LEADER_UP = frozenset({E.READY, E.STALLED})
 
 
 @dataclass(frozen=True)
@@ -275,7 +278,7 @@ class Cycle:
 
     # -- recording ----------------------------------------------------------
 
-    def transition(self, replica: Replica, state: str, reason: str, *, detail: str = "", new: bool = False, **changes) -> Replica:
+    def transition(self, replica: Replica, state: RS, reason: str, *, detail: str = "", new: bool = False, **changes) -> Replica:
         """Record ``replica`` entering ``state``; ``new`` when it had no record before."""
         after = msgspec.structs.replace(replica, state=state, since=self.now, reason=reason, **changes)
         self.replicas[after.id] = after
@@ -283,9 +286,9 @@ class Cycle:
         self.plan.events.append(
             Event(
                 time=self.now,
-                kind="replica",
+                kind=EventKind.REPLICA,
                 subject=after.id,
-                what=state,
+                what=EventWhat(state),
                 detail=detail or reason,
                 data={
                     "deployment": after.deployment,
@@ -311,7 +314,7 @@ class Cycle:
         if node_id not in self.nodes:
             return f"node {node_id} has no record"
         lease = self.leases.get(node_id)
-        if lease is not None and lease.state == "lost":  # a LeaseState, not a replica/engine state
+        if lease is not None and lease.state == LeaseState.LOST:
             return f"node {node_id} lost"
         return ""
 
@@ -319,7 +322,7 @@ class Cycle:
         # The draining nodes are looked up once a cycle: converge asks this of
         # every replica of a deployment, thousands, and mostly none is draining.
         if self._draining is None:
-            self._draining = frozenset(n for n, rec in self.nodes.items() if rec.admin == "draining")
+            self._draining = frozenset(n for n, rec in self.nodes.items() if rec.admin == AdminState.DRAINING)
         if not self._draining:
             return []
         return [m.node_id for m in replica.members if m.node_id in self._draining]
@@ -398,7 +401,7 @@ class Cycle:
         spec = self.deployments.get(replica.deployment)
         leader = replica.members[0]
         late = spec is not None and self.now - replica.created_at > spec.startup_timeout
-        if spec is not None and replica.state in STARTING and leader.engine_state not in LEADER_UP and late:  # up, however late we look
+        if spec is not None and replica.state in LAUNCHED_REPLICA and leader.engine_state not in UP_ENGINE and late:  # up, however late we look
             states = ", ".join(f"{m.node_id}: {m.engine_state or 'unreported'}" for m in replica.members)
             laggards = [m.node_id for m in replica.members if m.engine_state not in (E.READY, E.JOINED, E.STALLED)]
             return f"not ready within {spec.startup_timeout:g}s of launch ({states})", _unique(laggards)
@@ -438,11 +441,11 @@ class Cycle:
         # A lost node and broken hardware are the node's failure, not the
         # deployment's crash loop (cases 3, 11): its replacement is placed at once.
         node_failure = any(self.node_down(m.node_id) for m in replica.members) or bool(self.hardware(replica))
-        if replica.state in STARTING and not node_failure:
+        if replica.state in LAUNCHED_REPLICA and not node_failure:
             self.early_failures[replica.deployment].append(f"{replica.id}: {why}")
         quiet = set(self.peer_lost_quiet.get(replica.id, ()))
         for node_id in implicated:
-            kind = "peer-lost" if node_id in quiet else ""
+            kind = E.PEER_LOST if node_id in quiet else ""
             self.plan.implicated.append(NodeFailure(node_id, self.now, f"{replica.id} {why}", kind))
 
     def peer_lost_suspects(self, history: Mapping[str, Sequence[NodeFailure]]) -> dict[str, str]:
@@ -456,7 +459,7 @@ class Cycle:
         (its lease renewed after the report), and offered again."""
         out: dict[str, str] = {}
         for f in [*(f for fs in history.values() for f in fs), *self.plan.implicated]:
-            if f.kind != "peer-lost":
+            if f.kind != E.PEER_LOST:
                 continue
             lease = self.leases.get(f.node_id)
             if lease is not None and lease.last_renew > f.time:
@@ -477,7 +480,7 @@ class Cycle:
                 self.transition(replica, RS.READY, f"leader on {leader.node_id} making progress again")
                 self.became_ready[replica.deployment] = replica.id
             return
-        if leader.engine_state in LEADER_UP:
+        if leader.engine_state in UP_ENGINE:
             addr = self.nodes[leader.node_id].mgmt_addr
             endpoint = f"http://{_hostport(addr, leader.http_port)}"
             if leader.engine_state == E.READY:
@@ -568,18 +571,18 @@ class Cycle:
         ready = self.became_ready.get(spec.name)
         if ready and (after.failures or after.retry_at):
             after = Backoff()
-            self.deployment_event(spec.name, "recovered", f"{ready} ready; crash-loop backoff after {before.failures} failure(s) cleared")
+            self.deployment_event(spec.name, EventWhat.RECOVERED, f"{ready} ready; crash-loop backoff after {before.failures} failure(s) cleared")
         early = self.early_failures.get(spec.name, [])
         if early:
             failures = after.failures + len(early)
             after = Backoff(failures, self.now + self.config.backoff(failures), early[-1])
-            self.deployment_event(spec.name, "backoff", backoff_text(after))
+            self.deployment_event(spec.name, EventWhat.BACKOFF, backoff_text(after))
         if after != before:
             self.plan.backoffs[spec.name] = after
         return after
 
-    def deployment_event(self, name: str, what: str, detail: str) -> None:
-        self.plan.events.append(Event(time=self.now, kind="deployment", subject=name, what=what, detail=detail))
+    def deployment_event(self, name: str, what: EventWhat, detail: str) -> None:
+        self.plan.events.append(Event(time=self.now, kind=EventKind.DEPLOYMENT, subject=name, what=what, detail=detail))
 
     # -- phase 2: nodes implicated in repeated failures (case 10) -------------
 
@@ -596,7 +599,7 @@ class Cycle:
         for node_id in sorted(evidence):
             seen = evidence[node_id]
             rec = self.nodes.get(node_id)
-            if rec is None or rec.admin != "active":
+            if rec is None or rec.admin != AdminState.ACTIVE:
                 if history.get(node_id):
                     self.plan.settled.append(node_id)  # taken out of service already: start afresh when back
                 continue
@@ -604,12 +607,14 @@ class Cycle:
                 continue
             why = f"{len(seen)} replica failures in {format_duration(cfg.auto_cordon_window)}: {seen[-1].reason}"
             if cordoned is None:
-                cordoned = {n for n, r in self.nodes.items() if r.admin == "cordoned" and r.admin_by == "auto"}
+                cordoned = {n for n, r in self.nodes.items() if r.admin == AdminState.CORDONED and r.admin_by == AdminBy.AUTO}
             full = self.breaker(rec, cordoned)
             self.plan.settled.append(node_id)
             if full:
                 self.plan.events.append(
-                    Event(time=self.now, kind="node", subject=node_id, what="auto-cordon-withheld", detail=f"auto-cordon withheld: {full} ({why})")
+                    Event(
+                        time=self.now, kind=EventKind.NODE, subject=node_id, what=EventWhat.AUTO_CORDON_WITHHELD, detail=f"auto-cordon withheld: {full} ({why})"
+                    )
                 )
                 continue
             self.plan.cordons.append(Cordon(node_id, why))
@@ -618,7 +623,7 @@ class Cycle:
             self.nodes = dict(self.nodes)
             self._draining = None  # asked again of the nodes as judged
             for c in self.plan.cordons:
-                self.nodes[c.node_id] = msgspec.structs.replace(self.nodes[c.node_id], admin="cordoned", admin_by="auto", admin_reason=c.reason)
+                self.nodes[c.node_id] = msgspec.structs.replace(self.nodes[c.node_id], admin=AdminState.CORDONED, admin_by=AdminBy.AUTO, admin_reason=c.reason)
 
     def breaker(self, rec: NodeRecord, cordoned: set[str]) -> str:
         """Why cordoning ``rec`` would exceed ``auto_cordon_max_share`` ("" if it would not)."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmgw.shared.states import AdminBy, AdminState, LeaseState
+
 from . import reasons as R
 from .view import PORTS_PER_LEADER, ClusterView, NodeView
 
@@ -73,7 +75,7 @@ class LeaseReady:
     def check(self, node: NodeView, request: Request, view: ClusterView) -> Verdict:
         if node.lease is None:
             return Verdict(False, R.NO_LEASE, "no lease yet")
-        if node.lease != "ready":
+        if node.lease != LeaseState.READY:
             return Verdict(False, R.LEASE_NOT_READY, f"lease is {node.lease}")
         if node.quarantine:
             return Verdict(False, R.QUARANTINED, node.quarantine)
@@ -89,13 +91,13 @@ class Schedulable:
     static = True
 
     def check(self, node: NodeView, request: Request, view: ClusterView) -> Verdict:
-        if node.admin == "cordoned":
+        if node.admin == AdminState.CORDONED:
             rec = node.record
-            if rec is not None and rec.admin_by == "auto":
+            if rec is not None and rec.admin_by == AdminBy.AUTO:
                 return Verdict(False, R.CORDONED, f"cordoned automatically: {rec.admin_reason or 'repeated replica failures'}")
             why = f": {rec.admin_reason}" if rec is not None and rec.admin_reason else ""
             return Verdict(False, R.CORDONED, f"cordoned by an operator{why}")
-        if node.admin == "draining":
+        if node.admin == AdminState.DRAINING:
             rec = node.record
             return Verdict(False, R.DRAINING, f"draining: {rec.admin_reason}" if rec is not None and rec.admin_reason else "draining")
         return OK

@@ -60,12 +60,13 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRecord, Replica
+from llmgw.shared.states import HOLDING_REPLICA, LAUNCHED_REPLICA, UP_ENGINE
 from llmgw.shared.states import ReplicaState as RS
 
-from .cycle import LEADER_UP, STARTING, Cycle, ReconcileConfig, Scope, run
+from .cycle import Cycle, ReconcileConfig, Scope, run
 from .placement import PlacementCache
 from .plan import NodeFailure, Plan
-from .view import HOLDS_RESOURCES, LIVE, ClusterView, NodeView, PortRange, node_view
+from .view import LIVE, ClusterView, NodeView, PortRange, node_view
 
 # A clock is treated as due this much early: ``now - t > timeout`` and
 # ``t + timeout < now`` may round apart, and waking early only costs one look.
@@ -144,7 +145,7 @@ class LiveView(ClusterView):
         old = self.held.get(rid)
         if old is replica and replica is not None:
             return
-        if old is not None and replica is not None and replica.state in HOLDS_RESOURCES and _holdings(old) == _holdings(replica):
+        if old is not None and replica is not None and replica.state in HOLDING_REPLICA and _holdings(old) == _holdings(replica):
             # A new state or engine report, the same GPUs and ports: only the spread may move.
             self.held[rid] = replica
             key = self._spread_key.get(rid)
@@ -154,7 +155,7 @@ class LiveView(ClusterView):
             return
         if rid in self.held:
             self._release(rid)
-        if replica is not None and replica.state in HOLDS_RESOURCES:
+        if replica is not None and replica.state in HOLDING_REPLICA:
             self._hold(replica)
 
     def commit(self, replica: Replica) -> None:
@@ -240,7 +241,7 @@ def _holdings(replica: Replica) -> list[tuple]:
 
 def deadline(replica: Replica, spec: DeploymentSpec | None, config: ReconcileConfig) -> float | None:
     """When ``advance`` would next act on ``replica`` if nothing else changed (None: never)."""
-    if replica.state in STARTING and replica.members and spec is not None and replica.members[0].engine_state not in LEADER_UP:
+    if replica.state in LAUNCHED_REPLICA and replica.members and spec is not None and replica.members[0].engine_state not in UP_ENGINE:
         return replica.created_at + spec.startup_timeout
     if replica.state == RS.DEGRADED:
         return replica.since + config.hang_timeout

@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from llmgw.shared.schemas import now
-from llmgw.shared.states import EngineState, ReplicaState
+from llmgw.shared.states import EngineState, EventKind, ReplicaState
 
 from .cycle import SPEC_CHANGED
 from .view import ClusterView
@@ -137,7 +137,7 @@ class RebuildClock:
 
     def events(self, events) -> None:
         for ev in events:
-            if ev.kind != "replica":
+            if ev.kind != EventKind.REPLICA:
                 continue
             dep = ev.data.get("deployment", "")
             prior = ev.data.get("from", "")

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 import msgspec
 
 from llmgw.shared.schemas import EngineFact, Lease, Replica, StatusReport
-from llmgw.shared.states import EngineState
+from llmgw.shared.states import EngineState, LeaseState
 
 # How long our own write of a replica record (or delete) outranks the mirror's copy.
 OWN_WRITE_WINDOW = 30.0
@@ -76,7 +76,7 @@ class ReportBook:
             return ""  # not heard yet (or no health monitor): as before
         if lease.quarantine:
             return "quarantined"
-        if lease.boot_id != boot_id and lease.state != "lost":
+        if lease.boot_id != boot_id and lease.state != LeaseState.LOST:
             # Not (yet) the incarnation holding the lease; asked again when it does. A lost
             # node's replicas are already failed: its returning agent is heard at once,
             # so its stale engines are fenced without waiting for a heartbeat.

@@ -23,7 +23,7 @@ counted), so one node cannot grow the scheduler's memory. A report is believed
 only from the agent incarnation (boot id) that holds the node's lease, and not
 at all while the health monitor has the node quarantined (two agents answer
 for it); and a full report marks missing engines ``absent`` only once its boot
-id has held the lease for ``SETTLE_HEARTBEATS`` heartbeats, so a clone's
+id has held the lease for ``BOOT_SETTLED_HEARTBEATS`` heartbeats, so a clone's
 empty report cannot tear down replicas in the moment before the alternation
 is seen. When a lease changes hands (a new boot id) or a quarantine is
 lifted, the scheduler asks the node for its full list again.
@@ -66,10 +66,9 @@ from llmgw.shared.schemas import (
     to_builtins,
 )
 from llmgw.shared.specs import is_outdated, validate_spec
-from llmgw.shared.states import REPLICA_ORDER, EngineState, ReplicaState
+from llmgw.shared.states import BOOT_SETTLED_HEARTBEATS, REPLICA_ORDER, AdminBy, AdminState, EngineState, EventKind, EventWhat, LeaseState, ReplicaState
 from llmgw.shared.tasks import cancel_and_wait
 
-from ..health.leases import BOOT_SETTLED_HEARTBEATS as SETTLE_HEARTBEATS
 from ..runtime import ServiceRuntime, Turn, run_service
 from . import ReconcileConfig, explain, fence
 from .cycle import backoff_text, launches_for, remember_failures
@@ -136,7 +135,7 @@ class Scheduler(ServiceRuntime):
             self.replicas.items,
             self.leases.items,
             max_unknown=MAX_UNKNOWN_PER_NODE,
-            settle_heartbeats=SETTLE_HEARTBEATS,
+            settle_heartbeats=BOOT_SETTLED_HEARTBEATS,
             launch_grace=sc.command_timeout,
         )
         # node -> {(replica id, rank): fact}: the book's, mutated in place, never replaced
@@ -206,7 +205,7 @@ class Scheduler(ServiceRuntime):
         outage): ask the node what it runs, and fence it (``_take_report``)."""
         if new is None or new.quarantine or not (self.leadership and self.leadership.is_leader):
             return
-        returned = old is not None and old.state == "lost" and new.state != "lost"
+        returned = old is not None and old.state == LeaseState.LOST and new.state != LeaseState.LOST
         if old is not None and old.boot_id == new.boot_id and not old.quarantine and not returned:
             return
         if old is None and self.book.full_report_boot.get(node) == new.boot_id:
@@ -370,12 +369,12 @@ class Scheduler(ServiceRuntime):
         out = self.nodes.items
         for node, (at, reason) in list(self.cordoning.items()):
             rec = out.get(node)
-            if rec is None or rec.admin != "active" or stamp - at > CORDON_GRACE:
+            if rec is None or rec.admin != AdminState.ACTIVE or stamp - at > CORDON_GRACE:
                 del self.cordoning[node]
                 continue
             if out is self.nodes.items:
                 out = dict(out)
-            out[node] = msgspec.structs.replace(rec, admin="cordoned", admin_by="auto", admin_reason=reason)
+            out[node] = msgspec.structs.replace(rec, admin=AdminState.CORDONED, admin_by=AdminBy.AUTO, admin_reason=reason)
         return out
 
     async def _heard(self, leases: dict[str, Lease]) -> dict[str, Lease]:
@@ -394,7 +393,7 @@ class Scheduler(ServiceRuntime):
         for fs in self.node_failures.values():
             for f in fs:
                 lease = leases.get(f.node_id)
-                if f.kind == "peer-lost" and lease is not None and lease.state == "ready" and lease.last_renew <= f.time:
+                if f.kind == EngineState.PEER_LOST and lease is not None and lease.state == LeaseState.READY and lease.last_renew <= f.time:
                     due[f.node_id] = lease
         for node in [n for n in self.heard_asked if n not in due]:
             del self.heard_asked[node]
@@ -524,7 +523,7 @@ class Scheduler(ServiceRuntime):
         # leader re-derives the delete and re-publishes them under the same id).
         outbox: dict[str, list] = defaultdict(list)
         for ev in plan.events:
-            if ev.kind == "replica":
+            if ev.kind == EventKind.REPLICA:
                 outbox[ev.subject].append(ev)
         writes = {rid: msgspec.structs.replace(rep, pending_events=outbox.get(rid, [])) for rid, rep in plan.writes.items()}
         launched = await self._write_records(writes, plan.launches)
@@ -547,7 +546,7 @@ class Scheduler(ServiceRuntime):
         for c in plan.cordons:
             self.cordoning[c.node_id] = (time.time(), c.reason)
             self._background(self._cordon(c))
-        AUTO_CORDONS.labels("withheld").inc(sum(1 for e in plan.events if e.what == "auto-cordon-withheld"))
+        AUTO_CORDONS.labels("withheld").inc(sum(1 for e in plan.events if e.what == EventWhat.AUTO_CORDON_WITHHELD))
 
     async def _write_specs(self, plan: Plan) -> None:
         """Apply step 1: each deployment's new generation counter and backoff."""
@@ -614,7 +613,7 @@ class Scheduler(ServiceRuntime):
     async def _publish(self, ev) -> None:
         """Publish one event under its id; a replica's, once stored, leaves the outbox."""
         msg_id = event_id(ev)
-        if await self.events.publish(ev, msg_id=msg_id) and ev.kind == "replica":
+        if await self.events.publish(ev, msg_id=msg_id) and ev.kind == EventKind.REPLICA:
             self.published.add(msg_id)
 
     async def flush_outbox(self, everything: bool = True) -> int:
@@ -761,7 +760,7 @@ class Scheduler(ServiceRuntime):
         shape = f"{spec.replicas} × {spec.nodes_per_replica} node(s) × {spec.gpus_per_node} GPU(s) of {spec.model} on {spec.engine}"
         if old is not None and template_digest(old) != template_digest(stored):
             shape += "; the engine template changed: replicas are replaced as new ones become ready"
-        await self.events.emit("deployment", spec.name, "applied", shape)
+        await self.events.emit(EventKind.DEPLOYMENT, spec.name, EventWhat.APPLIED, shape)
         self.wake.set()
         return stored
 
@@ -794,7 +793,7 @@ class Scheduler(ServiceRuntime):
         if spec is None:
             raise UnknownDeployment(f"no deployment named {req.name!r}")
         await self.deployments_kv.delete(req.name)
-        await self.events.emit("deployment", req.name, "deleted", "its replicas are stopped and reaped")
+        await self.events.emit(EventKind.DEPLOYMENT, req.name, EventWhat.DELETED, "its replicas are stopped and reaped")
         self.wake.set()
         return spec
 

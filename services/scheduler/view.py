@@ -23,14 +23,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from llmgw.shared.errors import ConfigError
-from llmgw.shared.readmodel import HOLDS_GPUS, gpu_blocks  # the operator tools read the same facts
+from llmgw.shared.readmodel import gpu_blocks  # the operator tools read the same facts
 from llmgw.shared.schemas import FabricMembership, Lease, NodeRecord, Replica
-from llmgw.shared.states import ACTIVE_REPLICA
+from llmgw.shared.states import ACTIVE_REPLICA, HOLDING_REPLICA, AdminState
 
-# Every state but gone holds its members' GPUs and ports: a failed or reaping
-# replica's processes may still run until an agent reports them exited, and a
-# degraded one may recover.
-HOLDS_RESOURCES = HOLDS_GPUS  # the operator tools count the same set (shared/readmodel.py)
 # Replicas that count for spreading: the ones meant to keep serving.
 LIVE = ACTIVE_REPLICA
 # A leader binds a rendezvous port and an HTTP port; workers bind none.
@@ -82,7 +78,7 @@ class NodeView:
 
     @property
     def admin(self) -> str:
-        return self.record.admin if self.record is not None else "active"
+        return self.record.admin if self.record is not None else AdminState.ACTIVE
 
     @property
     def mgmt_addr(self) -> str:
@@ -233,7 +229,7 @@ class ClusterView:
             views[node_id] = node_view(node_id, nodes.get(node_id), leases.get(node_id), suspects.get(node_id, ""))
         view = cls(views, ports, Counter())
         for replica in replicas:
-            if replica.state in HOLDS_RESOURCES:
+            if replica.state in HOLDING_REPLICA:
                 view._hold(replica)
         return view
 
