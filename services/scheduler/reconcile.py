@@ -88,7 +88,7 @@ The cases (after LWS' numbered case analysis):
    cluster, for a node on no fabric) auto-cordoned: the circuit breaker, which
    withholds it with a ``node`` event. Either way its history is used up
    (``Plan.settled``), so an operator's uncordon starts it afresh.
-11. Hardware on a live node (issue #14), from the node's inventory as its
+11. Hardware on a live node (docs/hardware.md), from the node's inventory as its
    agent re-reads it every ``discovery.interval``: an active multi-node
    replica with a member on a node where the replica's fabric is no longer
    usable (an HCA has no ACTIVE port: its collectives will hang) is

@@ -15,7 +15,7 @@ over where the records say the work stands, so a restart in the middle of a
 rebuild neither duplicates nor loses a replica: every decision is re-derived
 from the stored records, never from memory.
 
-What a node reports is bounded and attributed (issue #12); the fold itself is
+What a node reports is bounded and attributed (a node is not trusted); the fold itself is
 pure (``reports.ReportBook``, time passed in). ``reported`` keeps,
 per node, the engines a replica record names plus at most
 ``MAX_UNKNOWN_PER_NODE`` others (kept for fencing; more are dropped and
@@ -117,7 +117,7 @@ MAX_UNKNOWN_PER_NODE = 256
 # Heartbeats a new agent incarnation must hold the lease before its full report
 # may mark engines absent (a clone's alternation shows within two or three).
 TRUNCATED = Counter("llmgw_scheduler_status_facts_dropped_total", "Engine facts dropped from status reports: unknown engines over the per-node cap")
-# Rebuilds (issue #19). The reason label is one of REBUILD_REASONS, never free text.
+# Rebuilds, for the operator's dashboards and alerts. The reason label is one of REBUILD_REASONS, never free text.
 REPLICA_FAILURES = Counter(
     "llmgw_scheduler_replica_failures_total",
     "Replicas failed or replaced, by deployment and why (a bounded word: see rebuild_reason)",
