@@ -4,11 +4,11 @@ Not a test: it prints figures (and ``--json FILE`` writes them). Run from the
 repository root with the project's virtual environment::
 
     python bench/control_plane.py                       # 2,000 nodes x 8 GPUs
-    python bench/control_plane.py --nodes 10000 --replicas 4000   # 80,000 GPUs (issue #17)
+    python bench/control_plane.py --nodes 10000 --replicas 4000   # 80,000 GPUs
     python bench/control_plane.py --nodes 20 --replicas 5 --steady 3s \\
         --node-lost-after 3s --heartbeat 0.5s           # smoke: well under a minute
 
-Configurations and their targets (issue #17; 2 cores, 5 s heartbeats, lost
+Configurations and their targets (2 cores, 5 s heartbeats, lost
 after 15 s, 20 fabrics, 8 GPUs per node):
 
 * ``--nodes 2000 --replicas 1000`` (the default): every figure no worse than
@@ -160,7 +160,7 @@ from llmgw.shared.schemas import (
 from llmgw.shared.tasks import cancel_and_wait
 from llmgw.shared.tls import TlsFiles
 
-# % of one core (registry + health + scheduler), s, s, heartbeat intervals (issue #17)
+# % of one core (registry + health + scheduler), s, s, heartbeat intervals
 # The phases in order (--until names the last one to run).
 PHASES = ("bring-up", "steady", "placement", "failover", "restart")
 TARGETS = {"cpu": 25.0, "placement": 2.0, "failover": 0.2, "restart_heartbeats": 2.0}

@@ -1,4 +1,4 @@
-"""The gateway under resource attacks (issue #12, finding 7), while a
+"""The gateway under resource attacks (slow clients, floods, oversized bodies), while a
 well-behaved client keeps asking. Not a test: it prints figures. Run from the
 repository root::
 

@@ -16,7 +16,7 @@ per connect. Rows:
 - a node issued before client certificates carried the SAN: no SAN, its user
   named by the subject (``natsconf.user_name``), which nats-server finds by
   walking every configured user and parsing each name as a DN — the cost that
-  grows with the identities. Issue #17's restart phase found the per-connection
+  grows with the identities. The control-plane bench's restart phase found the per-connection
   cost growing with the cluster (docs/performance.md); this isolates it.
 """
 

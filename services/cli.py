@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 
-from llmgw.shared.errors import LlmgwError, NotAvailable
+from llmgw.shared.errors import LlmgwError
 
 DEFAULT_PKI = os.environ.get("LLMGW_PKI", "/etc/llmgw/pki")
 
@@ -24,13 +24,6 @@ def _lazy(target: str):
     def run(args: argparse.Namespace) -> int | None:
         module, _, func = target.partition(":")
         return getattr(importlib.import_module(module), func)(args)
-
-    return run
-
-
-def _not_yet(what: str):
-    def run(args: argparse.Namespace) -> int:
-        raise NotAvailable(f"'llmgw {what}' is not yet available in this build")
 
     return run
 
@@ -193,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "gateway":
             p.add_argument("--workers", type=int, help="gateway processes on one port (SO_REUSEPORT); default gateway.workers, 0 there: one per core")
             p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # INDEX:PORT, set by the supervising parent
-        p.set_defaults(func=_lazy(target) if target else _not_yet(name))
+        p.set_defaults(func=_lazy(target))
 
     p = sub.add_parser("agent", help="the node agent: inventory, heartbeats, engine processes")
     p.add_argument("--config", "-c", required=True, help="agent.yaml")

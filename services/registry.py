@@ -8,7 +8,7 @@ from ``CN=node02,OU=node``; the registry still checks that the payload claims
 the same node, because a bug in an agent must not move one node's GPUs onto
 another's record. A rejected inventory leaves the previous record in place.
 
-A node's management address is not the node's to choose (issue #12): clients'
+A node's management address is not the node's to choose (a node is not trusted): clients'
 prompts go to ``http://<mgmt_addr>:<port>``. The address is recorded when the
 node is onboarded (``set-addr``, called by ``llmgw ctl node set-addr``,
 ``llmgw up`` and ``deploy/onboard-node.sh``) and kept on the record as
@@ -20,7 +20,7 @@ Inventories of a node the health monitor quarantined (two agents answering
 for one identity) are refused too: which of the two is the real one is an
 operator's call.
 
-Bring-up at scale (issue #17). After a power event or a nats-server restart
+Bring-up at scale (10,000 nodes). After a power event or a nats-server restart
 every agent re-sends its inventory within seconds: 10,000 inventories at once.
 Each is judged when it arrives (identity, claims, bounds: ``_acceptable``,
 from memory — no bus round trip), and an acceptable one is *queued*, keyed by

@@ -51,7 +51,7 @@ class Turn(StrEnum):
 class ServiceRuntime:
     role: str = ""
     # The gateway's hot path is socket I/O, where uvloop costs a third less CPU
-    # per request (docs/performance.md); the rest keep the standard loop.
+    # per request (docs/architecture.md, "The gateway"); the rest keep the standard loop.
     event_loop: str = "asyncio"
     # What nats-py may buffer while disconnected (``bus.connect``): nothing for a
     # service that writes control-plane state (a write that failed is never

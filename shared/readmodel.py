@@ -38,7 +38,7 @@ from .states import ENDING_REPLICA, HOLDING_REPLICA, ROUTABLE_REPLICA, WANTED_RE
 
 
 def gpu_blocks(record: NodeRecord) -> dict[int, str]:
-    """The GPUs of ``record`` placement must not offer, index -> why (issue #14):
+    """The GPUs of ``record`` placement must not offer, index -> why (docs/hardware.md):
     unhealthy (XID, ECC, fallen off the bus), or busy with a process llmgw did not start."""
     out: dict[int, str] = {}
     for g in record.gpus:
@@ -249,7 +249,7 @@ def node_rows(nodes: Mapping[str, NodeRecord], leases: Mapping[str, Lease], repl
                 "unusable_fabrics": {f.name: f.problem for f in n.fabrics if not f.usable},
                 "gpus_total": len(n.gpus),
                 "gpus_free": node_gpu_counts(n, in_use).free,
-                # Out of service (issue #14): unhealthy, or held by a process llmgw did not start.
+                # Out of service: unhealthy, or held by a process llmgw did not start.
                 "gpus_out_of_service": {str(i): why for i, why in sorted(blocked.items())},
                 "state": lease_state(lease),
                 "admin": n.admin,

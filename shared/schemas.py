@@ -34,7 +34,7 @@ from .structconf import Duration
 # NATS' default max_payload; nothing llmgw sends legitimately comes close.
 MAX_PAYLOAD = 1024 * 1024
 
-# -- Sanity bounds on what a node may claim (issue #12) ---------------------------
+# -- Sanity bounds on what a node may claim ---------------------------------------
 # A node's certificate proves who it is, not that what it says is sane: a message
 # outside these bounds is refused whole by ``decode`` (a ``WireError``, logged and
 # counted by the receiving service), never stored. The bounds are generous for
@@ -82,7 +82,7 @@ class Gpu(Base, kw_only=True):
     # None when the driver reports "[N/A]" (seen on some MIG and vGPU setups).
     memory_mib: Annotated[int, msgspec.Meta(ge=0, le=2**31)] | None = None
     pci_bus_id: Annotated[str, msgspec.Meta(max_length=64)] = ""
-    # Health as the agent last read it (issue #14): an unhealthy GPU fails the
+    # Health as the agent last read it (docs/hardware.md): an unhealthy GPU fails the
     # replica holding it and takes no new work; problem says why, in the
     # driver's words ("XID 79: GPU has fallen off the bus", "2 uncorrectable
     # ECC errors"). foreign_* is memory held by processes llmgw did not start:
@@ -421,7 +421,7 @@ class Replica(Base, kw_only=True):
     # env) this replica was made from; a different one means it is outdated
     # and is replaced (rolling update). "" (records from before): never outdated.
     spec_digest: str = ""
-    # The event outbox (issue #13): the events of the transition that produced this
+    # The event outbox (no event lost to a crash): the events of the transition that produced this
     # record, written with it. The acting scheduler (or one taking over after a
     # crash between the record and its events) publishes any LLMGW_EVENTS lacks,
     # under a Nats-Msg-Id (shared/events.py), so none is lost and none doubled.

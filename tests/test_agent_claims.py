@@ -1,4 +1,4 @@
-"""Issue #12, the agent's side: a node proves what it claims.
+"""The agent's side: a node proves what it claims.
 
 * "ready" means the engine this agent launched answered: a process squatting
   on a leader's port (found in the kernel's socket table, owned by nobody in

@@ -1,4 +1,4 @@
-"""A bus outage never counts against a node (issue #13), and a write reported
+"""A bus outage never counts against a node, and a write reported
 failed during one is never applied later.
 
 A real single nats-server is SIGKILLed for longer than ``node_lost_after``

@@ -1,4 +1,4 @@
-"""``llmgw ctl`` against a real nats-server with nothing provisioned (issue #19).
+"""``llmgw ctl`` against a real nats-server with nothing provisioned.
 
 Every verb says in one line what is missing and exits non-zero; none prints a
 traceback. The server is real, the operator certificate is real, and ctl runs

@@ -1,4 +1,4 @@
-"""GPU health parsing (issue #14): real H200 output, NVIDIA's documented error shapes, fakes run for real.
+"""GPU health parsing (docs/hardware.md): real H200 output, NVIDIA's documented error shapes, fakes run for real.
 
 The healthy rows are the real H200 capture (tests/data, copied from
 /work/shared/samples/h200). A machine with a failing GPU was not available, so

@@ -1,4 +1,4 @@
-"""``llmgw up --scenario fabric``'s story end to end (issue #14), real processes, compressed timings.
+"""``llmgw up --scenario fabric``'s story end to end (docs/hardware.md), real processes, compressed timings.
 
 ``llmgw up --detach`` brings up the seed cluster with agents re-reading their
 hardware every 0.5 s; the test then runs the story the scenario prints: node02's

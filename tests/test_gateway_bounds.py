@@ -1,6 +1,6 @@
 """The gateway bounds every resource a client (or a replica) can make it hold
-(issue #12, finding 7): each test is the attack, on real sockets, against a
-real gateway fed a replica record on a real nats-server.
+(slow clients, floods, oversized bodies): each test is the attack, on real
+sockets, against a real gateway fed a replica record on a real nats-server.
 
 The replica is a tiny real HTTP server in the test (``Upstream``): it answers
 normally, or with an answer far too large, or with a stream that never ends,

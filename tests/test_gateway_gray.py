@@ -1,4 +1,4 @@
-"""Gray failures at the gateway (issue #11): requests are moved off a replica
+"""Gray failures at the gateway: requests are moved off a replica
 that stops making progress, in front of real ``sim`` engine processes fed
 replica records on a real nats-server.
 

@@ -1,4 +1,4 @@
-"""Standbys for every service (issue #13).
+"""Standbys for every service.
 
 * The event outbox: a scheduler that dies between writing a replica record and
   publishing its event loses no event, and doubles none, once a standby takes

@@ -1,4 +1,4 @@
-"""Hardware that degrades on a live node (issue #14), with real processes.
+"""Hardware that degrades on a live node (docs/hardware.md), with real processes.
 
 A control plane on a real nats-server, real agents re-reading their hardware
 every 0.3 s, real `sim` engines. Faults are injected the way a real node shows

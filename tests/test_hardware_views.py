@@ -1,4 +1,4 @@
-"""What an operator sees of hardware out of service (issue #14): ``ctl nodes`` rows and the console's GPU cells."""
+"""What an operator sees of hardware out of service (docs/hardware.md): ``ctl nodes`` rows and the console's GPU cells."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A health monitor taking over from the stored leases (issues #15 item 3 and #17).
+"""A health monitor taking over from the stored leases: what a new monitor knows, and what it costs at scale.
 
 Leases are stored as checkpoints (``services/health/leases.py``): a takeover must
 still know every stored lease, never declare a live node lost, and declare a

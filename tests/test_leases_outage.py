@@ -1,4 +1,4 @@
-"""The outage rule of the health monitor's pure core (issue #13): a bus outage
+"""The outage rule of the health monitor's pure core: a bus outage
 never counts against a node. Table-driven, clock injected."""
 
 from __future__ import annotations

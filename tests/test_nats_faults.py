@@ -1,4 +1,4 @@
-"""The control plane on a 3-server NATS cluster, losing servers (issue #13).
+"""The control plane on a 3-server NATS cluster, losing servers.
 
 Three real nats-server processes (``NatsCluster``: routes over mutual TLS, each
 its own store, SIGKILL = a machine dying, restart on the same config and

@@ -1,4 +1,4 @@
-"""A node proves what it claims (issue #12), the control plane's side.
+"""A node proves what it claims, the control plane's side.
 
 Real nats-server, real services, real agents and `sim` engines; the attacker is
 a second connection under a node's *own* certificate (the agent's files), as a

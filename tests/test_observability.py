@@ -1,4 +1,4 @@
-"""Metrics, dashboards and alerts (issue #19).
+"""Metrics, dashboards and alerts.
 
 * ``deploy/grafana/llmgw.json`` is what ``deploy/grafana/build.py`` makes with
   Grafana's schema library (skipped, visibly, without grafana-foundation-sdk);

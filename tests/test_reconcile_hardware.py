@@ -1,4 +1,4 @@
-"""The reconciler's hardware cases (case 11, issue #14) and placement around bad GPUs, as tables.
+"""The reconciler's hardware cases (case 11, docs/hardware.md) and placement around bad GPUs, as tables.
 
 Pure: node records as the registry would hold them after an agent re-read its
 hardware (an HCA port DOWN, a GPU with an XID, memory held by a foreign

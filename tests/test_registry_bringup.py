@@ -1,4 +1,4 @@
-"""Bring-up at scale (issue #17): inventories in bursts, coalesced registry writes,
+"""Bring-up at scale (10,000 nodes): inventories in bursts, coalesced registry writes,
 no inventory pulls for what already came, and the agents' spread first connect.
 
 The registry runs in the test's loop on a real nats-server; nodes publish

@@ -186,7 +186,7 @@ async def test_heartbeats_drive_ready_suspect_lost_and_rejoin(nats_server, conne
         lease = await wait_for(lambda: _state(leases, "node02", "lost"), timeout=4)
         # lost within one heartbeat of node_lost_after, measured from the last heartbeat sent
         assert FAST["node_lost_after"] - 0.05 <= lease.since - beat.last <= FAST["node_lost_after"] + FAST["heartbeat_interval"] + 0.3
-        # same boot id, heard again (a slow reconnect, a healed partition): ready again (issue #13)
+        # same boot id, heard again (a slow reconnect, a healed partition): ready again
         same = Beater(node, "node02")
         same.seq = beat.seq  # the same agent, carrying on
         same.start()

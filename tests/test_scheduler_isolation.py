@@ -1,4 +1,4 @@
-"""Issue #12, finding 4: one node cannot stall the scheduler for the others.
+"""A node is not trusted: one node cannot stall the scheduler for the others.
 
 Found: the status handler, shared by every node, awaited the stops it sent to
 fence a node's stale engines; a node that never answers held it for

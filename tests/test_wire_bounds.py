@@ -1,4 +1,4 @@
-"""What a node may claim on the wire (issue #12): the bounds in shared/schemas.py and
+"""What a node may claim on the wire (a node is not trusted): the bounds in shared/schemas.py and
 the one address validator in shared/names.py, as properties over generated input."""
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def detail_renderable(v: NodeDetailView) -> Group:
     gpus = _table("GPUs", "#", "NAME", "MEMORY", "HELD BY")
     for g in v.gpus:
         held = g.replica or Text("free", style="dim")
-        if g.problem:  # out of service (issue #14): say which and why
+        if g.problem:  # out of service: say which and why
             held = Text(f"{g.replica + ' · ' if g.replica else ''}{g.problem}", style="bold red")
         gpus.add_row(str(g.index), g.name, g.memory, held)
     hcas = _table("HCAs", "HCA", "PORTS (STATE RATE)", "USABLE")

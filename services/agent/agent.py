@@ -338,7 +338,7 @@ class Agent:
 
     def _engine_pids(self) -> set[int]:
         """Every process of the engines this agent supervises (wrapper, engine, its tree):
-        a GPU process outside this set was not started by llmgw (issue #14)."""
+        a GPU process outside this set was not started by llmgw (docs/hardware.md)."""
         pids: set[int] = set()
         for e in list(self.supervisor._engines.values()):
             p = e.pids
@@ -348,7 +348,7 @@ class Agent:
 
     async def _rediscover(self) -> None:
         # discovery.interval: GPU health and HCA ports are re-read this often and
-        # a change is published at once, not only on reconnect (issue #14).
+        # a change is published at once, not only on reconnect (docs/hardware.md).
         every = min(self.cfg.discovery.interval, self.cfg.inventory_interval)
         nvml = NvmlHealth() if self.cfg.discovery.prefer_nvml else None
         last_sent = time.monotonic()

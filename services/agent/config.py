@@ -94,7 +94,7 @@ class DiscoveryConfig(Section, frozen=True):
     prefer_nvml: bool = False
     skip_gpus: bool = False
     # GPUs (health too) and HCA ports are re-read this often; a change is
-    # published at once (issue #14, docs/hardware.md).
+    # published at once (docs/hardware.md).
     interval: Duration = 10.0
 
     def __post_init__(self):

@@ -7,7 +7,7 @@ out of scheduling instead of saying why. A node without GPUs says so with
 scheduler needs (a fabric whose HCA is down must not get a multi-node replica),
 so they are reported in the inventory and as warnings.
 
-GPU *health* (issue #14, ``docs/hardware.md``) is read on every discovery too
+GPU *health* (``docs/hardware.md``) is read on every discovery too
 and is never an exception either: a GPU the driver reports lost ("Unable to
 determine the device handle for GPU…: GPU is lost"), with uncorrectable ECC
 errors, retired pages pending or (NVML) a critical XID is listed with

@@ -223,7 +223,7 @@ def explain(args) -> int:
     table = [("NODE", "FABRICS", "GPUS FREE/TOTAL", "VERDICT")]
     for n in ex.nodes:
         verdict = "ok" if n.ok else f"{n.reason}: {n.detail}"
-        if n.ok and "; out of service: " in n.detail:  # a GPU it fits without (issue #14)
+        if n.ok and "; out of service: " in n.detail:  # a GPU it fits without
             verdict += " (out of service: " + n.detail.split("; out of service: ", 1)[1] + ")"
         table.append((n.node_id, ",".join(n.fabrics) or "(none)", f"{n.free_gpus}/{n.total_gpus}", verdict))
     _table(table)

@@ -613,7 +613,7 @@ async def _bring_up(cluster: Cluster, args) -> None:
     nc, js = await cluster.connect()
     try:
         # Onboarding records each node's address before its agent speaks
-        # (issue #12): an inventory claiming another one is refused.
+        # (a node does not choose it): an inventory claiming another one is refused.
         await cluster.record_addresses(nc)
         for node in cluster.nodes:
             cluster.start_agent(node)
@@ -957,7 +957,7 @@ def _node_devices(args) -> int:
 
 
 def _hardware_fault(d: Path | None, node: dict, args) -> int:
-    """hca-down/up and gpu-fault/ok: change the files the node's agent reads (issue #14).
+    """hca-down/up and gpu-fault/ok: change the files the node's agent reads (docs/hardware.md).
 
     ``d``: the 'llmgw up' cluster, or None for a node given by its agent.yaml."""
     cfg = Path(node["agent_config"])

@@ -27,7 +27,7 @@ proxy in front of engines needs from HTTP is small and is all here:
   ``idle_timeout``; ``close(grace)`` stops accepting, lets requests in flight
   finish for ``grace`` seconds, then cancels them.
 
-Bounds on what clients can make it hold (issue #12; docs/architecture.md,
+Bounds on what clients can make it hold (docs/architecture.md,
 "Threat model — the gateway"):
 
 * ``max_connections`` open at once: one more is answered 503 and closed (its

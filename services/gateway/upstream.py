@@ -11,6 +11,20 @@ parsed from a byte buffer: the status line, the three headers that matter (``Con
 ``Connection``) and ``Content-Type``, then the body by length, by chunks, or
 to the end of the connection.
 
+Why the answer is parsed by hand, when the gateway's server already uses
+httptools (llhttp) for requests: what it must read is a small subset of
+HTTP/1.1 from our own engines (uvicorn under vLLM, SGLang and the sim), and
+body framing here is interleaved with what the proxy needs from the same
+buffer — the flow-control high-water mark, ``max_response_bytes`` counted as
+bytes arrive, ``abort`` while a read waits, 1xx answers skipped, a body that
+ends at EOF — which llhttp's callback interface would split between its
+callbacks and this class. Measured (docs/architecture.md, "The gateway"): a
+head plus a plain body costs the same either way (~4 µs); a chunked stream
+costs ~3.5 µs per chunk here against ~0.5 µs in llhttp. That per-token cost
+is the case for moving to ``httptools.HttpResponseParser``, to be decided by
+a same-run A/B of ``bench/gateway.py`` on a quiet machine, not by a
+micro-benchmark.
+
 Guarantees the gateway's proxy relies on:
 
 * a connection goes back to its pool only when its answer was read to the

@@ -14,7 +14,7 @@ failed and replaced while it was lost; the scheduler asks a node whose lease
 returns for its full engine list and fences (stops) the stale engines it still
 runs, so the node comes back empty.
 
-The bus outage rule (issue #13). The monitor judges silence only while it
+The bus outage rule (a bus outage never counts against a node). The monitor judges silence only while it
 can hear: while it is disconnected from the bus (``disconnected``) nothing
 expires, and when it reconnects (``reconnected``) or takes over (``load``)
 every node gets ``Timings.reconnect_grace`` — the agents' worst reconnect
@@ -27,7 +27,7 @@ until a whole grace passes with none returning (``_recovering``): thousands of
 agents reconnecting at once queue for TLS handshakes far longer than their
 backoff, and a fixed grace would declare most of them lost.
 
-What a heartbeat may claim (issue #12). A node's certificate says who sends,
+What a heartbeat may claim (a node is not trusted beyond its certificate). A node's certificate says who sends,
 not that the sender is sane or alone:
 
 * *Sequence jumps.* Within one boot id the sequence grows by one per
@@ -52,7 +52,7 @@ not that the sender is sane or alone:
   ``boot_since``, so the scheduler can tell which agent incarnation holds the
   lease and for how long.
 
-What is written to KV, and when (issue #17). The countdowns live in memory;
+What is written to KV, and when (at 10,000 nodes every write counts). The countdowns live in memory;
 a lease costs a write only when something a reader decides on changes:
 
 * *transition* — every state change (first heartbeat, ready/suspect/lost,

@@ -11,7 +11,7 @@ ADDR_PROBLEM = "addr_problem"  # its mgmt_addr does not resolve to an address of
 NO_LEASE = "no_lease"  # a record but no lease: the health monitor has not heard it yet
 LEASE_NOT_READY = "lease_not_ready"  # suspect or lost
 PEER_LOST_SUSPECT = "peer_lost_suspect"  # a peer reported it lost; no heartbeat heard since
-QUARANTINED = "quarantined"  # two agents answer for the node's identity (issue #12)
+QUARANTINED = "quarantined"  # two agents answer for the node's identity
 CORDONED = "cordoned"
 DRAINING = "draining"
 NO_FABRIC = "no_fabric"  # multi-node replica, node sits on no fabric
@@ -23,24 +23,3 @@ FABRIC_TOO_SMALL = "fabric_too_small"  # node fits, but its fabric has too few n
 NO_NODES = "no_nodes"  # the cluster has no node at all
 GPU_UNHEALTHY = "gpu_unhealthy"  # enough free GPUs only counting ones the agent reports unhealthy (XID, ECC, lost)
 GPU_FOREIGN = "gpu_foreign"  # enough free GPUs only counting ones held by processes llmgw did not start
-
-DESCRIPTIONS: dict[str, str] = {
-    NO_RECORD: "no node record (inventory not registered)",
-    NO_MGMT_ADDR: "node record has no management address",
-    ADDR_PROBLEM: "its management address does not reach it",
-    NO_LEASE: "no lease (health monitor has not heard from it)",
-    LEASE_NOT_READY: "lease not ready",
-    PEER_LOST_SUSPECT: "reported lost by a peer, not heard from since",
-    QUARANTINED: "quarantined (two agents with one identity)",
-    CORDONED: "cordoned",
-    DRAINING: "draining",
-    NO_FABRIC: "on no fabric (multi-node replicas need one)",
-    FABRIC_UNUSABLE: "fabric unusable (no ACTIVE HCA)",
-    NOT_ENOUGH_GPUS: "too few GPUs",
-    NOT_ENOUGH_FREE_GPUS: "not enough free GPUs",
-    NO_FREE_PORTS: "no free ports",
-    FABRIC_TOO_SMALL: "its fabric has too few nodes that fit",
-    NO_NODES: "no nodes",
-    GPU_UNHEALTHY: "not enough healthy free GPUs",
-    GPU_FOREIGN: "free GPUs held by processes llmgw did not start",
-}

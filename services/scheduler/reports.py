@@ -13,7 +13,7 @@ watch. ``known_replicas`` therefore prefers what this instance wrote (for
 ``OWN_WRITE_WINDOW`` seconds) when it is at least as new as the mirror's copy;
 without it fencing would stop an engine just launched.
 
-What a node reports is bounded and attributed (issue #12): per node, the
+What a node reports is bounded and attributed (a node is not trusted): per node, the
 engines a replica record names plus at most ``max_unknown`` others (kept for
 fencing; more are dropped and counted); a report is believed only from the
 agent incarnation (boot id) holding the node's lease, never while the node is

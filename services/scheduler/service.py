@@ -15,7 +15,7 @@ over where the records say the work stands, so a restart in the middle of a
 rebuild neither duplicates nor loses a replica: every decision is re-derived
 from the stored records, never from memory.
 
-What a node reports is bounded and attributed (issue #12); the fold itself is
+What a node reports is bounded and attributed (a node is not trusted); the fold itself is
 pure (``reports.ReportBook``, time passed in). ``reported`` keeps,
 per node, the engines a replica record names plus at most
 ``MAX_UNKNOWN_PER_NODE`` others (kept for fencing; more are dropped and

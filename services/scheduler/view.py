@@ -67,11 +67,11 @@ class NodeView:
     fabrics: dict[str, FabricMembership]  # configured fabrics by name
     used_gpus: set[int] = field(default_factory=set)
     used_ports: set[int] = field(default_factory=set)
-    # GPUs the agent reports out of service (issue #14), index -> why: unhealthy
+    # GPUs the agent reports out of service (docs/hardware.md), index -> why: unhealthy
     # (XID, ECC, lost) or busy with a process llmgw did not start. Never free.
     blocked: dict[int, str] = field(default_factory=dict)
     unhealthy: frozenset[int] = frozenset()
-    quarantine: str = ""  # the lease's: two agents answer for this node (issue #12)
+    quarantine: str = ""  # the lease's: two agents answer for this node
     # Why the node is suspect since a peer reported it lost (no heartbeat heard
     # after that); "" when it is not.
     suspect: str = ""
