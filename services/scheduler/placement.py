@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from llmgw.shared.schemas import DeploymentSpec, ReplicaMember
+from llmgw.shared.schemas import DeploymentSpec, NodeVerdict, ReplicaMember
 
 from . import reasons as R
 from .filters import (
@@ -186,23 +186,12 @@ class PlacementResult:
 
 
 @dataclass(frozen=True)
-class NodeExplanation:
-    node_id: str
-    ok: bool
-    reason: str  # "" when ok
-    detail: str
-    fabrics: tuple[str, ...]
-    free_gpus: int
-    total_gpus: int
-
-
-@dataclass(frozen=True)
 class Explanation:
     """``llmgw ctl explain``: node by node, could it take a member of this deployment."""
 
     deployment: str
     request: Request
-    nodes: list[NodeExplanation]
+    nodes: list[NodeVerdict]  # as ``ctl explain`` shows them (shared/schemas.py)
     # fabric -> how many nodes there fit one member (multi-node replicas only)
     fabrics: dict[str, int]
     placeable: bool
@@ -395,12 +384,12 @@ def explain(deployment: DeploymentSpec, view: ClusterView, memo: PlacementCache 
     verdicts, fits = _node_verdicts(request, view, memo)
     result = place(request, view, memo)
     nodes = [
-        NodeExplanation(
+        NodeVerdict(
             node_id=nid,
             ok=v.ok,
             reason=v.reason,
             detail=v.detail or _fit_detail(view.nodes[nid]),
-            fabrics=tuple(view.nodes[nid].fabrics),
+            fabrics=list(view.nodes[nid].fabrics),
             free_gpus=view.nodes[nid].free_gpu_count(),
             total_gpus=len(view.nodes[nid].gpus),
         )

@@ -49,13 +49,17 @@ from llmgw.shared.errors import BusError, LlmgwError, WireError
 from llmgw.shared.events import event_id
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.schemas import (
+    BackoffState,
     CommandAck,
     DeploymentSpec,
+    ExplainedMember,
+    ExplainedReplica,
     ExplainReply,
     Lease,
     NameRequest,
     NodeRecord,
     NodeRequest,
+    PlacementShape,
     Replica,
     StatusReport,
     decode,
@@ -63,7 +67,6 @@ from llmgw.shared.schemas import (
     encode,
     now,
     template_digest,
-    to_builtins,
 )
 from llmgw.shared.specs import is_outdated, validate_spec
 from llmgw.shared.states import BOOT_SETTLED_HEARTBEATS, REPLICA_ORDER, AdminBy, AdminState, EngineState, EventKind, EventWhat, LeaseState, ReplicaState
@@ -802,7 +805,7 @@ class Scheduler(ServiceRuntime):
         if spec is None:
             raise UnknownDeployment(f"no deployment named {req.name!r}")
         view = ClusterView.build(self.nodes.items, self.leases.items, self.replicas.items.values(), ports=self.rconfig.ports)
-        return msgspec.convert(explain_reply(spec, view, self.replicas.items.values(), now()), ExplainReply)
+        return explain_reply(spec, view, self.replicas.items.values(), now())
 
     async def stop(self) -> None:
         await cancel_and_wait(list(getattr(self, "background", ())))
@@ -815,31 +818,39 @@ class Scheduler(ServiceRuntime):
         await super().stop()
 
 
-def explain_reply(spec: DeploymentSpec, view: ClusterView, replicas, at: float) -> dict:
+def explain_reply(spec: DeploymentSpec, view: ClusterView, replicas, at: float) -> ExplainReply:
     """``explain``: where the next replica would go, node by node, plus what an
     operator needs besides — the crash-loop backoff and the replicas as they
-    stand (a degraded or failing one with its members' engine details).
-    Every key of the placement explanation is kept; these are added."""
-    out = to_builtins(explain(spec, view))
+    stand (a degraded or failing one with its members' engine details)."""
+    ex = explain(spec, view)
     backing_off = spec.retry_at > at
-    out["backoff"] = {
-        "failures": spec.failures,
-        "last_failure": spec.last_failure,
-        "retry_at": spec.retry_at,
-        "active": backing_off,
-        "message": backoff_text(Backoff(spec.failures, spec.retry_at, spec.last_failure)) if backing_off else "",
-    }
-    out["replicas"] = [
-        {
-            "id": r.id,
-            "state": r.state,
-            "reason": r.reason,
-            "members": [{"node": m.node_id, "rank": m.rank, "engine_state": m.engine_state, "engine_detail": m.engine_detail} for m in r.members],
-        }
-        for r in sorted(replicas, key=lambda r: r.generation)
-        if r.deployment == spec.name
-    ]
-    return out
+    return ExplainReply(
+        deployment=ex.deployment,
+        request=PlacementShape(deployment=ex.request.deployment, gpus_per_node=ex.request.gpus_per_node, nodes_per_replica=ex.request.nodes_per_replica),
+        nodes=ex.nodes,
+        fabrics=ex.fabrics,
+        placeable=ex.placeable,
+        fabric=ex.fabric,
+        leader=ex.leader,
+        summary=ex.summary,
+        backoff=BackoffState(
+            failures=spec.failures,
+            last_failure=spec.last_failure,
+            retry_at=spec.retry_at,
+            active=backing_off,
+            message=backoff_text(Backoff(spec.failures, spec.retry_at, spec.last_failure)) if backing_off else "",
+        ),
+        replicas=[
+            ExplainedReplica(
+                id=r.id,
+                state=r.state,
+                reason=r.reason,
+                members=[ExplainedMember(node=m.node_id, rank=m.rank, engine_state=m.engine_state, engine_detail=m.engine_detail) for m in r.members],
+            )
+            for r in sorted(replicas, key=lambda r: r.generation)
+            if r.deployment == spec.name
+        ],
+    )
 
 
 def main(args) -> int:
