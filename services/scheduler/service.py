@@ -62,7 +62,6 @@ from llmgw.shared.schemas import (
     PlacementShape,
     Replica,
     StatusReport,
-    decode,
     decode_reply,
     encode,
     now,
@@ -417,12 +416,9 @@ class Scheduler(ServiceRuntime):
 
     async def _ask_lease(self, node: str) -> Lease | None:
         try:
-            reply = await self.nc.request(S.api("health", "lease"), encode(NodeRequest(node_id=node)), timeout=min(0.5, self.cfg.scheduler.command_timeout))
-            if reply.headers and reply.headers.get("Nats-Service-Error-Code"):
-                return None  # a standby answered, or no lease: ask again next interval
-            return decode(reply.data, Lease)
-        except Exception:
-            return None
+            return await api.call(self.nc, api.LEASE, NodeRequest(node_id=node), timeout=min(0.5, self.cfg.scheduler.command_timeout))
+        except LlmgwError:
+            return None  # no answer, a standby's refusal, or no lease: ask again next interval
 
     async def reconcile_once(self) -> Plan:
         if self.full_pass.ended:
@@ -658,18 +654,16 @@ class Scheduler(ServiceRuntime):
     async def _cordon(self, c: Cordon) -> None:
         """Ask the registry (the single writer of node records) to cordon; it records and announces it."""
         try:
-            reply = await self.nc.request(
-                S.api("registry", "cordon"), encode(NodeRequest(node_id=c.node_id, reason=c.reason, auto=True)), timeout=self.cfg.scheduler.command_timeout
-            )
-        except Exception as e:
-            AUTO_CORDONS.labels("no_answer").inc()
-            self.cordoning.pop(c.node_id, None)
-            self.log.warning("auto-cordon of %s: the registry did not answer (%s); its failures start afresh", c.node_id, e or type(e).__name__)
-            return
-        if reply.headers and reply.headers.get("Nats-Service-Error-Code"):
+            await api.call(self.nc, api.CORDON, NodeRequest(node_id=c.node_id, reason=c.reason, auto=True), timeout=self.cfg.scheduler.command_timeout)
+        except api.ApiFailed as e:
             AUTO_CORDONS.labels("refused").inc()
             self.cordoning.pop(c.node_id, None)
-            self.log.warning("auto-cordon of %s refused by the registry: %s", c.node_id, reply.data.decode(errors="replace"))
+            self.log.warning("auto-cordon of %s refused by the registry: %s", c.node_id, e)
+            return
+        except LlmgwError as e:  # no answer, or one that is not a node record
+            AUTO_CORDONS.labels("no_answer").inc()
+            self.cordoning.pop(c.node_id, None)
+            self.log.warning("auto-cordon of %s: the registry did not answer (%s); its failures start afresh", c.node_id, e)
             return
         AUTO_CORDONS.labels("cordoned").inc()
         self.log.warning("node %s auto-cordoned: %s", c.node_id, c.reason)
@@ -786,7 +780,7 @@ class Scheduler(ServiceRuntime):
         for entry in entries:
             if entry.value:
                 try:
-                    last = max(last, decode(entry.value, DeploymentSpec).last_generation)
+                    last = max(last, B.DEPLOYMENTS.decode(entry.value).last_generation)
                 except WireError:
                     continue  # a malformed old revision says nothing about generations
         return last
