@@ -28,7 +28,7 @@ proxy in front of engines needs from HTTP is small and is all here:
   finish for ``grace`` seconds, then cancels them.
 
 Bounds on what clients can make it hold (docs/architecture.md,
-"Threat model — the gateway"):
+"Threat models"):
 
 * ``max_connections`` open at once: one more is answered 503 and closed (its
   request bytes read and dropped for a moment first, so the answer is not lost
