@@ -22,6 +22,7 @@ from typing import Generic, TypeVar
 
 from . import subjects as S
 from .schemas import DeploymentSpec, Event, LeaderLease, Lease, NodeRecord, Replica, decode
+from .states import EventKind
 
 T = TypeVar("T")
 
@@ -78,6 +79,9 @@ BUCKETS: tuple[Bucket, ...] = (NODES, LEASES, DEPLOYMENTS, REPLICAS, LEADERS)
 EVENTS: Stream[Event] = Stream(S.EVENT_STREAM, Event, ("scheduler", "registry", "health"))
 
 STREAMS: tuple[Stream, ...] = (*BUCKETS, EVENTS)
+# Roles that publish one kind of event only, never creating or owning the stream:
+# the gateway says which requests it moved between replicas (``request`` events).
+PARTIAL_EVENT_WRITERS: dict[str, tuple[EventKind, ...]] = {"gateway": (EventKind.REQUEST,)}
 
 
 def written_by(role: str) -> tuple[Bucket, ...]:
@@ -86,7 +90,15 @@ def written_by(role: str) -> tuple[Bucket, ...]:
 
 
 def publishes_events(role: str) -> bool:
+    """Whether ``role`` writes the event stream (any kind; it provisions the stream)."""
     return role in EVENTS.writers
+
+
+def event_subjects(role: str) -> list[str]:
+    """The event subjects ``role`` may publish on."""
+    if publishes_events(role):
+        return [S.ALL_EVENTS]
+    return [S.event_kind_space(kind) for kind in PARTIAL_EVENT_WRITERS.get(role, ())]
 
 
 def created_by(role: str) -> tuple[str, ...]:

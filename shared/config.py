@@ -326,6 +326,15 @@ class GatewaySection(Section, frozen=True):
     routing_load_slack: int = 2
     # How much of a prompt's start (bytes) names its conversation.
     routing_prefix_chars: int = 16384
+    # A stream whose replica fails after its first chunk goes on from another ready
+    # replica as a continuation of the text sent (docs/architecture.md, "Stream
+    # migration"); a client opts out with the header X-LLMGW-Migration: off.
+    stream_migration: bool = True
+    # How many more replicas one request may be moved to: a stream continued, a
+    # request that sent its client nothing retried (0: never moved).
+    max_migrations: int = 2
+    # The text a stream keeps to be continued (characters); a longer one ends with the error event.
+    stream_migration_max_text: int = 512 * 1024
     # Gateway processes on one port (SO_REUSEPORT), each its own NATS connection and
     # mirrors; 0: one per core this process may run on. 'llmgw gateway --workers N' overrides.
     workers: int = 0
@@ -362,6 +371,10 @@ class GatewaySection(Section, frozen=True):
             )
         if self.max_body_bytes < 1:
             raise Invalid("max_body_bytes", "must be at least 1")
+        if not (type(self.max_migrations) is int and 0 <= self.max_migrations <= 16):
+            raise Invalid("max_migrations", f"must be a whole number from 0 (never move a request) to 16, got {self.max_migrations!r}")
+        if self.stream_migration_max_text < 1:
+            raise Invalid("stream_migration_max_text", "must be at least 1 character")
 
     def _check_timings(self) -> None:
         if self.request_read_timeout <= 0:

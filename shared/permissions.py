@@ -125,7 +125,6 @@ def _service(role: str, name: str, *, reads: list[str], subscribe: list[str]) ->
     what it commands agents and what it answers from ``shared/api.py``, plus what
     it reads and hears."""
     writes = B.written_by(role)
-    events = B.publishes_events(role)
     pub = [
         *(S.kv_put_space(b.name) for b in writes),
         *_js_read(sorted(set(reads) | set(B.created_by(role)))),
@@ -133,8 +132,7 @@ def _service(role: str, name: str, *, reads: list[str], subscribe: list[str]) ->
         *api_calls(role),
         *commands(role),
     ]
-    if events:
-        pub.append(S.ALL_EVENTS)
+    pub += B.event_subjects(role)
     sub = [f"{S.inbox_prefix(role, name)}.>", S.MICRO_SPACE, *api_answers(role), *subscribe]
     return Permissions(publish=pub, subscribe=sub, allow_responses=True)
 

@@ -201,6 +201,7 @@ class EventKind(_OpenVocabulary):
     NODE = "node"  # subject: the node id
     REPLICA = "replica"  # subject: the replica id
     DEPLOYMENT = "deployment"  # subject: the deployment name
+    REQUEST = "request"  # subject: the request's id as its client sees it (the gateway's)
 
 
 class EventWhat(_OpenVocabulary):
@@ -242,6 +243,9 @@ class EventWhat(_OpenVocabulary):
     DELETED = "deleted"
     RECOVERED = "recovered"  # a replica became ready: crash-loop backoff cleared
     BACKOFF = "backoff"  # crash-loop backoff: no launch until its retry time
+    # request, the gateway: a stream whose replica failed, continued on another or not
+    MIGRATED = "migrated"
+    NOT_MIGRATED = "not-migrated"
 
 
 # Every vocabulary above: the words no code outside this module compares against

@@ -31,19 +31,27 @@ HOST = "127.0.0.1"
 class Sim:
     """One single-node ``llmgw engine sim`` process serving ``model`` on HOST."""
 
-    def __init__(self, log_dir: Path, name: str, model: str, *, token_rate: float = 0.0, extra: tuple[str, ...] = ()):
+    def __init__(self, log_dir: Path, name: str, model: str, *, token_rate: float = 0.0, extra: tuple[str, ...] = (), workers: int = 0):
+        """``workers``: ranks beyond the leader, each its own process (a multi-node replica's group)."""
         self.name = name
         self.model = model
         self.port = free_port(HOST)
         rdv = free_port(HOST)
         self.log_path = Path(log_dir) / f"{name}.log"
-        argv = [
-            sys.executable, "-m", "llmgw.services", "engine", "sim", "--model", model, "--nnodes", "1", "--rank", "0",
-            "--leader-addr", HOST, "--rendezvous-port", str(rdv), "--host", HOST, "--port", str(self.port),
-            "--load-time", "0", "--token-rate", str(token_rate), *extra,
-        ]  # fmt: skip
+
+        def argv(rank: int) -> list[str]:
+            return [
+                sys.executable, "-m", "llmgw.services", "engine", "sim", "--model", model, "--nnodes", str(workers + 1), "--rank", str(rank),
+                "--leader-addr", HOST, "--rendezvous-port", str(rdv), "--host", HOST, "--port", str(self.port),
+                "--load-time", "0", "--token-rate", str(token_rate), *extra,
+            ]  # fmt: skip
+
         with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(argv(0), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.workers = []
+        for rank in range(1, workers + 1):
+            with open(Path(log_dir) / f"{name}-rank{rank}.log", "wb") as out:
+                self.workers.append(subprocess.Popen(argv(rank), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
 
     @property
     def endpoint(self) -> str:
@@ -63,9 +71,10 @@ class Sim:
         raise AssertionError(f"sim {self.name} not serving after {timeout:g}s:\n{self.log()}")
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        for proc in (self.proc, *self.workers):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
 
     async def metrics(self) -> str:
         async with aiohttp.ClientSession() as s, s.get(f"{self.endpoint}/metrics") as r:
@@ -85,9 +94,9 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
-async def start_sims(log_dir: Path, specs: list[tuple[str, str, float]]) -> list[Sim]:
+async def start_sims(log_dir: Path, specs: list[tuple[str, str, float]], workers: int = 0) -> list[Sim]:
     """Start (name, model, token_rate) sims together and wait until all serve."""
-    sims = [Sim(log_dir, name, model, token_rate=rate) for name, model, rate in specs]
+    sims = [Sim(log_dir, name, model, token_rate=rate, workers=workers) for name, model, rate in specs]
     try:
         await asyncio.gather(*(s.wait_serving() for s in sims))
     except BaseException:

@@ -39,10 +39,11 @@ async def stack(nats_server, tmp_path):
             self.gateways: list = []
             self.board: Board | None = None
 
-        async def start(self, sims, *, gateway: bool = True, **gateway_opts):
-            """Start sims [(name, model, token_rate)] and a gateway; returns (sims, gateway, client)."""
+        async def start(self, sims, *, gateway: bool = True, workers: int = 0, **gateway_opts):
+            """Start sims [(name, model, token_rate)] (each with ``workers`` more ranks) and a
+            gateway; returns (sims, gateway, client)."""
             cfg = gateway_config(nats_server, f"gw{len(self.gateways)}", **gateway_opts) if gateway else None
-            starting = asyncio.ensure_future(start_sims(tmp_path, sims))  # engines boot while NATS is set up
+            starting = asyncio.ensure_future(start_sims(tmp_path, sims, workers))  # engines boot while NATS is set up
             self.board = await Board.open(nats_server)  # its reload admits the gateway's certificate too
             running = await starting
             self.sims += running

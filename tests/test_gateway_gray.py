@@ -285,10 +285,10 @@ def test_router_counts_survive_a_replica_leaving_ready_and_ejection_does_not_ext
     reported: dict[str, int] = {}
     assert traffic_reports(r, "gw", reported, 0.0) == []  # idle: nothing
     for _ in range(3):
-        b = r.pick("m", exclude=r.backend("y"))
+        b = r.pick("m", exclude=(r.backend("y"),))
         r.succeeded(b)
         r.release(b)
-    busy = r.pick("m", exclude=r.backend("x"))  # one in flight on y
+    busy = r.pick("m", exclude=(r.backend("x"),))  # one in flight on y
     reports = traffic_reports(r, "gw", reported, 0.0)
     assert [(p.node_id, [(t.replica_id, t.completed, t.in_flight) for t in p.replicas]) for p in reports] == [("n1", [("x", 3, 0)]), ("n2", [("y", 0, 1)])]
     r.release(busy)

@@ -254,7 +254,7 @@ def test_retry_and_bodies_without_a_prompt_fall_back_to_least_outstanding():
     r = router(IDS)
     body = chat(("user", q("retried")))
     first = r.pick("m", body=body)
-    again = r.pick("m", exclude=first, body=body)
+    again = r.pick("m", exclude=(first,), body=body)
     assert again is not first
     busy = {first, again}
     spare = r.pick("m", body=b'{"model": "m"}')
@@ -265,7 +265,7 @@ def test_retry_and_bodies_without_a_prompt_fall_back_to_least_outstanding():
     last = r.pick("m", body=body)
     assert last.id == "m-3"
     with pytest.raises(NoReadyReplica):
-        r.pick("m", exclude=last, body=body)
+        r.pick("m", exclude=(last,), body=body)
 
 
 def test_least_outstanding_routing_ignores_the_body():

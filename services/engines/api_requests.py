@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
-from .tokens import chat_tokens, prompt_key, tokenize
+from .tokens import MAX_NATURAL, VOCAB, Answer, chat_tokens, prompt_key, tokenize
 
 DEFAULT_MAX_TOKENS = 16
 MAX_MODEL_LEN = 8192
@@ -45,10 +45,12 @@ class Prompt:
     # The prompt's tokens as the engine counts them (what its prefix cache hashes
     # in blocks); ``tokens`` is their number, which usage.prompt_tokens reports.
     ids: tuple = field(default=(), compare=False, repr=False)
+    # Tokens of this prompt's own answer at its end (a continuation): ``Answer(skip=)``.
+    skip: int = 0
 
     @classmethod
-    def of(cls, key: bytes, ids: list) -> Prompt:
-        return cls(key, len(ids), tuple(ids))
+    def of(cls, key: bytes, ids: list, skip: int = 0) -> Prompt:
+        return cls(key, len(ids), tuple(ids), skip)
 
 
 @dataclass(frozen=True)
@@ -134,12 +136,68 @@ def _common(body: dict, served_model: str, prompts: list[Prompt], *, max_tokens_
         include_usage = _bool_field(options, "include_usage")
     # vLLM's extension: generate exactly max_tokens (benchmarks, long streams).
     ignore_eos = _bool_field(body, "ignore_eos")
+    return Generation(model=model, prompts=prompts, max_tokens=max_tokens, n=n, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos)
+
+
+def _seed(body: dict) -> int | None:
     seed = body.get("seed")
     if seed is not None and type(seed) is not int:
         raise bad("'seed' must be an integer", "seed")
-    if seed is not None:
-        prompts = [Prompt(prompt_key(p.key, seed), p.tokens, p.ids) for p in prompts]
-    return Generation(model=model, prompts=prompts, max_tokens=max_tokens, n=n, stream=stream, include_usage=include_usage, ignore_eos=ignore_eos)
+    return seed
+
+
+def _keyed(seed: int | None, *parts: object) -> bytes:
+    """A prompt's key; the seed is part of it (another seed, another answer)."""
+    key = prompt_key(*parts)
+    return key if seed is None else prompt_key(key, seed)
+
+
+def _answers(key: bytes, partial: str, ignore_eos: bool) -> bool:
+    """Whether ``partial`` is how the answer to the prompt keyed ``key`` begins."""
+    k = len(tokenize(partial))
+    answer = Answer(key, 0, k, ignore_eos)
+    return answer.length == k and "".join(answer.tokens()) == partial
+
+
+# How far back a completion prompt is searched for an answer of its own start (the
+# longest answer that ends by itself; with ignore_eos, answers are as long as asked).
+MAX_CONTINUED = MAX_NATURAL
+MAX_CONTINUED_IGNORE_EOS = 4096
+
+
+def continued_text(text: str, seed: int | None, ignore_eos: bool) -> tuple[str, int] | None:
+    """The prompt a completion prompt continues: ``(base, k)`` when ``text`` is
+    ``base`` followed by the first ``k`` tokens of ``base``'s own answer, so
+    generating from ``text`` goes on with the rest of that answer, as a greedy
+    model continues text it wrote. Answer tokens are VOCAB words each followed
+    by one space; the first may have merged with a word ``base`` ended in.
+
+    Only a prompt ending in a space is looked at (cheap to refuse); the
+    candidates are checked longest first, each by the hash of its base."""
+    if not text.endswith(" "):
+        return None
+    limit = MAX_CONTINUED_IGNORE_EOS if ignore_eos else MAX_CONTINUED
+    cuts: list[int] = []  # where the answer would start, for k = 1, 2, ...
+    pos = len(text)
+    while len(cuts) < limit and pos > 0 and text[pos - 1] == " ":
+        start = text.rfind(" ", 0, pos - 1) + 1
+        word = text[start : pos - 1]
+        if word in _VOCAB_WORDS:
+            cuts.append(start)
+            pos = start
+            continue
+        merged = [w for w in VOCAB if word.endswith(w) and len(w) < len(word)]
+        if merged:  # the answer's first token, after a base that ended mid-word
+            cuts.append(pos - 1 - max(map(len, merged)))
+        break
+    for k in range(len(cuts), 0, -1):
+        base = text[: cuts[k - 1]]
+        if _answers(_keyed(seed, "text", base), text[cuts[k - 1] :], ignore_eos):
+            return base, k
+    return None
+
+
+_VOCAB_WORDS = frozenset(VOCAB)
 
 
 def _message_text(i: int, msg: object) -> tuple[str, str]:
@@ -175,32 +233,63 @@ def chat_request(body: dict, served_model: str, max_model_len: int = MAX_MODEL_L
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
     turns = [_message_text(i, m) for i, m in enumerate(messages)]
-    prompt = Prompt.of(prompt_key("chat", turns), chat_tokens(turns))
+    seed = _seed(body)
+    prompt = _chat_continuation(body, turns, seed) or Prompt.of(_keyed(seed, "chat", turns), chat_tokens(turns))
     return _common(body, served_model, [prompt], max_tokens_names=("max_completion_tokens", "max_tokens"), max_model_len=max_model_len)
+
+
+def _chat_continuation(body: dict, turns: list[tuple[str, str]], seed: int | None) -> Prompt | None:
+    """vLLM's ``continue_final_message``: the last (assistant) message is continued,
+    not answered. When it is how the earlier messages' own answer begins, the rest
+    of that answer follows (the prompt is the earlier messages, its answer's first
+    tokens already given); otherwise the messages are a prompt like any other."""
+    if not _bool_field(body, "continue_final_message"):
+        return None
+    add = body.get("add_generation_prompt", True)
+    if not isinstance(add, bool):
+        raise bad("'add_generation_prompt' must be true or false", "add_generation_prompt")
+    if add:  # vLLM's own check and words
+        raise bad("Cannot set both `continue_final_message` and `add_generation_prompt` to True.", "continue_final_message")
+    role, partial = turns[-1]
+    if role != "assistant":
+        raise bad("'continue_final_message' continues the last message, which must be the assistant's", "continue_final_message")
+    base = turns[:-1]
+    ignore_eos = _bool_field(body, "ignore_eos")
+    if not base or not _answers(_keyed(seed, "chat", base), partial, ignore_eos):
+        return None
+    given = tokenize(partial)
+    return Prompt.of(_keyed(seed, "chat", base), chat_tokens(base) + given, skip=len(given))
 
 
 def completion_request(body: dict, served_model: str, max_model_len: int = MAX_MODEL_LEN) -> Generation:
     raw = body.get("prompt")
     if raw is None:
         raise bad("'prompt' is required", "prompt", code="missing_field")
-    return _common(body, served_model, _prompts(raw), max_tokens_names=("max_tokens",), max_model_len=max_model_len)
+    seed = _seed(body)
+    prompts = _prompts(raw, seed)
+    if isinstance(raw, str) and body.get("n") in (None, 1):
+        found = continued_text(raw, seed, _bool_field(body, "ignore_eos"))
+        if found is not None:
+            base, k = found
+            prompts = [Prompt.of(_keyed(seed, "text", base), tokenize(base) + tokenize(raw[len(base) :]), skip=k)]
+    return _common(body, served_model, prompts, max_tokens_names=("max_tokens",), max_model_len=max_model_len)
 
 
-def _prompts(raw: object) -> list[Prompt]:
+def _prompts(raw: object, seed: int | None = None) -> list[Prompt]:
     """A string, a list of strings, a list of token ids, or a list of those lists."""
 
     def token_ids(x: object) -> TypeGuard[list[int]]:
         return isinstance(x, list) and bool(x) and all(type(t) is int and t >= 0 for t in x)
 
     if isinstance(raw, str):
-        return [Prompt.of(prompt_key("text", raw), tokenize(raw))]
+        return [Prompt.of(_keyed(seed, "text", raw), tokenize(raw))]
     if token_ids(raw):
-        return [Prompt.of(prompt_key("ids", raw), raw)]
+        return [Prompt.of(_keyed(seed, "ids", raw), raw)]
     if isinstance(raw, list) and raw:
         if all(isinstance(p, str) for p in raw):
-            return [Prompt.of(prompt_key("text", p), tokenize(p)) for p in raw]
+            return [Prompt.of(_keyed(seed, "text", p), tokenize(p)) for p in raw]
         if all(token_ids(p) for p in raw):
-            return [Prompt.of(prompt_key("ids", p), p) for p in raw]
+            return [Prompt.of(_keyed(seed, "ids", p), p) for p in raw]
     raise bad("'prompt' must be a string, a non-empty list of strings, or token ids", "prompt")
 
 
@@ -278,7 +367,7 @@ def _response_turns(body: dict) -> list[tuple[str, str]]:
 
 def responses_request(body: dict, served_model: str, max_model_len: int = MAX_MODEL_LEN) -> Generation:
     turns = _response_turns(body)
-    prompt = Prompt.of(prompt_key("chat", turns), chat_tokens(turns))
+    prompt = Prompt.of(_keyed(_seed(body), "chat", turns), chat_tokens(turns))
     n = body.get("n")
     if n not in (None, 1):
         raise bad("'n' is not supported by /v1/responses", "n")

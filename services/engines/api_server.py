@@ -180,7 +180,7 @@ class _Api:
         return resp
 
     async def _generate(self, request: web.Request, gen: Generation, *, chat: bool) -> web.StreamResponse:
-        answers = [Answer(p.key, j, gen.max_tokens, gen.ignore_eos) for p in gen.prompts for j in range(gen.n)]
+        answers = [Answer(p.key, j, gen.max_tokens, gen.ignore_eos, p.skip) for p in gen.prompts for j in range(gen.n)]
         prompt_tokens = sum(p.tokens for p in gen.prompts)
         shape = _Shape(chat, gen.model)
         if gen.stream:
@@ -206,6 +206,9 @@ class _Api:
                     for j in range(len(answers)):
                         await resp.write(_sse(shape.chunk([shape.delta(j, {"role": "assistant", "content": ""})], extra)))
                 sent = [0] * len(answers)
+                for j, answer in enumerate(answers):
+                    if not answer.length:  # a continuation whose answer was all given: it ends here
+                        await resp.write(_sse(shape.chunk([shape.delta(j, None, answer.finish_reason)], extra)))
                 async for batch in seq.decode(answers):
                     for j, token in batch:
                         await resp.write(_sse(shape.chunk([shape.delta(j, token)], extra)))

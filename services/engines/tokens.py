@@ -91,23 +91,33 @@ def prompt_key(*parts: object) -> bytes:
     return h.digest()
 
 
+MAX_NATURAL = 32  # the longest answer that ends by itself (without ignore_eos)
+
+
 class Answer:
     """The tokens one choice will produce and why it stops.
 
     The natural length comes from the prompt, so some answers end with
     ``stop`` before ``max_tokens`` and others are cut with ``length``.
+
+    ``skip``: this many of the answer's tokens are already in the prompt (a
+    continuation, ``continuation_of``): the answer is what is left of the
+    prompt's own answer, as a greedy language model would continue it, and
+    ``max_tokens`` counts from there.
     """
 
-    def __init__(self, key: bytes, index: int, max_tokens: int, ignore_eos: bool = False):
+    def __init__(self, key: bytes, index: int, max_tokens: int, ignore_eos: bool = False, skip: int = 0):
         self._seed = hashlib.blake2b(key + index.to_bytes(4, "big"), digest_size=16).digest()
-        natural = 4 + int.from_bytes(self._seed[:2], "big") % 29  # 4..32 tokens
+        self.skip = skip
+        natural = 4 + int.from_bytes(self._seed[:2], "big") % (MAX_NATURAL - 3)  # 4..32 tokens
+        budget = max_tokens + skip
         if ignore_eos:
-            natural = max_tokens + 1
-        self.length = min(natural, max_tokens)
-        self.finish_reason = "stop" if natural <= max_tokens else "length"
+            natural = budget + 1
+        self.length = max(min(natural, budget) - skip, 0)
+        self.finish_reason = "stop" if natural <= budget else "length"
 
     def token(self, i: int) -> str:
-        d = hashlib.blake2b(self._seed + i.to_bytes(4, "big"), digest_size=2).digest()
+        d = hashlib.blake2b(self._seed + (i + self.skip).to_bytes(4, "big"), digest_size=2).digest()
         return VOCAB[int.from_bytes(d, "big") % len(VOCAB)] + " "
 
     def tokens(self) -> list[str]:

@@ -20,6 +20,9 @@ from .router import Router
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
+# A migrated stream's gap: failure detection (a reset: at once; a stall: stall_after) plus one time to first token.
+GAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 30.0, 60.0)
+
 UNKNOWN_MODEL = "_unknown"  # label for names that match no deployment or replica
 
 
@@ -128,6 +131,20 @@ class GatewayMetrics:
             ["model", "reason"],
             registry=r,
         )
+        self._migrations = Counter(
+            "llmgw_gateway_stream_migrations",
+            "Streams whose replica failed after their first chunk, by what broke (cause: stream_broken, left_ready, stalled, timeout, ...) "
+            "and what came of it (outcome: continued on another replica; failed: the other replica failed before sending; "
+            "refused: the request cannot be continued exactly; no_replica: none other was ready)",
+            ["model", "cause", "outcome"],
+            registry=r,
+        )
+        self._gap = Histogram(
+            "llmgw_gateway_stream_migration_gap_seconds",
+            "What a client of a moved stream saw: from the last chunk before the failure to the first chunk from the next replica",
+            buckets=GAP_BUCKETS,
+            registry=r,
+        )
         self._served = Counter("llmgw_gateway_replica_requests", "Upstream attempts, by replica", ["replica"], registry=r)
         self._refused = Counter(
             "llmgw_gateway_bounded",
@@ -167,6 +184,12 @@ class GatewayMetrics:
 
     def stream_error(self, model: str, reason: str) -> None:
         self._child(self._stream_errors, model, reason).inc()
+
+    def migrated(self, model: str, cause: str, outcome: str) -> None:
+        self._child(self._migrations, model, cause, outcome).inc()
+
+    def migration_gap(self, seconds: float) -> None:
+        self._gap.observe(seconds)
 
     def refused(self, reason: str) -> None:
         self._child(self._refused, reason).inc()

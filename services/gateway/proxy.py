@@ -50,15 +50,19 @@ error event.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from llmgw.shared.config import GatewaySection
 from llmgw.shared.schemas import Replica
 from llmgw.shared.states import ReplicaState
 
-from . import errors, prefix
+from . import continuation, errors, prefix
 from .access import AccessLog
+from .continuation import StreamRelay
 from .httpserver import Request, Response, Stream, Throttled
 from .metrics import GatewayMetrics
 from .router import Backend, NoReadyReplica, Router, routable
@@ -86,6 +90,37 @@ CLIENT_CLOSED = 499  # nginx's code for "the client went away"
 # What can end a try before the replica's answer starts: _unanswered says what each means.
 _BEFORE_ANSWER = (Abandoned, ConnectTimeout, BadEndpoint, OutOfDescriptors, TooLarge, ReadTimeout, ConnectFailed, Broken, OSError)
 _STREAM_HEAD = b"Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
+
+
+# A client opts out of stream migration with this header ("off", "0", "false", "no").
+OPT_OUT = b"x-llmgw-migration"
+_OFF = (b"off", b"0", b"false", b"no")
+# How long asking a replica to count the text already sent may take.
+TOKENIZE_TIMEOUT = 5.0
+
+
+@dataclass
+class _Break:
+    """A stream's upstream failed after its client got bytes."""
+
+    kind: str  # metrics' word: timeout, stream_broken, left_ready, stalled, too_large, ...
+    message: str
+    code: str  # the error event's code
+    count: bool = True  # held against the replica (not when decided elsewhere)
+    final: bool = False  # no other replica would do better: not continued
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One stream moved (or not) from one replica to another: what the event says."""
+
+    request: str  # the stream's id as its client sees it
+    model: str
+    before: str  # replica ids
+    after: str
+    cause: str
+    outcome: str  # continued, refused, no_replica, failed
+    detail: str = ""
 
 
 class _Retryable(Exception):
@@ -141,12 +176,27 @@ class Upstream:
 
 
 class Forwarder:
-    def __init__(self, router: Router, upstream: Upstream, metrics: GatewayMetrics, access: AccessLog | None = None, *, stall_after: float = 5.0):
+    def __init__(
+        self,
+        router: Router,
+        upstream: Upstream,
+        metrics: GatewayMetrics,
+        access: AccessLog | None = None,
+        *,
+        stall_after: float = 5.0,
+        max_migrations: int = 2,
+        stream_migration: bool = True,
+        max_text: int = 512 * 1024,
+    ):
         self.router = router
         self.upstream = upstream
         self.metrics = metrics
         self.access = access
         self.stall_after = stall_after
+        self.max_migrations = max_migrations  # more replicas a request may be moved to
+        self.stream_migration = stream_migration
+        self.max_text = max_text
+        self.on_migration: Callable[[Migration], None] | None = None  # the service publishes these as events
         self.out_of_fds_log = Throttled(log)
         self.too_large_log = Throttled(log)
         self.dropped = 0  # bytes of answers read and let go unsent (too large): so far, in all
@@ -161,34 +211,67 @@ class Forwarder:
         keys on; none for a form (placed by load). ``body`` itself is sent on untouched."""
         started = time.perf_counter()
         backend = self.router.pick(model, fields=fields)
+        relay = self._relay_for(request, path, body) if stream else None
+        tried = [backend]
+        failures: list[str] = []
         status = CLIENT_CLOSED  # what is counted if the client's leaving cancels us
         try:
-            try:
-                resp, status = await self._attempt(request, backend, path, body, model, started, stream, form)
-            except _Retryable as first:
-                self.metrics.retried(model, first.kind)
+            while True:
                 try:
-                    backend = self.router.pick(model, exclude=backend)
-                except NoReadyReplica:
-                    resp = errors.bad_gateway(f"the replica of '{model}' failed ({first}) and no other is ready")
-                    status = resp.status
-                else:
-                    try:
-                        resp, status = await self._attempt(request, backend, path, body, model, started, stream, form)
-                    except _Retryable as second:
-                        resp = errors.bad_gateway(f"two replicas of '{model}' failed: {first}; then {second}")
+                    resp, status, broke = await self._attempt(request, backend, path, body, model, started, stream, form, relay)
+                    if broke is not None and relay is not None and isinstance(resp, Stream):
+                        # The first attempt's connection and count are released by now.
+                        try:
+                            await self._continue(request, resp, relay, model, backend, broke, tried)
+                        except ConnectionResetError:  # the client left mid-stream
+                            status = CLIENT_CLOSED
+                    return resp
+                except _Retryable as failed:
+                    self.metrics.retried(model, failed.kind)
+                    failures.append(str(failed))
+                    if len(tried) > self.max_migrations:
+                        resp = errors.bad_gateway(f"{len(tried)} replicas of '{model}' failed: {'; then '.join(failures)}")
                         status = resp.status
-            return resp
+                        return resp
+                    try:
+                        backend = self.router.pick(model, exclude=tried)
+                    except NoReadyReplica:
+                        first = f"({failures[0]})" if len(failures) == 1 else f"({len(failures)} times: {'; then '.join(failures)})"
+                        resp = errors.bad_gateway(f"the replica of '{model}' failed {first} and no other is ready")
+                        status = resp.status
+                        return resp
+                    tried.append(backend)
         finally:
             seconds = time.perf_counter() - started
-            self.metrics.answered(model, status, seconds, backend.id)
+            last = tried[-1].id
+            self.metrics.answered(model, status, seconds, last)
             if self.access is not None:
-                self.access.answered(request, model, status, seconds, backend.id)
+                self.access.answered(request, model, status, seconds, last)
+
+    def _relay_for(self, request: Request, path: str, body: bytes) -> StreamRelay | None:
+        """The record a stream keeps to be continued elsewhere, unless migration is off
+        (the gateway's setting, the client's header) or the path has no continuation."""
+        if not self.stream_migration or self.max_migrations <= 0 or path not in (continuation.CHAT, continuation.COMPLETIONS):
+            return None
+        opt = request.headers.get(OPT_OUT)
+        if opt is not None and opt.strip().lower() in _OFF:
+            return None
+        return StreamRelay(path, body, max_migrations=self.max_migrations, max_text=self.max_text)
 
     async def _attempt(
-        self, request: Request, b: Backend, path: str, body: bytes, model: str, started: float, stream: bool, form: bytes = b""
-    ) -> tuple[Response | Stream, int]:
-        """One try on ``b``: the response and the status to count. Raises _Retryable while nothing was sent."""
+        self,
+        request: Request,
+        b: Backend,
+        path: str,
+        body: bytes,
+        model: str,
+        started: float,
+        stream: bool,
+        form: bytes = b"",
+        relay: StreamRelay | None = None,
+    ) -> tuple[Response | Stream, int, _Break | None]:
+        """One try on ``b``: the response, the status to count, and how its stream broke
+        when it is to be continued elsewhere. Raises _Retryable while nothing was sent."""
         self.metrics.attempt(b.id)
         client = self.upstream.started
         upstream: Connection | None = None
@@ -210,12 +293,12 @@ class Forwarder:
                     data = await upstream.read()
             except _BEFORE_ANSWER as e:
                 resp = self._unanswered(b, model, e)
-                return resp, resp.status
+                return resp, resp.status, None
 
             if streaming:
                 self.metrics.first_token(model, time.perf_counter() - started)
-                relayed, status, finished = await self._relay_stream(request, b, upstream, first, model)
-                return relayed, status
+                relayed, status, finished, broke = await self._relay_stream(request, b, upstream, first, model, relay)
+                return relayed, status, broke
             finished = True
             if upstream.status >= 500:
                 self.metrics.upstream_error(b.id, f"http_{upstream.status}")
@@ -223,7 +306,7 @@ class Forwarder:
             else:
                 self.router.succeeded(b)
             resp = Response(upstream.status, data, b.head, upstream.content_type or "application/json")
-            return resp, upstream.status
+            return resp, upstream.status, None
         finally:
             self.router.release(b)
             if upstream is not None:
@@ -264,63 +347,230 @@ class Forwarder:
         # Broken, or OSError: the socket broke under a write
         raise self._failed(b, "broken", f"replica {b.id} failed before answering: {_describe(e)}") from None
 
-    async def _relay_stream(self, request: Request, b: Backend, upstream: Connection, first: bytes, model: str) -> tuple[Stream, int, bool]:
-        """Pass the stream through; returns the response, the status to count, and whether upstream ended cleanly."""
-        pending = first
-        most = self.upstream.started.max_response_bytes
-        upstream.answered = True  # from here on the client has bytes: no retry, an error event at worst
+    async def _relay_stream(
+        self, request: Request, b: Backend, upstream: Connection, first: bytes, model: str, relay: StreamRelay | None
+    ) -> tuple[Stream, int, bool, _Break | None]:
+        """Pass the stream through; returns the response, the status to count, whether
+        upstream ended cleanly, and how it broke when it is to be continued (``relay``)."""
+        upstream.answered = True  # from here on the client has bytes: no retry, a continuation or an error event
+        resp = request.start_stream(200, _STREAM_HEAD + b.head, "text/event-stream")
         try:
-            resp = request.start_stream(200, _STREAM_HEAD + b.head, "text/event-stream")
-            while True:
-                # Pass each arrival on at once, up to its last whole event.
-                if pending.endswith(b"\n\n"):
-                    await resp.write(pending)
-                    pending = b""
-                else:
-                    cut = _event_boundary(pending)
-                    if cut:
-                        await resp.write(pending[:cut])
-                        pending = pending[cut:]
-                try:
-                    chunk = await upstream.read_some()
-                except ReadTimeout:
-                    await self._end_broken(
-                        resp, b, model, "timeout", f"replica {b.id} sent nothing for {self.upstream.cfg.upstream_timeout:g}s", "upstream_timeout"
-                    )
-                    return resp, 200, False
-                except Abandoned as e:  # counted against the replica where it was decided
-                    message = f"{e}; the stream cannot be resumed elsewhere, send the request again"
-                    await self._end_broken(resp, b, model, e.kind, message, "replica_unavailable", count=False)
-                    return resp, 200, False
-                except (Broken, OSError) as e:
-                    await self._end_broken(resp, b, model, "stream_broken", f"the stream from replica {b.id} broke: {_describe(e)}", "upstream_error")
-                    return resp, 200, False
-                if not chunk:
-                    break
-                pending += chunk
-                if len(pending) > most:  # one event that never ends
-                    upstream.close()
-                    self.metrics.refused("response_too_large")
-                    message = f"replica {b.id} sent an event over {most} bytes (gateway.max_response_bytes)"
-                    await self._end_broken(resp, b, model, "too_large", message, "upstream_response_too_large", count=False)
-                    return resp, 200, False
-            if pending:
-                await resp.write(pending)
-            await resp.end()
+            broke = await self._pump(resp, b, upstream, first, relay, False)
+            if broke is None:
+                await resp.end()
+                self.router.succeeded(b)
+                return resp, 200, True, None
+            self._charge(b, broke)
+            if relay is None or broke.final:
+                await self._end_broken(resp, model, broke, "" if broke.final else "; send the request again")
+                return resp, 200, False, None
         except ConnectionResetError:  # the client left mid-stream; closing upstream tells the engine
-            return resp, CLIENT_CLOSED, False
-        self.router.succeeded(b)
-        return resp, 200, True
+            return resp, CLIENT_CLOSED, False, None
+        return resp, 200, False, broke
 
-    async def _end_broken(self, resp: Stream, b: Backend, model: str, kind: str, message: str, code: str, count: bool = True) -> None:
-        self.metrics.upstream_error(b.id, kind)
-        self.metrics.stream_error(model, kind)
-        if count:
+    async def _pump(self, resp: Stream, b: Backend, upstream: Connection, pending: bytes, relay: StreamRelay | None, continuing: bool) -> _Break | None:
+        """Relay ``upstream``'s events to the client as they arrive, each whole; None when
+        it ended, a _Break when it failed. ``continuing``: this is a continuation (its events
+        rewritten as the client's stream goes on); ConnectionResetError: the client left."""
+        most = self.upstream.started.max_response_bytes
+        while True:
+            # Pass each arrival on at once, up to its last whole event.
+            cut = len(pending) if pending.endswith(b"\n\n") else _event_boundary(pending)
+            if cut:
+                await self._write(resp, pending[:cut], relay, continuing)
+                pending = pending[cut:]
+            try:
+                chunk = await upstream.read_some()
+            except ReadTimeout:
+                return _Break("timeout", f"replica {b.id} sent nothing for {self.upstream.cfg.upstream_timeout:g}s", "upstream_timeout")
+            except Abandoned as e:  # counted against the replica where it was decided
+                return _Break(e.kind, str(e), "replica_unavailable", count=False)
+            except (Broken, OSError) as e:
+                return _Break("stream_broken", f"the stream from replica {b.id} broke: {_describe(e)}", "upstream_error")
+            if not chunk:
+                break
+            pending += chunk
+            if len(pending) > most:  # one event that never ends: another replica would send the same
+                upstream.close()
+                self.metrics.refused("response_too_large")
+                message = f"replica {b.id} sent an event over {most} bytes (gateway.max_response_bytes)"
+                return _Break("too_large", message, "upstream_response_too_large", count=False, final=True)
+        if pending:
+            await self._write(resp, pending, relay, continuing)
+        return None
+
+    async def _write(self, resp: Stream, data: bytes, relay: StreamRelay | None, continuing: bool) -> None:
+        if relay is None:
+            await resp.write(data)
+            return
+        if continuing:  # a continuation's events, as the client's stream goes on
+            data = relay.rewritten(data)
+            if not data:
+                return
+            if relay.moving is not None:  # its first bytes to the client: the gap it saw
+                self.metrics.migration_gap(time.perf_counter() - relay.last_write)
+                self._moved(relay, "continued")
+        await resp.write(data)
+        relay.last_write = time.perf_counter()
+        relay.sent(data)
+
+    # -- stream migration --------------------------------------------------------------
+    async def _continue(self, request: Request, resp: Stream, relay: StreamRelay, model: str, b: Backend, broke: _Break, tried: list[Backend]) -> None:
+        """Go on with the client's stream on other replicas, while they fail and the
+        budget lasts; end it with the error event when it cannot be continued exactly."""
+        while True:
+            why = relay.why_not()
+            if why is not None:
+                self._migrated(relay, model, b, None, broke.kind, "refused", why)
+                await self._end_broken(resp, model, broke, f"; it cannot be continued elsewhere: {why}")
+                return
+            try:
+                nb = self.router.pick(model, exclude=tried)
+            except NoReadyReplica:
+                self._migrated(relay, model, b, None, broke.kind, "no_replica", "no other replica is ready")
+                await self._end_broken(resp, model, broke, "; no other replica is ready to continue it")
+                return
+            tried.append(nb)
+            relay.migrations += 1
+            relay.moving = Migration("", model, b.id, nb.id, broke.kind, "")
+            after = await self._continue_on(request, resp, relay, model, nb)
+            if relay.moving is not None:  # it never wrote to the client
+                self._moved(relay, "failed", after.message if after else "")
+            if after is None:
+                return
+            self._charge(nb, after)
+            if after.final:  # the replica's own word (a 4xx), or an event too large: passed on, not tried elsewhere
+                await self._end_broken(resp, model, after)
+                return
+            b, broke = nb, after
+
+    async def _continue_on(self, request: Request, resp: Stream, relay: StreamRelay, model: str, b: Backend) -> _Break | None:
+        """One continuation on ``b``: None when the client's stream ended there, a _Break when it failed."""
+        self.metrics.attempt(b.id)
+        client = self.upstream.started
+        upstream: Connection | None = None
+        finished = False
+        extra = b""
+        if rid := request.headers.get(b"x-request-id"):
+            extra = _request_id_line(rid)
+        try:
+            try:
+                t = relay.transcript
+                given = await self._count_tokens(b, model, t.text, relay.transcript.chunks)
+                body = relay.decoded()
+                nxt = None if t.finish else continuation.continuation(relay.path, body, t.text, given)
+                if nxt is None:  # the answer is whole (its finish was sent, or its budget spent)
+                    await self._finish_whole(resp, relay, b, model, given)
+                    finished = True
+                    return None
+                relay.given = given
+                data = continuation.encode(nxt)
+                upstream = await client.post(b.endpoint, relay.path, data, extra, b.flights, True)
+                if not (upstream.status == 200 and upstream.mimetype == "text/event-stream"):
+                    answer = await upstream.read()
+                    finished = True
+                    return self._refused_continuation(b, upstream.status, answer)
+                first = await upstream.read_some()
+                if not first:
+                    raise Broken("the replica ended the continuation before its first byte")
+            except _BEFORE_ANSWER as e:
+                try:
+                    self._unanswered(b, model, e)
+                except _Retryable as failed:
+                    return _Break(failed.kind, str(failed), "replica_unavailable", count=False)
+                return _Break("unanswered", f"replica {b.id} could not take the continuation: {_describe(e)}", "upstream_error", count=False)
+            upstream.answered = True
+            broke = await self._pump(resp, b, upstream, first, relay, True)
+            if broke is None:
+                await resp.end()
+                self.router.succeeded(b)
+                finished = True
+            return broke
+        finally:
+            self.router.release(b)
+            if upstream is not None:
+                b.flights.discard(upstream)
+                upstream.release() if finished else upstream.close()
+
+    def _refused_continuation(self, b: Backend, status: int, answer: bytes) -> _Break:
+        """A continuation answered with an error: a 5xx is the replica's trouble (another
+        may be tried); a 4xx is its word on the request (passed on as the error)."""
+        text = answer[:300].decode("utf-8", "replace")
+        if status >= 500:
+            self.metrics.upstream_error(b.id, f"http_{status}")
+            return _Break(f"http_{status}", f"replica {b.id} answered the continuation with {status}: {text}", "upstream_error")
+        return _Break("refused", f"replica {b.id} refused the continuation ({status}): {text}", "continuation_refused", count=False, final=True)
+
+    async def _count_tokens(self, b: Backend, model: str, text: str, chunks: int) -> int:
+        """The tokens of ``text`` by ``b``'s own tokenizer (``/tokenize``); the chunks that
+        carried it when the replica has no such endpoint. Failures to reach ``b`` raise
+        as an attempt's do."""
+        if not text:
+            return 0
+        body = continuation.encode({"model": model, "prompt": text, "add_special_tokens": False})
+        return await self._tokenize(b, body, chunks)
+
+    async def _tokenize(self, b: Backend, body: bytes, fallback: int) -> int:
+        conn = await self.upstream.started.post(b.endpoint, "/tokenize", body)
+        done = False
+        try:
+            async with asyncio.timeout(TOKENIZE_TIMEOUT):
+                answer = await conn.read()
+            done = True
+        except TimeoutError:
+            raise ReadTimeout(f"/tokenize took over {TOKENIZE_TIMEOUT:g}s") from None
+        finally:
+            conn.release() if done else conn.close()
+        count = continuation.token_count(answer) if conn.status == 200 else None
+        return fallback if count is None else count
+
+    async def _finish_whole(self, resp: Stream, relay: StreamRelay, b: Backend, model: str, given: int) -> None:
+        """End a stream whose answer needs no more tokens: its finish (if not sent), the
+        usage asked for (its prompt counted by ``b``), [DONE]."""
+        t = relay.transcript
+        usage = None
+        if relay.include_usage and t.usage is None:
+            prompt = await self._tokenize(b, continuation.encode(continuation.prompt_request(relay.path, relay.decoded(), model)), -1)
+            if prompt >= 0:
+                usage = {"prompt_tokens": prompt, "completion_tokens": given, "total_tokens": prompt + given}
+        data = continuation.ending(t, relay.chat, None if t.finish else "length", usage)
+        self._moved(relay, "continued")
+        await resp.write(data)
+        relay.sent(data)
+        await resp.end()
+        self.router.succeeded(b)
+
+    def _migrated(self, relay: StreamRelay, model: str, before: Backend, after: Backend | None, cause: str, outcome: str, detail: str) -> None:
+        """A stream that was not moved: counted, logged, an event."""
+        relay.moving = Migration("", model, before.id, after.id if after else "", cause, "")
+        self._moved(relay, outcome, detail)
+
+    def _moved(self, relay: StreamRelay, outcome: str, detail: str = "") -> None:
+        """What came of ``relay.moving``: counted, an event (and a log line when the stream ends with an error)."""
+        m = relay.moving
+        if m is None:
+            return
+        relay.moving = None
+        self.metrics.migrated(m.model, m.cause, outcome)
+        if outcome in ("refused", "no_replica"):
+            log.warning("a stream of '%s' on replica %s (%s) was not continued: %s", m.model, m.before, m.cause, detail)
+        if self.on_migration is not None:
+            rid = relay.transcript.id if isinstance(relay.transcript.id, str) else ""
+            self.on_migration(Migration(rid, m.model, m.before, m.after, m.cause, outcome, detail))
+
+    def _charge(self, b: Backend, broke: _Break) -> None:
+        """A failed stream counted against its replica (whether or not it goes on elsewhere)."""
+        self.metrics.upstream_error(b.id, broke.kind)
+        if broke.count:
             self._count_failure(b)
+
+    async def _end_broken(self, resp: Stream, model: str, broke: _Break, why: str = "") -> None:
+        """End the client's stream with an error event (the failure was counted already)."""
+        self.metrics.stream_error(model, broke.kind)
         # A half-received event is dropped: the error event must start on a boundary.
         # Then [DONE], as a stream that ends normally: clients that stop reading
         # only on it (rather than at the end of the body) stop here too.
-        await resp.write(errors.sse_error(message, code=code) + errors.SSE_DONE)
+        await resp.write(errors.sse_error(broke.message + why, code=broke.code) + errors.SSE_DONE)
         await resp.end()
 
     def _failed(self, b: Backend, kind: str, detail: str) -> _Retryable:

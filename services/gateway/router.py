@@ -30,7 +30,7 @@ this free of sockets and NATS lets its rules be read in one place:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
@@ -185,8 +185,8 @@ class Router:
         return self._backends.get(replica_id)
 
     # -- routing ---------------------------------------------------------------
-    def pick(self, model: str, exclude: Backend | None = None, body: bytes = b"", fields: prefix.Fields | None = None) -> Backend:
-        """A routable backend of ``model`` (not ``exclude``) for a request with ``body``
+    def pick(self, model: str, exclude: Collection[Backend] = (), body: bytes = b"", fields: prefix.Fields | None = None) -> Backend:
+        """A routable backend of ``model`` (none of ``exclude``: those a request tried) for a request with ``body``
         (or its ``fields``, decoded already: the body is then not read again), now
         counted as busy: the prefix owner within its bounded load (``routing="prefix"``),
         else the least loaded."""
@@ -196,13 +196,13 @@ class Router:
                 raise UnknownModel(model)
             raise NoReadyReplica(model, "none is ready", self.retry_after)
         now = self.clock()
-        candidates = [b for b in pool if b is not exclude and b.cool_until <= now]
+        candidates = [b for b in pool if b.cool_until <= now and b not in exclude]
         if not candidates:
-            cooling = [b.cool_until for b in pool if b is not exclude and b.cool_until > now]
+            cooling = [b.cool_until for b in pool if b.cool_until > now and b not in exclude]
             if cooling:
                 raise NoReadyReplica(model, "every ready replica is cooling down after repeated failures", max(1.0, min(cooling) - now))
             raise NoReadyReplica(model, "no other replica is ready", self.retry_after)
-        if self.routing == "prefix" and exclude is None and (fields is not None or body):
+        if self.routing == "prefix" and not exclude and (fields is not None or body):
             if fields is not None:
                 key = prefix.key_of(fields, self.prefix_chars)
             else:
@@ -214,7 +214,7 @@ class Router:
                 self.decisions["prefix" if owner else "load-bound-overflow"] += 1
                 best.outstanding += 1
                 return best
-        self.decisions["retry" if exclude is not None else "least-outstanding"] += 1
+        self.decisions["retry" if exclude else "least-outstanding"] += 1
         least = min(b.outstanding for b in candidates)
         ties = [b for b in candidates if b.outstanding == least]
         # Take turns among equals, so an idle pool alternates instead of

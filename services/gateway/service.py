@@ -3,8 +3,9 @@ the router, and the HTTP server in front of it.
 
 The gateway only reads (its certificate may read ``llmgw_replicas`` and
 ``llmgw_deployments`` and nothing else), so unlike other services it creates no
-bucket and publishes no event: it waits for the scheduler to create the
-buckets. Routing state arrives by KV watch, never by polling; if the bus goes
+bucket or stream: it waits for the scheduler to create them. Of the event
+stream it publishes one kind, ``request``: a stream moved to another replica
+(or not), naming the replicas before and after. Routing state arrives by KV watch, never by polling; if the bus goes
 away, requests keep being routed on the last records seen.
 
 Its one publication is evidence for the agents' progress probes: every
@@ -20,6 +21,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import gc
+import re
 import resource
 import signal
 import time
@@ -28,8 +30,10 @@ from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.config import load_service_config, parse_listen
 from llmgw.shared.errors import ConfigError
+from llmgw.shared.events import EventPublisher
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.schemas import ReplicaTraffic, TrafficReport, encode
+from llmgw.shared.states import EventKind, EventWhat
 from llmgw.shared.tls import server_context
 
 from ..runtime import ServiceRuntime, event_loop_runner
@@ -37,7 +41,7 @@ from .access import AccessLog
 from .auth import ApiKeys
 from .httpserver import HttpServer
 from .metrics import GatewayMetrics
-from .proxy import Forwarder, Upstream
+from .proxy import Forwarder, Migration, Upstream
 from .router import Router
 from .server import GatewayApp
 from .workers import Supervisor, cores, worker_config
@@ -122,6 +126,45 @@ def traffic_reports(router: Router, gateway: str, reported: dict[str, int], now:
     return [TrafficReport(gateway=gateway, node_id=node, replicas=reps, sent_at=now) for node, reps in sorted(by_node.items())]
 
 
+class MigrationEvents:
+    """The proxy's stream migrations as events (``request`` kind), published off the
+    request path: queued, at most ``QUEUED`` waiting (a replica lost under a
+    thousand streams is a thousand events; past that they are dropped and counted,
+    the metrics keep the whole count)."""
+
+    QUEUED = 1024
+
+    def __init__(self, log):
+        self.log = log
+        self.queue: asyncio.Queue[Migration] = asyncio.Queue(maxsize=self.QUEUED)
+        self.dropped = 0
+
+    def note(self, m: Migration) -> None:
+        try:
+            self.queue.put_nowait(m)
+        except asyncio.QueueFull:
+            self.dropped += 1
+            if self.dropped in (1, 10, 100) or self.dropped % 1000 == 0:
+                self.log.warning("%d stream migration event(s) not published: over %d waiting", self.dropped, self.QUEUED)
+
+    async def publish(self, events: EventPublisher) -> None:
+        while True:
+            m = await self.queue.get()
+            what = EventWhat.MIGRATED if m.outcome == "continued" else EventWhat.NOT_MIGRATED
+            detail = f"{m.before} -> {m.after or 'none'} ({m.cause})" + (f": {m.detail}" if m.detail else "")
+            await events.emit(
+                EventKind.REQUEST, event_subject(m.request), what, detail, model=m.model, before=m.before, after=m.after, cause=m.cause, outcome=m.outcome
+            )
+
+
+_SUBJECT_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def event_subject(request_id: str) -> str:
+    """A request id as one NATS subject token (an engine's ids are; a client's need not be)."""
+    return _SUBJECT_UNSAFE.sub("_", request_id)[:80] or "unnamed"
+
+
 class Gateway(ServiceRuntime):
     role = "gateway"
     event_loop = "uvloop"
@@ -152,6 +195,7 @@ class Gateway(ServiceRuntime):
         self.give_back: MallocGiveBack | None = None  # as a process only: it tunes the process's malloc
         self.reuse_port = False  # a worker of 'llmgw gateway --workers N': its own SO_REUSEPORT socket on the shared port
         self.worker: int | None = None  # that worker's index
+        self.moved = MigrationEvents(self.log)
 
     async def open_buckets(self) -> None:
         """The deployments and replicas, read through live copies (it owns no bucket
@@ -177,7 +221,12 @@ class Gateway(ServiceRuntime):
     async def setup(self) -> None:
         await self.upstream.start()
         g = self.cfg.gateway
-        self.forwarder = Forwarder(self.router, self.upstream, self.metrics, AccessLog() if g.access_log else None, stall_after=g.stall_after)
+        self.forwarder = Forwarder(
+            self.router, self.upstream, self.metrics, AccessLog() if g.access_log else None,
+            stall_after=g.stall_after, max_migrations=g.max_migrations, stream_migration=g.stream_migration, max_text=g.stream_migration_max_text,
+        )  # fmt: skip
+        self.forwarder.on_migration = self.moved.note
+        self.spawn(self.moved.publish(EventPublisher(self.js, self.role, on_failure=self.write_failed)))
         if self.replicas is not None:  # after the router's: it sees the record first
             self.replicas.listeners.append(self.forwarder.on_replica)
         self.app = GatewayApp(
