@@ -29,7 +29,9 @@ What runs:
   process (aiohttp, keep-alive), one in ``--stream-every`` streaming, each
   request recording its start and end, status, the ``x-llmgw-replica`` header
   (which replica answered), time to first byte, and whether a stream ended
-  with an error event (``data: {"error": …}``) or was cut;
+  with an error event (``data: {"error": …}``) or was cut; streams are
+  ``--stream-tokens`` long (400 on the sim: 2 s, so one is under way when a
+  fault strikes);
 * the event stream ``LLMGW_EVENTS`` and the ``llmgw_replicas`` / ``llmgw_leases``
   buckets, read under the cluster's operator certificate as ``llmgw ctl`` does.
 
@@ -78,8 +80,14 @@ wrote them, on the same machine):
 * requests: those answered (or given up) between the fault and the heal,
   and of them, counted apart, the errors: non-2xx answers, connection errors and cut streams,
   requests with no answer in ``--request-timeout`` (a client-visible hang),
-  and streams ended by an error event; and "slow": requests longer than twice
-  the steady p99;
+  and streams ended by an error event; and "slow": plain requests longer than
+  twice the steady p99 (of plain requests);
+* streams: the streams answered in the window; of them, "migrated": those the
+  gateway moved to another replica mid-answer (its ``request … migrated``
+  events name them); the gap p50/p99/max: the longest silence their clients
+  saw (the last chunk before the failure to the first after); "text
+  differs": streams whose text is not the unbroken reference answer (one
+  stream before any fault; requests are at temperature 0) — must be 0;
 * launches: replicas of the deployment launched in the window (1 for a
   replacement; a crash loop or a launch storm shows here);
 * replica events: every transition of the deployment's replicas in the window.
@@ -127,6 +135,12 @@ class Req:
     stream: bool = False
     first: float | None = None  # seconds to the first byte of the body
     error: str = ""  # "" | "http" | "conn" | "timeout" | "stream-error"
+    # A stream's: its id (what the gateway's "request" events name), the longest silence
+    # between two arrivals after the first (a moved stream's gap), and whether its text
+    # equals the unbroken reference answer (None: not compared, it ended in an error).
+    id: str = ""
+    gap: float = 0.0
+    same: bool | None = None
 
     @property
     def seconds(self) -> float:
@@ -136,26 +150,43 @@ class Req:
 class Load:
     """``clients`` closed-loop clients until ``stop()``; every request lands in ``done``."""
 
-    def __init__(self, url: str, model: str, clients: int, stream_every: int, max_tokens: int, timeout: float, think: float = 0.0):
+    def __init__(self, url: str, model: str, clients: int, stream_every: int, max_tokens: int, timeout: float, think: float = 0.0, stream_tokens: int = 0):
         self.url = url.rstrip("/") + "/v1/chat/completions"
         self.model = model
         self.clients = clients
         self.stream_every = stream_every
         self.max_tokens = max_tokens
+        self.stream_tokens = stream_tokens or max_tokens  # a stream's length: long ones are under way when a fault strikes
         self.timeout = timeout
         self.think = think  # a client's pause after each answer
         self.done: list[Req] = []
+        self.reference: str | None = None  # the unbroken streamed answer every stream must equal
         self.running: set[int] = set()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.session: aiohttp.ClientSession | None = None
+        self.last_text = ""
 
     def body(self, stream: bool) -> bytes:
-        msg = {"model": self.model, "messages": [{"role": "user", "content": "are you still there"}], "max_tokens": self.max_tokens, "stream": stream}
+        # temperature 0: real vLLM answers the same prompt the same way, as the sim always does,
+        # so every stream, moved or not, can be compared with one unbroken answer.
+        msg = {
+            "model": self.model, "messages": [{"role": "user", "content": "are you still there"}],
+            "max_tokens": self.stream_tokens if stream else self.max_tokens, "stream": stream, "temperature": 0,
+        }  # fmt: skip
+        if stream and self.stream_tokens > self.max_tokens:
+            msg["ignore_eos"] = True  # vLLM's and the sim's: exactly that many tokens
         return json.dumps(msg).encode()
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        if self.stream_every > 0:
+            # The reference: one stream before any fault.
+            r = Req(start=time.time(), stream=True)
+            await asyncio.wait_for(self._one(r, self.body(True), time.perf_counter(), keep=True), self.timeout * 3)
+            if r.error:
+                raise RuntimeError(f"the reference stream failed: {r.error} (HTTP {r.status})")
+            self.reference = self.last_text
         for k in range(self.clients):
             stream = self.stream_every > 0 and k % self.stream_every == self.stream_every - 1
             self._tasks.append(asyncio.create_task(self._client(stream)))
@@ -184,7 +215,7 @@ class Load:
             if self.think:
                 await asyncio.sleep(self.think)
 
-    async def _one(self, r: Req, body: bytes, t0: float) -> None:
+    async def _one(self, r: Req, body: bytes, t0: float, keep: bool = False) -> None:
         async with self.session.post(self.url, data=body, headers={"Content-Type": "application/json"}) as resp:
             r.status = resp.status
             r.replica = resp.headers.get("x-llmgw-replica", "")
@@ -198,15 +229,41 @@ class Load:
                 if b'"choices"' not in data:
                     r.error = "conn"
                 return
-            tail = b""
+            raw = bytearray()
+            last = 0.0
             async for chunk in resp.content.iter_any():
+                now = time.perf_counter()
                 if r.first is None:
-                    r.first = time.perf_counter() - t0
-                tail = (tail + chunk)[-4096:]
+                    r.first = now - t0
+                else:
+                    r.gap = max(r.gap, now - last)
+                last = now
+                raw += chunk
+            tail = bytes(raw[-4096:])
             if b'data: {"error"' in tail:
                 r.error = "stream-error"
             elif b"[DONE]" not in tail:
                 r.error = "conn"  # cut without an error event
+            else:
+                r.id, text = stream_text(bytes(raw))
+                if keep:
+                    self.last_text = text
+                elif self.reference is not None:
+                    r.same = text == self.reference
+
+
+def stream_text(raw: bytes) -> tuple[str, str]:
+    """A chat stream's id and text (its chunks' content, in order)."""
+    sid, parts = "", []
+    for event in raw.split(b"\n\n"):
+        event = event.strip()
+        if not event.startswith(b"data: {"):
+            continue
+        obj = json.loads(event[6:])
+        sid = sid or obj.get("id", "")
+        for c in obj.get("choices") or ():
+            parts.append((c.get("delta") or {}).get("content") or "")
+    return sid, "".join(parts)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -498,6 +555,13 @@ class Result:
     # The longest wait of a request that was in flight at the fault or started after it,
     # answered or not (the target: no longer than detection + 2 s).
     longest: float = 0.0
+    # Streams: those answered in the window; moved to another replica (the gateway's
+    # "request ... migrated" events naming them); the gaps their clients saw (the longest
+    # silence in each moved stream); those whose text is not the unbroken answer (must be 0).
+    streams: int = 0
+    migrated: int = 0
+    gaps: list = field(default_factory=list)
+    differs: int = 0
     launches: int = 0  # replicas of the deployment launched in the window (a storm shows here)
     replica_events: list = field(default_factory=list)
     note: str = ""
@@ -635,7 +699,13 @@ class Bench:
         for r in window:
             if r.error:
                 res.errors[r.error] += 1
-        res.slow = sum(1 for r in window if not r.error and r.seconds > 2 * self.steady_p99)
+        moved = {ev.subject for ev in self.w.events if t0 <= ev.time and ev.kind == "request" and ev.what == "migrated"}
+        streams = [r for r in window if r.stream]
+        res.streams = len(streams)
+        res.migrated = sum(1 for r in streams if r.id and r.id in moved)
+        res.gaps = sorted(r.gap for r in streams if r.id and r.id in moved)
+        res.differs = sum(1 for r in streams if r.same is False)
+        res.slow = sum(1 for r in window if not r.error and not r.stream and r.seconds > 2 * self.steady_p99)
         res.longest = max((r.seconds for r in window), default=0.0)
         if sick_replica:
             to_sick = [r.start - t0 for r in window if r.start >= t0 and r.replica == sick_replica]
@@ -919,16 +989,25 @@ def fmt(v: float | None) -> str:
 
 
 def table(results: list[Result], steady_p99: float) -> None:
-    print(f"\nsteady p99 {steady_p99 * 1e3:.0f} ms; slow = longer than {2 * steady_p99 * 1e3:.0f} ms; times in seconds from the fault\n")
     print(
-        "| fault | victim | detected | last to sick | replacement ready | launches | requests | non-2xx | conn | timeout | stream error | slow | longest | healed |"
+        f"\nsteady p99 {steady_p99 * 1e3:.0f} ms (plain requests); slow = a plain one longer than {2 * steady_p99 * 1e3:.0f} ms; times in seconds from the fault\n"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| fault | victim | detected | last to sick | replacement ready | launches | requests | non-2xx | conn | timeout | stream error | slow | longest "
+        "| streams | migrated | gap p50 / p99 / max | text differs | healed |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         e = r.errors
+        gaps = f"{pct(r.gaps, 0.5):.2f} / {pct(r.gaps, 0.99):.2f} / {r.gaps[-1]:.2f}" if r.gaps else "-"
         print(
-            f"| {r.fault} | {r.victim or '-'} | {fmt(r.detected)} | {fmt(r.last_to_sick)} | {fmt(r.replacement)} | {r.launches} | {r.requests} | {e['http']} | {e['conn']} | {e['timeout']} | {e['stream-error']} | {r.slow} | {fmt(r.longest)} | {'yes' if r.healed else 'no'} |"
+            f"| {r.fault} | {r.victim or '-'} | {fmt(r.detected)} | {fmt(r.last_to_sick)} | {fmt(r.replacement)} | {r.launches} | {r.requests} | {e['http']} | {e['conn']} | {e['timeout']} | {e['stream-error']} | {r.slow} | {fmt(r.longest)} "
+            f"| {r.streams} | {r.migrated} | {gaps} | {r.differs} | {'yes' if r.healed else 'no'} |"
         )
+    errors = sum(sum(r.errors.values()) for r in results)
+    print(
+        f"\nclient-visible errors of any kind: {errors}; streams moved: {sum(r.migrated for r in results)}; streams whose text differs from the unbroken answer: {sum(r.differs for r in results)}"
+    )
     print()
     for r in results:
         print(f"{r.fault}: {r.how or '-'}")
@@ -1000,10 +1079,15 @@ def parse_args(argv=None):
     ap.add_argument("--dir", help="state directory of the cluster started here (default: a new temporary one, removed unless --keep)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs) after the run")
     ap.add_argument("--deployment", default="demo", help="the deployment to hurt (default demo, the one 'llmgw up' applies)")
-    ap.add_argument("--clients", type=int, help="concurrent clients (default 6; vllm 2)")
+    ap.add_argument("--clients", type=int, help="concurrent clients (default 8, two of them streaming; vllm 2)")
     ap.add_argument("--think", type=float, help="seconds a client pauses after each answer (default 0; vllm 2)")
     ap.add_argument("--stream-every", type=int, default=4, help="one client in N streams (default 4; 0: none)")
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
+    ap.add_argument(
+        "--stream-tokens", type=int,
+        help="tokens per streamed answer, with ignore_eos when above --max-tokens (default 400: 2 s at the sim's 200 tokens/s, so a stream is "
+             "under way when a fault strikes; vllm: --max-tokens)",
+    )  # fmt: skip
     ap.add_argument("--warmup", type=float, help="seconds of load before the first fault; its p99 is the steady p99 (default 5; vllm 30)")
     ap.add_argument("--settle", type=float, help="seconds without a client error that count as healed (default 3; vllm 10)")
     ap.add_argument("--fault-timeout", type=float, help="longest wait for a fault's verdict: failure, replacement (default 45; vllm 600)")
@@ -1035,10 +1119,12 @@ def parse_args(argv=None):
     # replacement got no further than its imports in 5 minutes. vLLM's workers also spin
     # on their queue for a second after every step, so requests a second apart keep a
     # core busy: a lighter load, with pauses.
-    for name, sim_default, vllm_default in (("clients", 6, 2), ("think", 0.0, 2.0), ("warmup", 5.0, 30.0), ("settle", 3.0, 10.0)):
+    for name, sim_default, vllm_default in (("clients", 8, 2), ("think", 0.0, 2.0), ("warmup", 5.0, 30.0), ("settle", 3.0, 10.0)):
         if getattr(args, name) is None:
             setattr(args, name, vllm_default if vllm else sim_default)
     args.stall_after = args.stall_after or ("5s" if vllm else "2s")
+    if args.stream_tokens is None:
+        args.stream_tokens = args.max_tokens if vllm else 400
     # An agent killed and restarted 2 s later took another 2-3 s to be heard again on two
     # cores busy with vLLM (the interpreter's start and imports): 5 s declared its node lost
     # and failed every replica there, which is not what the agent-kill fault is about.
@@ -1117,7 +1203,7 @@ async def main(args) -> int:
         if not ready:
             raise SystemExit(f"no ready replica of deployment {args.deployment!r} in {d}")
         model = ready[0].model
-        load = Load(cluster.gateway_url, model, args.clients, args.stream_every, args.max_tokens, args.request_timeout, args.think)
+        load = Load(cluster.gateway_url, model, args.clients, args.stream_every, args.max_tokens, args.request_timeout, args.think, args.stream_tokens)
         bench = Bench(args, cluster, watch, load, args.deployment)
         bench.say(f"cluster {d}: {len(cluster.nodes)} nodes, {args.deployment} {len(ready)}/{watch.wanted(args.deployment)} ready; "
                   f"sim verbs: {', '.join(sorted(cluster.verbs)) or 'none'}")  # fmt: skip
@@ -1126,7 +1212,7 @@ async def main(args) -> int:
         warm = [r for r in load.done if not r.error]
         if not warm:
             raise SystemExit("no request succeeded during the warm-up; is the gateway serving? see the logs in " + str(d / "logs"))
-        bench.steady_p99 = pct([r.seconds for r in warm], 0.99)
+        bench.steady_p99 = pct([r.seconds for r in warm if not r.stream] or [r.seconds for r in warm], 0.99)
         warm_errors = sum(1 for r in load.done if r.error)
         bench.say(
             f"warm-up: {len(warm)} requests, p50 {pct([r.seconds for r in warm], 0.5) * 1e3:.0f} ms, p99 {bench.steady_p99 * 1e3:.0f} ms, {warm_errors} errors"

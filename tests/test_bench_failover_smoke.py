@@ -90,6 +90,15 @@ def test_leader_kill_is_measured_and_the_cluster_is_stopped(tmp_path):
     replacement = [q for q in good if q["replica"] not in (sick, "") and q["start"] >= res["t0"] + res["replacement"]]
     assert any(q["replica"] not in {x["replica"] for x in good if x["end"] < res["t0"]} for q in replacement), "no request reached the new replica"
 
+    # Streams: every one that ended whole was compared with the unbroken reference, and
+    # those the gateway moved (its "request ... migrated" events) are the ones counted.
+    streams = [q for q in window if q["stream"]]
+    assert res["streams"] == len(streams) > 0
+    assert all(q["same"] is not None for q in streams if not q["error"])
+    assert res["differs"] == sum(1 for q in streams if q["same"] is False)
+    moved = {e["subject"] for e in data["events"] if e["kind"] == "request" and e["what"] == "migrated" and e["time"] >= res["t0"]}
+    assert res["migrated"] == sum(1 for q in streams if q["id"] in moved) == len(res["gaps"])
+
     table = [line for line in r.stdout.splitlines() if line.startswith("| leader-kill |")]
     assert len(table) == 1 and table[0].rstrip().endswith("| yes |"), r.stdout[-2000:]
 

@@ -242,6 +242,19 @@ def test_the_sim_continues_a_completion_exactly(prompt):
         assert (given + rest, finish2) == (text, finish), (prompt, k)
 
 
+def test_the_sims_default_budget_counts_from_the_answers_start():
+    """No max_tokens: 16 in all, whether the answer is given whole or continued."""
+    body = {"messages": MSGS, "ignore_eos": True}
+    text, finish = _answer(chat_request(body, "m"))
+    assert (len(text.split()), finish) == (16, "length")
+    for k in (1, 10, 16):
+        given = "".join(w + " " for w in text.split()[:k])
+        cont = chat_request(C.continuation(CHAT, body, given, k), "m")
+        assert "max_tokens" not in C.continuation(CHAT, body, given, k)
+        rest, finish2 = _answer(cont)
+        assert (given + rest, finish2) == (text, finish), k
+
+
 def test_the_sim_refuses_what_vllm_refuses_in_a_continuation():
     with pytest.raises(ApiError, match="Cannot set both"):
         chat_request({"messages": [*MSGS, {"role": "assistant", "content": "x"}], "continue_final_message": True}, "m")

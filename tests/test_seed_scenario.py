@@ -133,3 +133,11 @@ def test_seed_failover_story(cluster):
     again = client.chat.completions.create(model="sim-70b", messages=[{"role": "user", "content": "again"}], max_tokens=8)
     assert again.choices[0].message.content
     assert not story.second_reply.startswith(("HTTP", "failed")), story.second_reply
+    # clients streamed through the gateway all along: none saw an error, every answer whole,
+    # and the stream under way on the ib-a replica when node02 died went on from ib-b
+    streams = story.streams
+    assert streams is not None and streams.runs
+    assert [r.error for r in streams.errors] == []
+    assert streams.differ == [] and all(streams.references.values())
+    moved = [what for _, what in story.timeline if what.startswith("stream ") and "-> migrated to" in what]
+    assert moved and all(story.failed.id in what for what in moved), story.timeline

@@ -18,12 +18,14 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from llmgw.shared import buckets as B
+from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.procnet import listening_on
-from llmgw.shared.schemas import Replica
-from llmgw.shared.states import ENDING_REPLICA, LeaseState, ReplicaState
+from llmgw.shared.schemas import Event, Replica, decode
+from llmgw.shared.states import ENDING_REPLICA, EventKind, LeaseState, ReplicaState
 
 from . import simcluster
 
@@ -44,10 +46,126 @@ class Story:
     after: dict[str, Replica] = field(default_factory=dict)
     listening_after: dict[str, list[int]] = field(default_factory=dict)
     second_reply: str = ""
+    streams: StreamClients | None = None  # clients streaming through the gateway all along
     timeline: list[tuple[float, str]] = field(default_factory=list)
 
     def mark(self, at: float, what: str) -> None:
         self.timeline.append((at, what))
+
+
+@dataclass
+class StreamRun:
+    prompt: str
+    start: float
+    end: float = 0.0
+    replica: str = ""  # the replica it started on (x-llmgw-replica)
+    id: str = ""
+    text: str = ""
+    error: str = ""  # an error event's message, a non-200 answer, a cut stream
+    gap: float = 0.0  # the longest silence between two arrivals
+
+
+class StreamClients:
+    """``n`` clients streaming long chat answers through the gateway, one after the
+    other, until ``stop``: what a user watching an answer being written sees while a
+    node dies. Each client keeps its prompt, so every answer to it must be the same
+    text (the sim is deterministic); ``check`` compares them with one unbroken answer."""
+
+    MAX_TOKENS = 1000  # 5 s at the sim's default 200 tokens/s: long enough to be cut mid-way
+
+    def __init__(self, gateway_url: str, model: str, n: int = 2):
+        self.url = f"{gateway_url}/v1/chat/completions"
+        self.model = model
+        self.n = n
+        self.runs: list[StreamRun] = []
+        self.in_flight: dict[int, StreamRun] = {}
+        self.references: dict[str, str] = {}
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._session: Any = None  # an aiohttp.ClientSession once started (imported then: the CLI does not need it)
+
+    def body(self, prompt: str) -> dict:
+        return {"model": self.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": self.MAX_TOKENS, "ignore_eos": True, "stream": True}
+
+    def start(self) -> None:
+        import aiohttp
+
+        self._session = aiohttp.ClientSession()
+        self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.n)]
+
+    async def _client(self, i: int) -> None:
+        prompt = f"stream {i} of the seed scenario"
+        while not self._stop.is_set():
+            run = StreamRun(prompt, time.time())
+            self.in_flight[i] = run
+            await self._one(run)
+            run.end = time.time()
+            self.runs.append(run)
+            del self.in_flight[i]
+            if run.error:
+                await asyncio.sleep(0.2)
+
+    async def _one(self, run: StreamRun) -> None:
+        import aiohttp
+
+        try:
+            async with self._session.post(self.url, json=self.body(run.prompt), timeout=aiohttp.ClientTimeout(total=120)) as r:
+                run.replica = r.headers.get("x-llmgw-replica", "")
+                if r.status != 200:
+                    run.error = f"HTTP {r.status}: {(await r.read())[:200].decode(errors='replace')}"
+                    return
+                raw, last = bytearray(), 0.0
+                async for chunk in r.content.iter_any():
+                    now = time.monotonic()
+                    run.gap = max(run.gap, now - last) if last else 0.0
+                    last = now
+                    raw += chunk
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            run.error = f"failed: {e or type(e).__name__}"
+            return
+        run.id, run.text, run.error = _stream_text(bytes(raw))
+
+    def on(self, replicas: set[str], since: float = 0.5) -> StreamRun | None:
+        """A stream in flight on one of ``replicas`` for at least ``since`` seconds."""
+        now = time.time()
+        return next((r for r in self.in_flight.values() if r.replica in replicas and now - r.start >= since), None)
+
+    async def stop(self) -> None:
+        """No new stream; the ones under way finish."""
+        self._stop.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for prompt in {r.prompt for r in self.runs}:
+            ref = StreamRun(prompt, time.time())
+            await self._one(ref)
+            self.references[prompt] = ref.text if not ref.error else ""
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def errors(self) -> list[StreamRun]:
+        return [r for r in self.runs if r.error]
+
+    @property
+    def differ(self) -> list[StreamRun]:
+        return [r for r in self.runs if not r.error and r.text != self.references.get(r.prompt)]
+
+
+def _stream_text(raw: bytes) -> tuple[str, str, str]:
+    """A chat stream's id, text and error (an error event's message, or a cut stream)."""
+    sid, parts, error, done = "", [], "", False
+    for event in raw.split(b"\n\n"):
+        event = event.strip()
+        if event == b"data: [DONE]":
+            done = True
+        if not event.startswith(b"data: {"):
+            continue
+        obj = json.loads(event[6:])
+        if "error" in obj:
+            error = f"error event: {obj['error'].get('message', obj['error'])}"
+        sid = sid or obj.get("id", "")
+        for c in obj.get("choices") or ():
+            parts.append((c.get("delta") or {}).get("content") or "")
+    return sid, "".join(parts), error or ("" if done else "cut: no [DONE]")
 
 
 def chat(gateway_url: str, model: str, prompt: str, timeout: float = 30.0) -> str:
@@ -63,9 +181,20 @@ def chat(gateway_url: str, model: str, prompt: str, timeout: float = 30.0) -> st
 
 
 async def observe_seed_story(
-    js, *, gateway_url: str, model: str, addresses: dict[str, str], cluster_dir, victim: str = "node02", timeout: float = 180.0, say=print
+    js,
+    *,
+    gateway_url: str,
+    model: str,
+    addresses: dict[str, str],
+    cluster_dir,
+    victim: str = "node02",
+    timeout: float = 180.0,
+    say=print,
+    streams: bool = True,
 ) -> Story:
+    """``streams``: clients stream through the gateway all along (``StreamClients``)."""
     story = Story()
+    moved = None
     replicas = await open_mirror(js, B.REPLICAS)
     leases = await open_mirror(js, B.LEASES)
     try:
@@ -73,6 +202,12 @@ async def observe_seed_story(
         story.listening_before = {n: listening_on(a) for n, a in addresses.items()}
         story.first_reply = await asyncio.to_thread(chat, gateway_url, model, "hello from the seed scenario")
         doomed = {k for k, r in story.before.items() if any(m.node_id == victim for m in r.members)}
+        if streams:
+            story.streams = clients = StreamClients(gateway_url, model)
+            clients.start()
+            # The node dies under a stream: wait (briefly) for one to be under way on its replica.
+            await _until(lambda: clients.on(doomed) is not None, 15)
+            moved = await js.subscribe(S.event_kind_space(EventKind.REQUEST), stream=S.EVENT_STREAM, ordered_consumer=True)
 
         # Only this cluster's node: another cluster on the machine has a node02 too.
         cluster_root = await asyncio.to_thread(Path(cluster_dir).resolve)  # off the loop: it reads the file system
@@ -93,11 +228,41 @@ async def observe_seed_story(
         story.after = {k: v for k, v in replicas.items.items() if v.state != ReplicaState.GONE}
         story.listening_after = {n: listening_on(a) for n, a in addresses.items()}
         story.second_reply = await asyncio.to_thread(chat, gateway_url, model, "hello again, after the rebuild")
+        if story.streams is not None:
+            await story.streams.stop()
+            await _note_moves(story, moved)
     finally:
+        if story.streams is not None and not story.streams._stop.is_set():
+            await story.streams.stop()
         await replicas.stop()
         await leases.stop()
     story.timeline.sort()
     return story
+
+
+async def _until(predicate, timeout: float) -> bool:
+    """Poll ``predicate`` every 50 ms up to ``timeout`` seconds: whether it came true."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def _note_moves(story: Story, sub) -> None:
+    """The gateway's ``request`` events (streams moved to another replica) into the timeline."""
+    gaps = {r.id: r.gap for r in story.streams.runs} if story.streams else {}
+    while True:
+        try:
+            msg = await sub.next_msg(timeout=0.5)
+        except TimeoutError:
+            break
+        ev = decode(msg.data, Event)
+        d = ev.data
+        gap = f", the client's longest silence {gaps[ev.subject]:.1f}s" if ev.subject in gaps else ""
+        story.mark(ev.time, f"stream {ev.subject} on {d.get('before')}: {d.get('cause')} -> {ev.what} to {d.get('after') or 'none'}{gap}")
+    await sub.unsubscribe()
 
 
 def _members(r: Replica) -> str:
@@ -124,6 +289,14 @@ def report(story: Story, addresses: dict[str, str], say=print) -> None:
     idle = [n for n in addresses if n not in busy]
     say(f"  nodes hosting nothing: {', '.join(idle) or 'none'}")
     say(f"  request again: {story.second_reply!r}")
+    if story.streams is not None:
+        c = story.streams
+        say(
+            f"  streams through the gateway meanwhile: {len(c.runs)} ({StreamClients.MAX_TOKENS} tokens each), "
+            f"errors {len(c.errors)}, text not the unbroken answer {len(c.differ)}"
+        )
+        for run in c.errors[:5]:
+            say(f"    error: stream {run.id or '?'} on {run.replica}: {run.error}")
     if story.lost_at and story.replacement_ready_at:
         say(f"  measured: lost at t+{story.lost_at - t0:.1f}s, replacement ready at t+{story.replacement_ready_at - t0:.1f}s")
 

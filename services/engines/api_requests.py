@@ -115,7 +115,9 @@ def _common(body: dict, served_model: str, prompts: list[Prompt], *, max_tokens_
             max_tokens = _int_field(body, name, DEFAULT_MAX_TOKENS, 1, max_model_len)
             break
     if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
+        # Counted from the answer's start: a continuation (``skip``) gets what is left of it,
+        # as vLLM's default (the context left) shrinks with a longer prompt.
+        max_tokens = max(DEFAULT_MAX_TOKENS - max(p.skip for p in prompts), 0)
     prompt_tokens = max(p.tokens for p in prompts)
     if prompt_tokens + max_tokens > max_model_len:
         raise bad(
