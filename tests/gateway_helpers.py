@@ -106,12 +106,14 @@ async def start_sims(log_dir: Path, specs: list[tuple[str, str, float]], workers
     return sims
 
 
-def replica(rid: str, model: str, endpoint: str = "", state: str = "ready", deployment: str | None = None, node: str = "node01") -> Replica:
+def replica(
+    rid: str, model: str, endpoint: str = "", state: str = "ready", deployment: str | None = None, node: str = "node01", engine: str = "sim"
+) -> Replica:
     port = int(endpoint.rsplit(":", 1)[1]) if endpoint else 0
-    engine = {"ready": EngineState.READY, "degraded": EngineState.STALLED, "failed": EngineState.EXITED}.get(state, EngineState.STARTING)
-    member = ReplicaMember(node_id=node, rank=0, role="leader", gpus=[0], http_port=port, serves_http=bool(endpoint), engine_state=engine)
+    engine_state = {"ready": EngineState.READY, "degraded": EngineState.STALLED, "failed": EngineState.EXITED}.get(state, EngineState.STARTING)
+    member = ReplicaMember(node_id=node, rank=0, role="leader", gpus=[0], http_port=port, serves_http=bool(endpoint), engine_state=engine_state)
     return Replica(
-        id=rid, deployment=deployment or model, model=model, engine="sim", generation=1, state=state,
+        id=rid, deployment=deployment or model, model=model, engine=engine, generation=1, state=state,
         members=[member], endpoint=endpoint if state == "ready" else "", created_at=time.time(), since=time.time(),
     )  # fmt: skip
 

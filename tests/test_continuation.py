@@ -265,3 +265,83 @@ def test_the_sim_refuses_what_vllm_refuses_in_a_continuation():
 def test_an_assistant_message_that_is_not_the_sims_own_answer_is_a_prompt_like_any_other():
     body = {"messages": [*MSGS, {"role": "assistant", "content": "zebra "}], "continue_final_message": True, "add_generation_prompt": False}
     assert chat_request(body, "m").prompts[0].skip == 0
+
+
+# -- a vLLM stream goes on from its token ids ---------------------------------------
+
+
+def test_a_stream_to_vllm_asks_for_token_ids_and_the_client_never_sees_them():
+    body = b'{"model": "m", "messages": []}'
+    assert C.splice_token_ids(body) == b'{"return_token_ids":true,"model": "m", "messages": []}'
+    assert C.splice_token_ids(b'{"return_token_ids": false}') is None  # the client's word wins
+    assert C.splice_token_ids(b"{ }") is None
+    event = b'data: {"id":"c","prompt_token_ids":[1,2],"choices":[{"index":0,"delta":{"content":"x"},"token_ids":[7]}]}\n\n'
+    assert C.strip_token_ids(event) == b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+    assert C.strip_token_ids(b'{"a":1,"token_ids":null}') == b'{"a":1}'
+    relay = C.StreamRelay(CHAT, body, max_migrations=2, max_text=100)
+    assert relay.upstream_body("sim") == body and not relay.strip
+    assert relay.upstream_body("vllm").startswith(b'{"return_token_ids":true,') and relay.strip
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_the_transcript_keeps_the_token_ids_vllm_reported(chat):
+    t = C.Transcript(chat=chat)
+    if chat:  # vLLM's chat: prompt ids at the top of the first chunk, answer ids per choice
+        t.feed(_sse({"id": "c", "prompt_token_ids": [1, 2, 3], "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}]}))
+        t.feed(_sse({"id": "c", "choices": [{"index": 0, "delta": {"content": "cod"}, "token_ids": [40, 41]}]}))
+        t.feed(_sse({"id": "c", "choices": [{"index": 0, "delta": {}, "token_ids": [42]}]}))  # a token with no text yet
+    else:  # its completions: prompt ids in the first choice
+        t.feed(_sse({"id": "c", "choices": [{"index": 0, "text": "cod", "prompt_token_ids": [1, 2, 3], "token_ids": [40, 41]}]}))
+        t.feed(_sse({"id": "c", "choices": [{"index": 0, "text": "", "token_ids": [42]}]}))
+    assert (t.prompt_ids, t.ids, t.text, C.by_tokens(t)) == ([1, 2, 3], [40, 41, 42], "cod", True)
+    relay = C.StreamRelay(CHAT if chat else COMPLETIONS, b"{}", max_migrations=2, max_text=100)
+    relay.transcript = t
+    assert relay.exact_on("vllm") is None
+    assert "does not take" in (relay.exact_on("sim") or "")
+
+
+def test_text_without_its_token_ids_or_from_an_engine_whose_text_is_not_exact_is_not_continued():
+    t = C.Transcript(chat=True)
+    t.feed(_sse({"id": "c", "prompt_token_ids": [1], "choices": [{"index": 0, "delta": {"content": "x"}}]}))
+    relay = C.StreamRelay(CHAT, b"{}", max_migrations=2, max_text=100)
+    relay.transcript = t
+    assert "did not report the token ids" in (relay.exact_on("vllm") or "")
+    relay = C.StreamRelay(CHAT, b"{}", max_migrations=2, max_text=100)
+    relay.upstream_body("sglang")
+    assert "sglang engine's text is not an exact prompt" in (relay.exact_on("sim") or "")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "max_model_len", "want"),
+    [
+        (CHAT, {"messages": MSGS, "max_tokens": 10, "temperature": 0, "top_k": 5, "tools": [], "ignore_eos": True,
+                "stream_options": {"include_usage": True}},
+         None,
+         {"model": "m", "prompt": [1, 2, 3, 40, 41], "stream": True, "return_token_ids": True, "max_tokens": 8, "temperature": 0,
+          "top_k": 5, "ignore_eos": True, "stream_options": {"include_usage": True}}),
+        # a chat with no budget: the context left
+        (CHAT, {"messages": MSGS, "min_tokens": 5}, 100,
+         {"model": "m", "prompt": [1, 2, 3, 40, 41], "stream": True, "return_token_ids": True, "max_tokens": 95, "min_tokens": 3}),
+        # a completion with none: OpenAI's 16
+        (COMPLETIONS, {"prompt": "p"}, None, {"model": "m", "prompt": [1, 2, 3, 40, 41], "stream": True, "return_token_ids": True, "max_tokens": 14}),
+        (CHAT, {"messages": MSGS, "max_completion_tokens": 2}, None, None),  # spent
+    ],
+)  # fmt: skip
+def test_the_token_continuation_request(path, body, max_model_len, want):
+    t = C.Transcript(chat=path == CHAT)
+    t.prompt_ids, t.ids = [1, 2, 3], [40, 41]
+    assert C.token_continuation(path, body, t, "m", max_model_len) == want
+
+
+def test_a_completion_chunk_goes_on_as_a_chat_chunk():
+    first = C.Transcript(chat=True)
+    first.id, first.created, first.model = "chatcmpl-A", 1, "m"
+    out = C.rewrite(
+        json.dumps({"id": "cmpl-B", "object": "text_completion", "created": 9, "model": "m",
+                    "choices": [{"index": 0, "text": "d", "logprobs": None, "finish_reason": None, "token_ids": [41]}]}).encode(),
+        first, 2, chat_from_completion=True,
+    )  # fmt: skip
+    assert json.loads(out) == {
+        "id": "chatcmpl-A", "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": [{"index": 0, "delta": {"content": "d"}, "logprobs": None, "finish_reason": None, "token_ids": [41]}],
+    }  # fmt: skip

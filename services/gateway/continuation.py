@@ -45,6 +45,44 @@ _encode = msgspec.json.Encoder().encode
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 
 
+# How a stream goes on exactly, by the engine that serves it: the sim's text
+# round-trips through its tokenizer by construction (its answers are whole words),
+# so the text sent is an exact prompt; vLLM's does not in general (a word generated
+# as two pieces is read back as one, and greedy decoding then goes elsewhere), so a
+# vLLM stream is asked for its token ids (``return_token_ids``, stripped from what
+# the client gets) and continued from them, through ``/v1/completions`` with the
+# prompt's and the answer's ids. Any other engine's stream is not continued.
+TEXT_ENGINES = frozenset({"sim"})
+TOKEN_ENGINES = frozenset({"vllm"})
+_TOKEN_FIELDS = re.compile(rb',"(?:prompt_token_ids|token_ids)":(?:\[[0-9,]*\]|null)')
+# Sampling settings a chat request shares with a completion one (vLLM's names): what a
+# token continuation carries over; everything else is the chat's own (messages,
+# templates, tools) or was refused by ``cannot_continue``.
+_SAMPLING = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids", "ignore_eos",
+    "skip_special_tokens", "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "bad_words", "user", "priority",
+)  # fmt: skip
+
+
+def splice_token_ids(body: bytes) -> bytes | None:
+    """``body`` (a JSON object) asking for its token ids too; None when it cannot be
+    done by splicing (an empty object) or the client asked for them itself."""
+    if b'"return_token_ids"' in body:
+        return None
+    i = body.find(b"{")
+    rest = body[i + 1 :]
+    if i < 0 or rest.lstrip()[:1] == b"}":
+        return None
+    return body[:i] + b'{"return_token_ids":true,' + rest
+
+
+def strip_token_ids(events: bytes) -> bytes:
+    """Events without the token ids the gateway asked for (vLLM writes them as
+    ``,"token_ids":[...]`` and ``,"prompt_token_ids":[...]``: a pattern a JSON string
+    cannot hold unescaped)."""
+    return _TOKEN_FIELDS.sub(b"", events)
+
+
 def _truthy(value: Any) -> bool:
     """Given and not its "off" value (null, false, 0, "", an empty list)."""
     return bool(value)
@@ -118,7 +156,8 @@ def cannot_continue(path: str, body: Any) -> str | None:
 
 
 class Transcript:
-    """What the client was sent, read back from the events relayed to it.
+    """What the client was sent, read back from the events relayed to it (with the
+    token ids the engine reported, which the client was not sent).
 
     Fed only when it is needed (a migration) or when the bytes kept pass a
     threshold (``proxy.StreamRelay``), never per chunk."""
@@ -135,6 +174,11 @@ class Transcript:
         self.usage: dict | None = None  # a usage chunk the client got
         self.done = False  # [DONE] was sent
         self.problem: str | None = None  # what in the stream itself cannot be continued
+        # The engine's token ids, when it reported them: the prompt's (first chunk) and
+        # the answer's; ``untracked``: chunks that carried text without their ids.
+        self.prompt_ids: list[int] | None = None
+        self.ids: list[int] = []
+        self.untracked = 0
 
     @property
     def text(self) -> str:
@@ -162,33 +206,48 @@ class Transcript:
             return
         if self.id is None:
             self.id, self.created, self.model = obj.get("id"), obj.get("created"), obj.get("model")
+        prompt_ids = obj.get("prompt_token_ids")
+        if isinstance(prompt_ids, list) and self.prompt_ids is None:
+            self.prompt_ids = prompt_ids
         usage = obj.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
         for choice in obj.get("choices") or ():
-            if not isinstance(choice, dict):
-                continue
-            if choice.get("index", 0) != 0:
-                self.problem = self.problem or "several choices (n > 1) are not continued"
-            if choice.get("logprobs") is not None:
-                self.problem = self.problem or "log-probabilities are not continued"
-            if self.chat:
-                delta = choice.get("delta") or {}
-                if not isinstance(delta, dict):
-                    continue
-                if delta.get("tool_calls"):
-                    self.problem = self.problem or "tool-call deltas are not continued (a tool call cannot be resumed half-written)"
-                if delta.get("reasoning_content") or delta.get("reasoning"):
-                    self.problem = self.problem or "reasoning content is not continued (the template would not put it back where it was)"
-                text = delta.get("content")
-            else:
-                text = choice.get("text")
-            if isinstance(text, str) and text:
-                self.parts.append(text)
-                self.chars += len(text)
-                self.chunks += 1
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
+            if isinstance(choice, dict):
+                self._choice(choice)
+
+    def _not_continued(self, why: str) -> None:
+        self.problem = self.problem or why
+
+    def _choice(self, choice: dict) -> None:
+        if choice.get("index", 0) != 0:
+            self._not_continued("several choices (n > 1) are not continued")
+        if choice.get("logprobs") is not None:
+            self._not_continued("log-probabilities are not continued")
+        text = self._delta_text(choice.get("delta") or {}) if self.chat else choice.get("text")
+        prompt_ids = choice.get("prompt_token_ids")  # vLLM's completions put them here, its chat at the top
+        if isinstance(prompt_ids, list) and self.prompt_ids is None:
+            self.prompt_ids = prompt_ids
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            self.ids += ids
+        if isinstance(text, str) and text:
+            self.parts.append(text)
+            self.chars += len(text)
+            self.chunks += 1
+            if not isinstance(ids, list):
+                self.untracked += 1
+        if choice.get("finish_reason"):
+            self.finish = choice["finish_reason"]
+
+    def _delta_text(self, delta: Any) -> Any:
+        if not isinstance(delta, dict):
+            return None
+        if delta.get("tool_calls"):
+            self._not_continued("tool-call deltas are not continued (a tool call cannot be resumed half-written)")
+        if delta.get("reasoning_content") or delta.get("reasoning"):
+            self._not_continued("reasoning content is not continued (the template would not put it back where it was)")
+        return delta.get("content")
 
 
 def payloads(events: bytes) -> list[bytes]:
@@ -242,6 +301,53 @@ def continuation(path: str, body: dict, text: str, given: int) -> dict | None:
     return out
 
 
+def by_tokens(t: Transcript) -> bool:
+    """Whether the stream so far can go on from its token ids."""
+    return t.prompt_ids is not None and t.untracked == 0
+
+
+def token_continuation(path: str, body: dict, t: Transcript, model: str, max_model_len: int | None) -> dict | None:
+    """A ``/v1/completions`` request that goes on from the prompt's and the answer's
+    token ids (``by_tokens``), or None when the budget is spent. A chat with no
+    budget gets the context left (``max_model_len``), as vLLM's chat default is."""
+    prompt = [*(t.prompt_ids or ()), *t.ids]
+    limits = budget(path, body, len(t.ids))
+    if limits is None:
+        return None
+    left = limits.get("max_completion_tokens", limits.get("max_tokens"))
+    if left is None and max_model_len is not None:
+        left = max_model_len - len(prompt)
+        if left <= 0:
+            return None
+    out: dict[str, Any] = {k: body[k] for k in _SAMPLING if k in body}
+    out.update(model=model, prompt=prompt, stream=True, return_token_ids=True)
+    if left is not None:
+        out["max_tokens"] = left
+    if type(body.get("min_tokens")) is int:
+        out["min_tokens"] = max(body["min_tokens"] - len(t.ids), 0)
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        out["stream_options"] = {"include_usage": True}
+    return out
+
+
+def as_chat_chunk(obj: dict) -> dict:
+    """A completion chunk as a chat one (a chat continued through ``/v1/completions``)."""
+    out = {k: v for k, v in obj.items() if k != "choices"}
+    out["object"] = "chat.completion.chunk"
+    choices = []
+    for c in obj.get("choices") or ():
+        if not isinstance(c, dict):
+            continue
+        choice: dict[str, Any] = {"index": c.get("index", 0), "delta": {"content": c["text"]} if c.get("text") else {}, "logprobs": None}
+        choice["finish_reason"] = c.get("finish_reason")
+        if "token_ids" in c:
+            choice["token_ids"] = c["token_ids"]
+        choices.append(choice)
+    out["choices"] = choices
+    return out
+
+
 def merged_usage(usage: dict, given: int) -> dict:
     """A continuation's usage as the whole answer's: the text it was given counts as
     completion, not prompt."""
@@ -256,10 +362,12 @@ def merged_usage(usage: dict, given: int) -> dict:
     return out
 
 
-def rewrite(payload: bytes, first: Transcript, given: int) -> bytes | None:
+def rewrite(payload: bytes, first: Transcript, given: int, chat_from_completion: bool = False) -> bytes | None:
     """A continuation's event data as the client's stream goes on: the first
     attempt's id, created and model; its usage merged; its opening role-only
-    chunk dropped (None). [DONE] and anything not a JSON object pass as they are."""
+    chunk dropped (None); a completion chunk shaped as a chat one when a chat
+    goes on through ``/v1/completions``. [DONE] and anything not a JSON object
+    pass as they are."""
     if payload == b"[DONE]":
         return payload
     try:
@@ -268,6 +376,8 @@ def rewrite(payload: bytes, first: Transcript, given: int) -> bytes | None:
         return payload
     if not isinstance(obj, dict) or "error" in obj:
         return payload
+    if chat_from_completion:
+        obj = as_chat_chunk(obj)
     if first.id is not None:
         obj["id"], obj["created"], obj["model"] = first.id, first.created, first.model
     usage = obj.get("usage")
@@ -278,7 +388,7 @@ def rewrite(payload: bytes, first: Transcript, given: int) -> bytes | None:
         c = choices[0]
         delta = c.get("delta")
         if isinstance(delta, dict) and not delta.get("content") and not c.get("finish_reason") and set(delta) <= {"role", "content"}:
-            if not isinstance(usage, dict):
+            if not isinstance(usage, dict) and not c.get("token_ids"):
                 return None
     return _encode(obj)
 
@@ -309,19 +419,20 @@ def encode(obj: Any) -> bytes:
     return _encode(obj)
 
 
-def token_count(answer: bytes) -> int | None:
-    """``count`` (or the length of ``tokens``) from a ``/tokenize`` answer; None if it has neither."""
+def token_count(answer: bytes, field: str = "count") -> int | None:
+    """``field`` of a ``/tokenize`` answer (``count``, or the length of ``tokens``;
+    ``max_model_len``); None if it has none."""
     try:
         obj = _decode(answer)
     except msgspec.DecodeError:
         return None
     if not isinstance(obj, dict):
         return None
-    count = obj.get("count")
-    if type(count) is int and count >= 0:
-        return count
+    value = obj.get(field)
+    if type(value) is int and value >= 0:
+        return value
     tokens = obj.get("tokens")
-    return len(tokens) if isinstance(tokens, list) else None
+    return len(tokens) if field == "count" and isinstance(tokens, list) else None
 
 
 def prompt_request(path: str, body: dict, model: str) -> dict:
@@ -354,6 +465,10 @@ class StreamRelay:
         self.request: Any = None  # the body decoded, on first need
         self.last_write = 0.0  # perf_counter of the last write to the client (the proxy sets it)
         self.given = 0  # tokens of text the current continuation was given
+        self.asked_ids = b""  # the body sent upstream when the gateway asked for token ids
+        self.strip = False  # the client did not ask for token ids: they are taken out of its events
+        self.chat_from_completion = False  # the current continuation is a chat going on through /v1/completions
+        self.source = ""  # the engine of the replica the stream started on
         self.moving: Any = None  # the move under way (proxy.Migration), until it writes to the client or fails
 
     def sent(self, data: bytes) -> None:
@@ -387,17 +502,40 @@ class StreamRelay:
             return f"its text passed {self.max_text} characters (gateway.stream_migration_max_text)"
         return cannot_continue(self.path, self.decoded())
 
+    def exact_on(self, engine: str) -> str | None:
+        """Why the stream cannot go on exactly on a replica of ``engine``, or None."""
+        t = self.settle()
+        if by_tokens(t):
+            return None if engine in TOKEN_ENGINES else f"it is continued from token ids, which a {engine or 'unknown'} engine does not take"
+        if t.prompt_ids is not None:
+            return "the engine did not report the token ids of all the text sent"
+        for e in (self.source, engine):
+            if e not in TEXT_ENGINES:
+                return f"a {e or 'unknown'} engine's text is not an exact prompt, and it reported no token ids"
+        return None
+
     @property
     def include_usage(self) -> bool:
         body = self.decoded()
         options = body.get("stream_options") if isinstance(body, dict) else None
         return isinstance(options, dict) and options.get("include_usage") is True
 
+    def upstream_body(self, engine: str) -> bytes:
+        """The body for a replica of ``engine``: asking for the token ids when the
+        stream would be continued from them."""
+        self.source = engine
+        if engine in TOKEN_ENGINES:
+            if not self.asked_ids:
+                self.asked_ids = splice_token_ids(self.body) or self.body
+            self.strip = self.asked_ids is not self.body
+            return self.asked_ids
+        return self.body
+
     def rewritten(self, events: bytes) -> bytes:
         """A continuation's whole events as the client's stream goes on (``rewrite``)."""
         out = []
         for payload in payloads(events):
-            data = rewrite(payload, self.transcript, self.given)
+            data = rewrite(payload, self.transcript, self.given, self.chat_from_completion)
             if data is not None:
                 out.append(event(data))
         return b"".join(out)

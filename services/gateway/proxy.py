@@ -281,6 +281,8 @@ class Forwarder:
             extra = _request_id_line(rid)
         if form:
             extra += b"Content-Type: " + form + b"\r\n"
+        if relay is not None:  # asking a replica that reports token ids for them
+            body = relay.upstream_body(b.engine)
         try:
             try:
                 upstream = await client.post(b.endpoint, path, body, extra, b.flights, stream, not form)
@@ -410,9 +412,9 @@ class Forwarder:
             if relay.moving is not None:  # its first bytes to the client: the gap it saw
                 self.metrics.migration_gap(time.perf_counter() - relay.last_write)
                 self._moved(relay, "continued")
-        await resp.write(data)
+        relay.sent(data)  # kept with the token ids the gateway asked for
+        await resp.write(continuation.strip_token_ids(data) if relay.strip else data)
         relay.last_write = time.perf_counter()
-        relay.sent(data)
 
     # -- stream migration --------------------------------------------------------------
     async def _continue(self, request: Request, resp: Stream, relay: StreamRelay, model: str, b: Backend, broke: _Break, tried: list[Backend]) -> None:
@@ -429,6 +431,12 @@ class Forwarder:
             except NoReadyReplica:
                 self._migrated(relay, model, b, None, broke.kind, "no_replica", "no other replica is ready")
                 await self._end_broken(resp, model, broke, "; no other replica is ready to continue it")
+                return
+            why = relay.exact_on(nb.engine)
+            if why is not None:
+                self.router.release(nb)
+                self._migrated(relay, model, b, nb, broke.kind, "refused", why)
+                await self._end_broken(resp, model, broke, f"; it cannot be continued exactly on replica {nb.id}: {why}")
                 return
             tried.append(nb)
             relay.migrations += 1
@@ -456,16 +464,25 @@ class Forwarder:
         try:
             try:
                 t = relay.transcript
-                given = await self._count_tokens(b, model, t.text, relay.transcript.chunks)
                 body = relay.decoded()
-                nxt = None if t.finish else continuation.continuation(relay.path, body, t.text, given)
+                tokens = continuation.by_tokens(t)
+                if tokens:  # exact: from the token ids, through /v1/completions
+                    given = len(t.ids)
+                    limit = None if t.finish else await self._context_left(b, relay, model)
+                    nxt = None if t.finish else continuation.token_continuation(relay.path, body, t, model, limit)
+                    path = continuation.COMPLETIONS
+                else:  # the sim's text is an exact prompt
+                    given = await self._count_tokens(b, model, t.text, t.chunks)
+                    nxt = None if t.finish else continuation.continuation(relay.path, body, t.text, given)
+                    path = relay.path
                 if nxt is None:  # the answer is whole (its finish was sent, or its budget spent)
                     await self._finish_whole(resp, relay, b, model, given)
                     finished = True
                     return None
                 relay.given = given
+                relay.chat_from_completion = tokens and relay.chat
                 data = continuation.encode(nxt)
-                upstream = await client.post(b.endpoint, relay.path, data, extra, b.flights, True)
+                upstream = await client.post(b.endpoint, path, data, extra, b.flights, True)
                 if not (upstream.status == 200 and upstream.mimetype == "text/event-stream"):
                     answer = await upstream.read()
                     finished = True
@@ -510,18 +527,31 @@ class Forwarder:
         body = continuation.encode({"model": model, "prompt": text, "add_special_tokens": False})
         return await self._tokenize(b, body, chunks)
 
-    async def _tokenize(self, b: Backend, body: bytes, fallback: int) -> int:
-        conn = await self.upstream.started.post(b.endpoint, "/tokenize", body)
+    async def _context_left(self, b: Backend, relay: StreamRelay, model: str) -> int | None:
+        """``b``'s ``max_model_len`` (vLLM's ``/tokenize`` answers it), for a chat that
+        named no budget; None when it named one, or ``b`` does not say."""
+        body = relay.decoded()
+        if any(type(body.get(k)) is int for k in ("max_completion_tokens", "max_tokens")):
+            return None
+        answer = await self._tokenize(b, continuation.encode({"model": model, "prompt": "a"}), -1, field="max_model_len")
+        return answer if answer > 0 else None
+
+    async def _tokenize(self, b: Backend, body: bytes, fallback: int, field: str = "count") -> int:
+        """``/tokenize`` on ``b``: the number ``field`` of its answer, or ``fallback`` when it
+        answers without one. Bounded by TOKENIZE_TIMEOUT in all (a hung replica is a ReadTimeout)."""
+        conn: Connection | None = None
         done = False
         try:
             async with asyncio.timeout(TOKENIZE_TIMEOUT):
+                conn = await self.upstream.started.post(b.endpoint, "/tokenize", body)
                 answer = await conn.read()
             done = True
         except TimeoutError:
             raise ReadTimeout(f"/tokenize took over {TOKENIZE_TIMEOUT:g}s") from None
         finally:
-            conn.release() if done else conn.close()
-        count = continuation.token_count(answer) if conn.status == 200 else None
+            if conn is not None:
+                conn.release() if done else conn.close()
+        count = continuation.token_count(answer, field) if conn is not None and conn.status == 200 else None
         return fallback if count is None else count
 
     async def _finish_whole(self, resp: Stream, relay: StreamRelay, b: Backend, model: str, given: int) -> None:
@@ -530,7 +560,10 @@ class Forwarder:
         t = relay.transcript
         usage = None
         if relay.include_usage and t.usage is None:
-            prompt = await self._tokenize(b, continuation.encode(continuation.prompt_request(relay.path, relay.decoded(), model)), -1)
+            if t.prompt_ids is not None:
+                prompt = len(t.prompt_ids)
+            else:
+                prompt = await self._tokenize(b, continuation.encode(continuation.prompt_request(relay.path, relay.decoded(), model)), -1)
             if prompt >= 0:
                 usage = {"prompt_tokens": prompt, "completion_tokens": given, "total_tokens": prompt + given}
         data = continuation.ending(t, relay.chat, None if t.finish else "length", usage)

@@ -72,6 +72,7 @@ class Backend:
     routable: bool = True
     head: bytes = b""  # the header line naming this replica in answers, encoded once
     node: str = ""  # the leader's node: where its agent hears the traffic reports
+    engine: str = ""  # what it runs (sim, vllm, ...): how a stream on it is continued elsewhere
     completed: int = 0  # answers read to their end (status < 500), since this gateway started
     # Upstream connections of the requests in flight (upstream.Connection), for the
     # proxy's sweep: it reads their arrival counters and aborts them.
@@ -144,6 +145,7 @@ class Router:
                 b.model, b.endpoint = new.model, new.endpoint.rstrip("/")
                 b.failures, b.cool_until = 0, 0.0  # a new leader deserves a fresh start
             b.node = new.members[0].node_id if new.members else ""
+            b.engine = new.engine
             if not b.routable or b not in self._by_model.get(b.model, ()):
                 b.routable = True
                 self._by_model.setdefault(b.model, []).append(b)
