@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -36,28 +35,44 @@ MAX_MODEL_LEN = 1024
 MESSAGES = [{"role": "user", "content": "tell me about the fabric and the replica"}]
 
 
-@pytest.fixture
-async def two_vllms(tmp_path: Path, nats_server):
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Three engines for the module: each test kills the one its stream is on, and
+    at least two are alive for the next (a vLLM start is a minute or more here)."""
     vllm = install_vllm()
     env = engine_env(MAX_MODEL_LEN)
-    engines = [Vllm(vllm, tmp_path, name, max_model_len=MAX_MODEL_LEN, env=env) for name in ("a", "b")]
-    board = gw = None
+    work = tmp_path_factory.mktemp("vllm")
+    started = [Vllm(vllm, work, name, max_model_len=MAX_MODEL_LEN, env=env) for name in ("a", "b", "c")]
     try:
-        cfg = gateway_config(nats_server, "gw-vllm", stall_after=30)  # its certificate, admitted by the board's reload
-        board = await Board.open(nats_server)
-        await asyncio.gather(*(e.wait_serving(600) for e in engines))
+
+        async def serving() -> None:
+            await asyncio.gather(*(e.wait_serving(600) for e in started))
+
+        asyncio.run(serving())
+        yield {f"tiny-{e.name}": e for e in started}
+    finally:
+        for e in started:
+            e.kill()
+
+
+@pytest.fixture
+async def two_vllms(engines, nats_server):
+    """Two live engines of the module's behind a gateway, their records on the board."""
+    alive = dict(list((rid, e) for rid, e in engines.items() if e.proc.poll() is None)[:2])
+    assert len(alive) == 2, "fewer than two engines alive"
+    cfg = gateway_config(nats_server, "gw-vllm", stall_after=30)  # its certificate, admitted by the board's reload
+    board = await Board.open(nats_server)
+    gw = None
+    try:
         gw = await start_gateway(cfg)
-        for e in engines:
-            await board.put(record(f"tiny-{e.name}", e.model, e.endpoint, engine="vllm"))
+        for rid, e in alive.items():
+            await board.put(record(rid, e.model, e.endpoint, engine="vllm"))
         await wait_for(lambda: len([b for b in gw.router.backends() if b.routable]) == 2, "both vLLM replicas routed", timeout=30)
-        yield {f"tiny-{e.name}": e for e in engines}, gw
+        yield alive, gw
     finally:
         if gw is not None:
             await gw.stop()
-        if board is not None:
-            await board.close()
-        for e in engines:
-            await asyncio.to_thread(e.kill)
+        await board.close()
 
 
 async def _post_stream(url: str, body: dict) -> bytes:
