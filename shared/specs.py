@@ -78,10 +78,10 @@ def check_weights(weights_path: str, weights_model: str) -> None:
             raise ConfigError(f"{where}: not a usable path (at most {MAX_WEIGHTS_PATH} characters, no NUL byte)")
         if not weights_path.startswith("/"):
             raise ConfigError(f"{where}: {weights_path!r} is relative; give the absolute path every node mounts the weights at")
+        if weights_path.strip("/") == "":
+            raise ConfigError(f"{where}: '/' is the whole file system, not a model's directory")
         if posixpath.normpath(weights_path) != weights_path.rstrip("/") or "/../" in f"{weights_path}/":
             raise ConfigError(f"{where}: {weights_path!r} is not a plain absolute path; write it as {posixpath.normpath(weights_path)!r}")
-        if weights_path == "/":
-            raise ConfigError(f"{where}: '/' is the whole file system, not a model's directory")
     if weights_model and not _MODEL_ID.fullmatch(weights_model):
         raise ConfigError(
             f"weights_model: {weights_model!r} is not a model id: 'name' or 'org/name', letters, digits, '.', '_' and '-' "
