@@ -129,7 +129,7 @@ def test_sources_resolve_on_the_node(path, model, mirror, key, where):
 
 
 def test_sources_that_cannot_resolve_say_why(tmp_path):
-    with pytest.raises(WeightsUnavailable, match="no cache.mirror"):
+    with pytest.raises(WeightsUnavailable, match=r"no cache\.mirror"):
         resolve("", "meta/llama", "")
     with pytest.raises(WeightsUnavailable, match="does not exist on this node"):
         scan(str(tmp_path / "nowhere"))
@@ -252,8 +252,9 @@ async def test_two_launches_of_one_source_share_one_copy_and_a_changed_source_is
     one, two = await asyncio.gather(stager.ensure(resolve(src, "", "")), stager.ensure(resolve(src, "", "")))
     assert one == two and one.how == "staged" and len(os.listdir(tmp_path / "cache" / ENTRIES)) == 1
     digest = cache.entries["path:" + src].digest
-    with open(os.path.join(src, "w.bin"), "r+b") as f:
-        f.write(b"changed")
+    fd = os.open(os.path.join(src, "w.bin"), os.O_WRONLY)
+    os.write(fd, b"changed")
+    os.close(fd)
     again = await stager.ensure(resolve(src, "", ""))
     assert again.how == "staged" and cache.entries["path:" + src].digest != digest
     os.rename(src, src + ".away")  # shared storage gone: the cached copy serves
