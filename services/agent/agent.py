@@ -152,6 +152,7 @@ class Agent:
             in_use=self.supervisor.weights_in_use,
             on_change=self._cache_changed,
             progress_interval=c.progress_interval if c is not None else 1.0,
+            copy_rate=c.copy_rate_bytes if c is not None else None,
         )
         self.weights = WeightsLauncher(self.supervisor, self.stager, on_change=self._engine_changed)
         self._cache_dirty = asyncio.Event()

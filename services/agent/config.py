@@ -169,12 +169,22 @@ class CacheConfig(Section, frozen=True):
     mirror: str = ""
     # Progress is reported at most this often while a copy runs.
     progress_interval: Duration = 1.0
+    # The most a copy reads per second (a size such as 500MiB); unset: as fast
+    # as source and disk allow. A limit leaves the node's disk and network to
+    # the engines that serve while a spare's weights are copied beside them.
+    copy_rate: Annotated[int | str | None, msgspec.Meta(description="a size per second such as 500MiB")] = None
 
     def __post_init__(self):
         if not self.dir:
             raise Invalid("dir", "must not be empty: give a directory on local disk with room for the budget")
         parse_size(self.budget, "budget")
+        if self.copy_rate is not None:
+            parse_size(self.copy_rate, "copy_rate")
         _positive(self, "progress_interval")
+
+    @property
+    def copy_rate_bytes(self) -> int | None:
+        return parse_size(self.copy_rate, "copy_rate") if self.copy_rate is not None else None
 
     @property
     def budget_bytes(self) -> int:

@@ -113,10 +113,14 @@ class Cancelled(Exception):
     pass
 
 
-def copy_tree(src: str, files: list[SourceFile], dst: str, progress: Callable[[int], None], cancel: threading.Event) -> tuple[str, int]:
-    """Copy ``files`` from ``src`` into ``dst``: (digest, bytes copied). Blocking: run in a thread."""
+def copy_tree(
+    src: str, files: list[SourceFile], dst: str, progress: Callable[[int], None], cancel: threading.Event, rate: int | None = None
+) -> tuple[str, int]:
+    """Copy ``files`` from ``src`` into ``dst``: (digest, bytes copied), at most
+    ``rate`` bytes a second when given. Blocking: run in a thread."""
     digest = Digest()
     done = 0
+    started = time.monotonic()
     for f in files:
         target = os.path.join(dst, f.rel)
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -131,6 +135,8 @@ def copy_tree(src: str, files: list[SourceFile], dst: str, progress: Callable[[i
                 size += len(chunk)
                 done += len(chunk)
                 progress(done)
+                if rate and (ahead := done / rate - (time.monotonic() - started)) > 0:
+                    cancel.wait(ahead)
         if size != f.size:  # the digest promised f.size bytes: the copy would not be what it names
             raise OSError(f"{f.rel} changed while it was copied ({f.size} bytes when listed, {size} read)")
     return digest.hexdigest(), done
@@ -155,12 +161,14 @@ class Stager:
         in_use: Callable[[], set[str]],
         on_change: Callable[[], None],
         progress_interval: float = 1.0,
+        copy_rate: int | None = None,
     ):
         self.cache = cache
         self.mirror = mirror
         self.in_use = in_use  # sources running engines read (never evicted)
         self.on_change = on_change  # the cache's report changed: publish it
         self.progress_interval = progress_interval
+        self.copy_rate = copy_rate
         self.jobs: dict[str, _Job] = {}
         self._cancel = threading.Event()
         self.evicted = 0
@@ -238,7 +246,7 @@ class Stager:
         staged = cache.staging_dir(source.key)
         log.info("staging %s from %s (%d bytes in %d files)", source.key, source.dir, total, len(files))
         try:
-            digest, size = await asyncio.to_thread(copy_tree, source.dir, files, staged, moved, self._cancel)
+            digest, size = await asyncio.to_thread(copy_tree, source.dir, files, staged, moved, self._cancel, self.copy_rate)
             cache.commit(source.key, staged, digest=digest, size=size, stamp=stamp)
         except (OSError, Cancelled) as e:
             shutil.rmtree(staged, ignore_errors=True)
