@@ -109,8 +109,13 @@ def deployment(name: str, *, replicas=1, gpus=1, **weights) -> DeploymentSpec:
 
 
 async def node_events(cluster, node_id: str) -> list[Event]:
+    return await events_on(cluster, f"llmgw.event.node.{node_id}.>")
+
+
+async def events_on(cluster, subject: str) -> list[Event]:
+    """The events stored on ``subject`` so far (read until none comes for half a second)."""
     js = cluster.ops.jetstream()
-    sub = await js.subscribe(f"llmgw.event.node.{node_id}.>", ordered_consumer=True)
+    sub = await js.subscribe(subject, ordered_consumer=True)
     out = []
     try:
         while True:
@@ -232,3 +237,16 @@ async def test_a_second_deployment_of_a_cached_model_goes_where_it_is_cached_and
     assert [m.node_id for m in rep2.members] == ["node03"]
     assert "cached on this node" in engine_log(cluster, "node03", rep2.id)
     assert f"({CACHED})" in engine_log(cluster, "node03", rep2.id)
+
+
+async def test_weights_a_node_cannot_read_fail_the_replica_with_the_agents_words(cluster, connector, tmp_path):
+    await bring_up(cluster, connector, tmp_path, nodes=1, budget="8MiB", mirror=tmp_path / "mirror")
+    await cluster.apply(deployment("lost", weights_path=str(tmp_path / "not-mounted" / "llama")))
+
+    # The agent refuses the launch at once, in words naming the path; the scheduler
+    # fails the replica (the member is absent) and backs off.
+    words = f"weights source {tmp_path / 'not-mounted' / 'llama'} does not exist on this node"
+    await cluster.wait(lambda: words in cluster.nodes["node01"].log.read_text(), what="the agent's refusal")
+    failed = await cluster.wait(lambda: events_on(cluster, "llmgw.event.replica.lost-g1.failed"), what="the replica failed")
+    assert failed[0].detail == "member rank 0 on node01 absent"
+    assert cache_of(cluster, "node01") == {}  # nothing staged, nothing reported
