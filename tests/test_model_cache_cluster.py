@@ -79,7 +79,7 @@ async def bring_up(cluster, connector, tmp_path, *, nodes: int, budget: str, mir
     for node_id, node in cluster.nodes.items():
         cfg = yaml.safe_load(node.config.read_text())
         caches[node_id] = tmp_path / "disk" / node_id / "model-cache"
-        cfg["cache"] = {"dir": str(caches[node_id]), "budget": budget, "mirror": str(mirror), "progress_interval": "100ms", "copy_rate": "8MiB"}
+        cfg["cache"] = {"dir": str(caches[node_id]), "budget": budget, "mirror": str(mirror), "progress_interval": "100ms", "copy_rate": "4MiB"}
         node.config.write_text(yaml.safe_dump(cfg))
         cluster.start_agent(node_id)
     await cluster.operator(connector)
@@ -146,11 +146,13 @@ async def test_staging_copies_within_the_disk_budget_and_never_evicts_a_model_in
     caches = await bring_up(cluster, connector, tmp_path, nodes=1, budget="7MiB", mirror=mirror)
     cache_dir, budget = caches["node01"], 7 * MiB
     peak = 0
+    details: set[str] = set()  # what dep-a's member said while it waited
 
     async def sample():  # the budget holds while copies run, not only between them
         nonlocal peak
         while True:
             peak = max(peak, du(cache_dir))
+            details.update(m.engine_detail for r in cluster.live("dep-a") for m in r.members)
             await asyncio.sleep(0.01)
 
     sampler = asyncio.create_task(sample())
@@ -160,6 +162,8 @@ async def test_staging_copies_within_the_disk_budget_and_never_evicts_a_model_in
         (rep_a,) = await cluster.wait(lambda: [r for r in cluster.live("dep-a") if r.members and r.members[0].pid], what="dep-a's engine started", timeout=30)
         await cluster.wait(lambda: "not cached before this launch" in engine_log(cluster, "node01", rep_a.id), what="dep-a loads uncached")
         entry = await cluster.wait(lambda: (e := cache_of(cluster, "node01").get("model:org/a")) and e.complete and e.in_use and e, what="a cached and in use")
+        # While it was copied (at 4 MiB/s, ~0.75s) the member was starting, saying how far the copy was.
+        assert any(d.startswith("staging weights model:org/a: ") and d.endswith("%)") for d in details), details
         assert (entry.size, entry.digest) == (3 * MiB + len(json.dumps({"model": "a"})), tree_digest(models["a"]))
 
         # b: pre-staged through the agent's stage command (as the scheduler sends it).
@@ -191,7 +195,7 @@ async def test_staging_copies_within_the_disk_budget_and_never_evicts_a_model_in
     for source in ("model:org/a", "model:org/b", "model:org/c"):
         assert ("staging", source) in seen and ("staged", source) in seen, seen
     assert ("evicted", "model:org/b") in seen and ("evicted", "model:org/a") not in seen
-    # At 8 MiB/s a 3 MiB copy takes ~0.4s: progress is reported on the way (every 100ms at most).
+    # At 4 MiB/s a 3 MiB copy takes ~0.75s: progress is reported on the way (every 100ms at most).
     progress = [(int(ev.data["bytes"]), int(ev.data["total"])) for ev in events if ev.what == "staging" and ev.data["source"] == "model:org/a"]
     assert all(total == 3 * MiB + 14 and done <= total for done, total in progress), progress
     assert any(0 < done < total for done, total in progress), progress
