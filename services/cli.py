@@ -209,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="this node's address: the leader serves HTTP on it, workers connect from it")
     p.add_argument("--port", type=int, help="HTTP port (the leader only)")
     p.add_argument("--load-time", default="15s", help="how long loading takes once all ranks joined (default 15s)")
+    p.add_argument(
+        "--cached-load-time", help="how long loading takes when the weights were already in the node's model cache (--weights-cached); default: --load-time"
+    )
+    p.add_argument("--weights", help="the directory the agent put this member's weights in (it must exist; the sim reads nothing from it)")
+    p.add_argument("--weights-cached", action="store_true", help="the weights were in the node's model cache before this launch: load in --cached-load-time")
     p.add_argument("--token-rate", type=float, default=200.0, help="tokens per second per request; 0 = no delay (default 200)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running batch size; more requests wait (default 256)")
     p.add_argument("--on-peer-loss", choices=("stall", "exit"), default="stall", help="stall like NCCL (default) or exit non-zero")

@@ -53,7 +53,7 @@ from llmgw.shared.errors import LlmgwError
 from llmgw.shared.kvmirror import KvMirror, open_bucket
 from llmgw.shared.names import host_problem, is_valid_name
 from llmgw.shared.pki import subject_dn
-from llmgw.shared.schemas import CommandAck, Inventory, Lease, NodeAddrRequest, NodeRecord, NodeRequest, decode_reply, encode, now
+from llmgw.shared.schemas import CommandAck, Event, Inventory, Lease, ModelCacheReport, NodeAddrRequest, NodeRecord, NodeRequest, decode_reply, encode, now
 from llmgw.shared.states import AdminBy, AdminState, EventKind, EventWhat, LeaseState
 
 from .runtime import ServiceRuntime, run_service
@@ -374,6 +374,7 @@ class Registry(ServiceRuntime):
                 recorded_addr=old.recorded_addr if old else "",
                 mgmt_ips=list(inv.mgmt_ips),
                 addr_problem=inv.addr_problem,
+                model_cache=inv.model_cache,
             )
             if old is not None and _same_facts(old, record):
                 self.boots[node] = inv.boot_id
@@ -392,8 +393,11 @@ class Registry(ServiceRuntime):
                 await self.events.emit(
                     EventKind.NODE, node, EventWhat.JOINED, f"{len(inv.gpus)} GPUs, fabrics {', '.join(f.name for f in inv.fabrics) or 'none'}"
                 )
-            else:
+            elif not _same_facts(old, record, cache=False):
                 await self.events.emit(EventKind.NODE, node, EventWhat.INVENTORY, _describe_change(old, record))
+            # A node's first record carries what its cache held before: news only from then on.
+            for what, detail, data in cache_events(old.model_cache, record.model_cache) if old is not None and old.boot_id else ():
+                await self.events.publish(Event(time=now(), kind=EventKind.NODE, subject=node, what=what, detail=detail, data=data))
             if record.addr_problem and record.addr_problem != (old.addr_problem if old else ""):
                 await self.events.emit(EventKind.NODE, node, EventWhat.ADDR_PROBLEM, f"{record.addr_problem}; no replica is placed on {node} until it is fixed")
             elif old is not None and old.addr_problem and not record.addr_problem:
@@ -528,9 +532,37 @@ class Registry(ServiceRuntime):
         raise LlmgwError(f"node {req.node_id} is changing too fast; try again")
 
 
-def _same_facts(a: NodeRecord, b: NodeRecord) -> bool:
+def _same_facts(a: NodeRecord, b: NodeRecord, *, cache: bool = True) -> bool:
     keys = ("hostname", "mgmt_addr", "mgmt_interface", "boot_id", "gpus", "fabrics", "hcas", "mgmt_ips", "addr_problem")
-    return all(getattr(a, k) == getattr(b, k) for k in keys)
+    return all(getattr(a, k) == getattr(b, k) for k in keys) and (not cache or a.model_cache == b.model_cache)
+
+
+def cache_events(old: ModelCacheReport | None, new: ModelCacheReport | None) -> list[tuple[EventWhat, str, dict[str, str]]]:
+    """The node events a change of its model cache makes: a copy's progress
+    (``staging``, bytes of total), a finished copy (``staged``), a model gone
+    (``evicted``), a failed copy (``stage-failed``). A use alone (last use, in
+    use) makes none."""
+    before = {e.source: e for e in old.entries} if old is not None else {}
+    after = {e.source: e for e in new.entries} if new is not None else {}
+    out: list[tuple[EventWhat, str, dict[str, str]]] = []
+    for source, e in after.items():
+        was = before.get(source)
+        if e.problem:
+            if was is None or was.problem != e.problem:
+                out.append((EventWhat.STAGE_FAILED, f"{source}: {e.problem}", {"source": source}))
+        elif not e.complete:
+            if was is None or was.complete or was.staged_bytes != e.staged_bytes:
+                pct = 100 * e.staged_bytes // e.size if e.size else 0
+                detail = f"{source}: {e.staged_bytes} of {e.size} bytes copied ({pct}%)"
+                out.append((EventWhat.STAGING, detail, {"source": source, "bytes": str(e.staged_bytes), "total": str(e.size)}))
+        elif was is None or not was.complete or was.digest != e.digest:
+            detail = f"{source}: {e.size} bytes, {e.digest}"
+            out.append((EventWhat.STAGED, detail, {"source": source, "digest": e.digest, "size": str(e.size)}))
+    for source, was in before.items():
+        if was.complete and (source not in after or not after[source].complete):
+            detail = f"{source}: {was.size} bytes, last used {time.strftime('%H:%M:%S', time.localtime(was.last_use))}"
+            out.append((EventWhat.EVICTED, detail, {"source": source, "size": str(was.size)}))
+    return out
 
 
 def _describe_change(old: NodeRecord, new: NodeRecord) -> str:

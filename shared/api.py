@@ -29,6 +29,7 @@ from .schemas import (
     NodeAddrRequest,
     NodeRecord,
     NodeRequest,
+    StageCommand,
     StatusReport,
     StopCommand,
     TrafficReport,
@@ -118,7 +119,10 @@ INVENTORY = Command("inventory", S.cmd_inventory, None, Inventory, "registry")
 # A gateway's traffic evidence for the replicas led from that node (progress probes).
 TRAFFIC = Command("traffic", S.traffic, TrafficReport, None, "gateway")
 
-COMMANDS: tuple[Command, ...] = (LAUNCH, STOP, LIST, INVENTORY, TRAFFIC)
+# Pre-stage a weights source into a node's model cache (a spare, a rolling update's next spec).
+STAGE = Command("stage", S.cmd_stage, StageCommand, CommandAck, "scheduler")
+
+COMMANDS: tuple[Command, ...] = (LAUNCH, STOP, LIST, INVENTORY, TRAFFIC, STAGE)
 
 
 def sent_by(role: str) -> tuple[Command, ...]:

@@ -118,6 +118,39 @@ class FabricMembership(Base, kw_only=True):
     problem: Text = ""
 
 
+MAX_CACHE_ENTRIES = 256  # models one node's cache reports (a node holds a handful)
+MAX_BYTES = 2**62  # a cache entry's size or budget: far beyond any disk, exact in JSON readers that use int64
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]
+WeightsText = Annotated[str, msgspec.Meta(max_length=4096)]  # a path or a model id
+
+
+class CacheEntry(Base, kw_only=True):
+    """One model's weights in a node's model cache (``services/agent/modelcache.py``),
+    as the agent reports it in its inventory and the registry keeps it.
+
+    ``source`` is the deployment's weights source in one word (``weights_source``):
+    placement matches on it. ``staged_bytes`` < ``size`` while the copy runs
+    (``complete`` false): progress, reported as it goes.
+    """
+
+    source: WeightsText
+    digest: Short = ""  # "sha256:<hex>" of the staged files (relative path, size, bytes)
+    size: Bytes = 0
+    staged_bytes: Bytes = 0
+    complete: bool = False
+    last_use: float = 0.0  # the node's clock: when an engine last launched from it (or it was staged)
+    in_use: bool = False  # a running engine reads it: never evicted
+    problem: Text = ""  # why the last staging of this source failed ("" when it did not)
+
+
+class ModelCacheReport(Base, kw_only=True):
+    """A node's model cache: where, how big it may grow, and what it holds."""
+
+    budget: Bytes = 0
+    used: Bytes = 0
+    entries: Annotated[list[CacheEntry], msgspec.Meta(max_length=MAX_CACHE_ENTRIES)] = []
+
+
 class Inventory(Base, kw_only=True, tag="inventory"):
     node_id: Short
     boot_id: Short
@@ -135,6 +168,8 @@ class Inventory(Base, kw_only=True, tag="inventory"):
     gpus: Annotated[list[Gpu], msgspec.Meta(max_length=MAX_GPUS)] = []
     fabrics: Annotated[list[FabricMembership], msgspec.Meta(max_length=MAX_FABRICS)] = []
     hcas: Annotated[list[Hca], msgspec.Meta(max_length=MAX_HCAS)] = []
+    # None: the agent keeps no model cache (none configured, or an agent older than the cache).
+    model_cache: ModelCacheReport | None = None
     sent_at: float = 0.0
 
 
@@ -225,6 +260,22 @@ class LaunchCommand(Base, kw_only=True):
     hcas: list[str] = []
     engine_args: list[str] = []
     env: dict[str, str] = {}
+    # The deployment's weights source (``DeploymentSpec.weights_path`` /
+    # ``weights_model``): the agent stages it into its model cache and points
+    # the engine at the cached copy. Both empty: the engine finds ``model`` itself.
+    weights_path: str = ""
+    weights_model: str = ""
+
+
+class StageCommand(Base, kw_only=True):
+    """Pre-stage a weights source into the receiving node's model cache
+    (``llmgw.cmd.<node>.stage``): for a replica that may come here (a spare, a
+    rolling update's next spec). Answered at once; progress is in the
+    inventory's ``model_cache`` and the node's ``staging``/``staged`` events."""
+
+    weights_path: str = ""
+    weights_model: str = ""
+    reason: str = ""
 
 
 class StopCommand(Base, kw_only=True):
@@ -321,6 +372,9 @@ class NodeRecord(Base, kw_only=True):
     # latest address claim. Placement skips a node with a problem.
     mgmt_ips: list[str] = []
     addr_problem: str = ""
+    # The node's model cache as its latest inventory reported it (None: it keeps
+    # none). Placement prefers nodes whose cache holds a replica's weights.
+    model_cache: ModelCacheReport | None = None
 
 
 class Lease(Base, kw_only=True):
@@ -362,6 +416,12 @@ class DeploymentSpec(Base, kw_only=True):
     env: dict[str, str] = {}
     # A Duration so a deployment file may say 10m; on the wire it is seconds.
     startup_timeout: Duration = 600.0
+    # Where the weights come from, at most one of: a directory on storage every
+    # node mounts at the same path, or a model id looked up under each agent's
+    # ``cache.mirror`` directory. Set: the agent copies it into its model cache
+    # before launching and points the engine at the copy (docs/operations.md).
+    weights_path: str = ""
+    weights_model: str = ""
     applied_at: float = 0.0
     # Maintained by the scheduler, not the operator: the last replica generation
     # issued for this deployment, so generations only ever grow (fencing).
@@ -375,11 +435,28 @@ class DeploymentSpec(Base, kw_only=True):
     retry_at: float = 0.0
 
 
+def weights_source(weights_path: str, weights_model: str) -> str:
+    """A weights source in one word, as cache entries and placement name it:
+    ``path:/srv/models/llama-8b``, ``model:meta-llama/Llama-3.1-8B``, or "" (none)."""
+    if weights_path:
+        return f"path:{weights_path}"
+    if weights_model:
+        return f"model:{weights_model}"
+    return ""
+
+
 def template_digest(spec: DeploymentSpec) -> str:
     """What a replica of ``spec`` runs, as a short digest (``Replica.spec_digest``):
     a change here replaces running replicas (the scheduler's rolling update); a
-    change of the replica count or a timeout does not."""
-    template = (spec.model, spec.engine, spec.gpus_per_node, spec.nodes_per_replica, spec.engine_args, sorted(spec.env.items()))
+    change of the replica count or a timeout does not.
+
+    A weights source is part of the template (other bytes, another model): a
+    change of it replaces replicas. It joins the digest only when set, so a
+    deployment without one keeps the digest it had before sources existed (an
+    upgrade replaces nothing)."""
+    template: tuple = (spec.model, spec.engine, spec.gpus_per_node, spec.nodes_per_replica, spec.engine_args, sorted(spec.env.items()))
+    if source := weights_source(spec.weights_path, spec.weights_model):
+        template = (*template, source)
     return hashlib.sha256(msgspec.json.encode(template)).hexdigest()[:16]
 
 
@@ -496,6 +573,9 @@ class NodeVerdict(_Whole, kw_only=True):
     fabrics: list[str]
     free_gpus: int
     total_gpus: int
+    # Placement's node scores, by scorer name (``services/scheduler/scorers.py``):
+    # {"weights_cached": 1.0} when the node's model cache holds the replica's weights.
+    scores: dict[str, float] = {}
 
 
 class BackoffState(_Whole, kw_only=True):
@@ -623,8 +703,11 @@ WIRE_SCHEMAS: tuple[type[Base], ...] = (
     EngineFact,
     StatusReport,
     LaunchCommand,
+    StageCommand,
     StopCommand,
     CommandAck,
+    CacheEntry,
+    ModelCacheReport,
     ReplicaTraffic,
     TrafficReport,
     Event,

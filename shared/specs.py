@@ -8,6 +8,8 @@ importing a service (the scheduler's module registers its metrics on import).
 
 from __future__ import annotations
 
+import posixpath
+import re
 import sys
 from typing import ClassVar
 
@@ -51,7 +53,40 @@ def validate_spec(spec: DeploymentSpec) -> DeploymentSpec:
     for k in spec.env:
         if not k or "=" in k or not k.replace("_", "a").isalnum():
             raise ConfigError(f"env: {k!r} is not a valid environment variable name")
+    check_weights(spec.weights_path, spec.weights_model)
     return spec
+
+
+# A model id as hubs and mirrors lay them out: "name" or "org/name", each part
+# letters, digits, '.', '_', '-' (not starting with '.'): it becomes a path
+# under an agent's mirror directory, so nothing may climb out of it.
+_MODEL_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9_-][A-Za-z0-9._-]{0,95})?")
+MAX_WEIGHTS_PATH = 4096
+
+
+def check_weights(weights_path: str, weights_model: str) -> None:
+    """A deployment's weights source (``weights_path`` or ``weights_model``), the
+    same words at apply, in ``ctl deploy apply`` and on the agent."""
+    if weights_path and weights_model:
+        raise ConfigError(
+            f"weights_path ({weights_path!r}) and weights_model ({weights_model!r}) are both set; "
+            "give one: a directory on shared storage, or a model id under the agents' mirror"
+        )
+    if weights_path:
+        where = "weights_path"
+        if len(weights_path) > MAX_WEIGHTS_PATH or "\0" in weights_path:
+            raise ConfigError(f"{where}: not a usable path (at most {MAX_WEIGHTS_PATH} characters, no NUL byte)")
+        if not weights_path.startswith("/"):
+            raise ConfigError(f"{where}: {weights_path!r} is relative; give the absolute path every node mounts the weights at")
+        if weights_path.strip("/") == "":
+            raise ConfigError(f"{where}: '/' is the whole file system, not a model's directory")
+        if posixpath.normpath(weights_path) != weights_path.rstrip("/") or "/../" in f"{weights_path}/":
+            raise ConfigError(f"{where}: {weights_path!r} is not a plain absolute path; write it as {posixpath.normpath(weights_path)!r}")
+    if weights_model and not _MODEL_ID.fullmatch(weights_model):
+        raise ConfigError(
+            f"weights_model: {weights_model!r} is not a model id: 'name' or 'org/name', letters, digits, '.', '_' and '-' "
+            "(each part at most 96, not starting with '.'); it is looked up under each agent's cache.mirror directory"
+        )
 
 
 def load_deployments(path: str) -> list[DeploymentSpec]:

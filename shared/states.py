@@ -222,6 +222,11 @@ class EventWhat(_OpenVocabulary):
     CORDONED = "cordoned"
     UNCORDONED = "uncordoned"
     DRAINING = "draining"
+    # node, the registry, from the model cache its inventory reports (data: source, bytes, total / digest, size)
+    STAGING = "staging"  # weights being copied into the node's model cache: progress
+    STAGED = "staged"  # a copy is complete: the node holds the model
+    EVICTED = "evicted"  # a model left the cache (least recently used, to make room)
+    STAGE_FAILED = "stage-failed"  # a copy failed (source unreadable, disk)
     # node, the health monitor (LeaseState); READY is shared with the replica's
     SUSPECT = "suspect"
     LOST = "lost"

@@ -71,6 +71,11 @@ def cmd_inventory(node: str) -> str:
 ALL_CMD_INVENTORY = f"{CMD_SPACE}.*.inventory"
 
 
+def cmd_stage(node: str) -> str:
+    """Ask an agent to copy a weights source into its model cache (StageCommand; reply: CommandAck)."""
+    return f"{CMD_SPACE}.{node}.stage"
+
+
 def traffic(node: str) -> str:
     """A gateway's traffic evidence for the replicas whose leader runs on ``node``
     (TrafficReport, no reply). In the node's command space so a node hears only

@@ -282,7 +282,7 @@ EXACT = [
         "internal-field-is-unknown",
         _set("source", "other.yaml"),
         "source: unknown key (known keys here: node_id, server, tls, mgmt_addr, mgmt_interface, heartbeat_interval, "
-        "full_report_interval, reconnect_base, reconnect_max, fabrics, discovery, supervisor, inventory_interval)",
+        "full_report_interval, reconnect_base, reconnect_max, fabrics, discovery, supervisor, cache, inventory_interval)",
     ),
 ]
 

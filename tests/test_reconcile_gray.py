@@ -507,7 +507,8 @@ def test_ctl_explain_head_names_backoff_and_the_stalled_member():
     wire = decode(encode(ex), ExplainReply)
     assert wire == ex
     assert list(to_builtins(wire)) == ["deployment", "request", "nodes", "fabrics", "placeable", "fabric", "leader", "summary", "backoff", "replicas"]
-    assert list(to_builtins(wire)["nodes"][0]) == ["node_id", "ok", "reason", "detail", "fabrics", "free_gpus", "total_gpus"]
+    # (scores: added after, placement's node scores; the keys before it keep their order)
+    assert list(to_builtins(wire)["nodes"][0]) == ["node_id", "ok", "reason", "detail", "fabrics", "free_gpus", "total_gpus", "scores"]
     assert list(to_builtins(wire)["backoff"]) == ["failures", "last_failure", "retry_at", "active", "message"]
     assert list(to_builtins(wire)["replicas"][0]["members"][0]) == ["node", "rank", "engine_state", "engine_detail"]
 

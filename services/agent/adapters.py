@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.schemas import LaunchCommand
 
-__all__ = ["ENGINES", "AdapterError", "EngineCommand", "ProgressProbe", "build", "progress_probe", "served_model"]
+__all__ = ["ENGINES", "AdapterError", "EngineCommand", "ProgressProbe", "Weights", "build", "progress_probe", "served_model"]
 
 
 class AdapterError(ConfigError):
@@ -57,6 +57,16 @@ class EngineCommand:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     serves_http: bool = False
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Where this member reads its weights (a launch with a weights source):
+    ``dir`` on this node, and whether they were in the node's model cache
+    before the launch (``cached``) or were copied for it / read from the source."""
+
+    dir: str
+    cached: bool = False
 
 
 # Variables a deployment's env may not set: they carry the scheduler's GPU
@@ -239,10 +249,16 @@ def _check_vllm_args(args: list[str]) -> set[str]:
     return _flags(args)
 
 
-def _vllm(cmd: LaunchCommand, mgmt_addr: str, mgmt_interface: str, python: str) -> EngineCommand:
+def _served_as(cmd: LaunchCommand, given: set[str], weights: Weights | None) -> list[str]:
+    """An engine reading its weights from a directory would answer to the
+    directory's name; clients (and the canary) ask for ``cmd.model``."""
+    return ["--served-model-name", cmd.model] if weights is not None and "--served-model-name" not in given else []
+
+
+def _vllm(cmd: LaunchCommand, mgmt_addr: str, mgmt_interface: str, python: str, weights: Weights | None = None) -> EngineCommand:
     _check(cmd, need_gpus=True)
     given = _check_vllm_args(cmd.engine_args)
-    argv = ["vllm", "serve", cmd.model]
+    argv = ["vllm", "serve", weights.dir if weights else cmd.model, *_served_as(cmd, given, weights)]
     if not given & set(_VLLM_TP):
         argv += ["--tensor-parallel-size", str(len(cmd.gpus))]
     if not given & set(_VLLM_PP):
@@ -271,10 +287,10 @@ _SGLANG_TP = ("--tensor-parallel-size", "--tp-size", "--tp")
 _SGLANG_RESERVED = ("--nnodes", "--node-rank", "--dist-init-addr", "--nccl-init-addr", "--host", "--port")
 
 
-def _sglang(cmd: LaunchCommand, mgmt_addr: str, mgmt_interface: str, python: str) -> EngineCommand:
+def _sglang(cmd: LaunchCommand, mgmt_addr: str, mgmt_interface: str, python: str, weights: Weights | None = None) -> EngineCommand:
     _check(cmd, need_gpus=True)
     given = _check_engine_args("sglang", cmd.engine_args, _SGLANG_RESERVED)
-    argv = [python, "-m", "sglang.launch_server", "--model-path", cmd.model]
+    argv = [python, "-m", "sglang.launch_server", "--model-path", weights.dir if weights else cmd.model, *_served_as(cmd, given, weights)]
     if not given & set(_SGLANG_TP):
         argv += ["--tensor-parallel-size", str(len(cmd.gpus) * cmd.nnodes)]
     if cmd.nnodes > 1:
@@ -295,10 +311,10 @@ def _sglang(cmd: LaunchCommand, mgmt_addr: str, mgmt_interface: str, python: str
 # llmgw's simulated engine
 # --------------------------------------------------------------------------
 
-_SIM_RESERVED = ("--model", "--nnodes", "--rank", "--leader-addr", "--rendezvous-port", "--host", "--port")
+_SIM_RESERVED = ("--model", "--nnodes", "--rank", "--leader-addr", "--rendezvous-port", "--host", "--port", "--weights", "--weights-cached")
 
 
-def _sim(cmd: LaunchCommand, mgmt_addr: str, mgmt_interface: str, python: str) -> EngineCommand:
+def _sim(cmd: LaunchCommand, mgmt_addr: str, mgmt_interface: str, python: str, weights: Weights | None = None) -> EngineCommand:
     _check(cmd, need_gpus=False)
     _check_engine_args("sim", cmd.engine_args, _SIM_RESERVED)
     argv = [
@@ -310,15 +326,18 @@ def _sim(cmd: LaunchCommand, mgmt_addr: str, mgmt_interface: str, python: str) -
         "--rendezvous-port", str(cmd.rendezvous_port),
         "--host", mgmt_addr,
         "--port", str(cmd.http_port),
-        *cmd.engine_args,
     ]  # fmt: skip
+    if weights is not None:
+        # The sim's load time is --cached-load-time with --weights-cached, --load-time without.
+        argv += ["--weights", weights.dir, *(["--weights-cached"] if weights.cached else [])]
+    argv += cmd.engine_args
     return EngineCommand(argv=argv, env=_base_env(cmd, mgmt_addr, mgmt_interface), serves_http=cmd.rank == 0)
 
 
 ENGINES = {"vllm": _vllm, "sglang": _sglang, "sim": _sim}
 
 
-def build(cmd: LaunchCommand, *, mgmt_addr: str, mgmt_interface: str, python: str = sys.executable) -> EngineCommand:
+def build(cmd: LaunchCommand, *, mgmt_addr: str, mgmt_interface: str, python: str = sys.executable, weights: Weights | None = None) -> EngineCommand:
     """The argv and environment for member ``cmd.rank`` of replica ``cmd.replica_id`` on this node.
 
     ``python`` is the interpreter for Python-module engines (SGLang, sim); vLLM
@@ -332,7 +351,7 @@ def build(cmd: LaunchCommand, *, mgmt_addr: str, mgmt_interface: str, python: st
         raise AdapterError(f"replica {cmd.replica_id}: no model given")
     if not mgmt_addr or not mgmt_interface:
         raise AdapterError("the node's mgmt_addr and mgmt_interface are required to launch an engine")
-    return adapter(cmd, mgmt_addr, mgmt_interface, python)
+    return adapter(cmd, mgmt_addr, mgmt_interface, python, weights)
 
 
 def served_model(cmd: LaunchCommand) -> str:

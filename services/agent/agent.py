@@ -71,6 +71,7 @@ from llmgw.shared.schemas import (
     Heartbeat,
     Inventory,
     LaunchCommand,
+    StageCommand,
     StatusReport,
     StopCommand,
     TrafficReport,
@@ -81,7 +82,10 @@ from llmgw.shared.tasks import cancel_and_wait
 
 from .config import AgentConfig, check_identity, load_agent_config
 from .discovery import Discovery, DiscoveryError, NvmlHealth, discover
+from .modelcache import ModelCache
+from .staging import Stager
 from .supervisor import Supervisor
+from .weights import WeightsLauncher
 
 __all__ = ["Agent", "main"]
 
@@ -139,6 +143,20 @@ class Agent:
             mgmt_interface=cfg.mgmt_interface,
             on_change=self._engine_changed,
         )
+        # The model cache (None without a cache section): launches that name a
+        # weights source go through the launcher, which stages them first.
+        c = cfg.cache
+        self.stager = Stager(
+            ModelCache(c.dir, c.budget_bytes) if c is not None else None,
+            mirror=c.mirror if c is not None else "",
+            in_use=self.supervisor.weights_in_use,
+            on_change=self._cache_changed,
+            progress_interval=c.progress_interval if c is not None else 1.0,
+            copy_rate=c.copy_rate_bytes if c is not None else None,
+        )
+        self.weights = WeightsLauncher(self.supervisor, self.stager, on_change=self._engine_changed)
+        self._cache_dirty = asyncio.Event()
+        self._in_use: set[str] = set()
         self._outbox: asyncio.Queue[EngineFact | _FullReport] = asyncio.Queue()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -156,6 +174,7 @@ class Agent:
         self._make_work_dir()
         self._lock_work_dir()
         try:
+            self._open_cache()
             self.found = await asyncio.to_thread(discover, self.cfg)
             self.inventory = self._inventory(self.found)
             if self.found.mgmt is not None:
@@ -172,11 +191,27 @@ class Agent:
                 asyncio.create_task(self._heartbeats(), name="heartbeats"),
                 asyncio.create_task(self._rediscover(), name="rediscover"),
                 asyncio.create_task(self._publish_status(), name="status"),
+                asyncio.create_task(self._publish_cache(), name="cache"),
             ]
             await self._stop.wait()
             return 0
         finally:
             await self._shutdown()
+
+    def _open_cache(self) -> None:
+        cache = self.stager.cache
+        if cache is None:
+            return
+        try:
+            cache.open()
+        except OSError as e:
+            raise ConfigError(f"{self.cfg.source}: cache.dir: cannot use {cache.root}: {e.strerror or e}") from None
+        for what in cache.dropped:
+            log.warning("model cache: removed %s", what)
+        log.info(
+            "model cache %s: %d model(s), %d of %d bytes; mirror %s",
+            cache.root, len(cache.entries), cache.used(), cache.budget, self.stager.mirror or "none",
+        )  # fmt: skip
 
     def _on_signal(self, sig: signal.Signals) -> None:
         log.info("%s: stopping the agent; engines keep running and will be adopted by the next one", sig.name)
@@ -255,6 +290,7 @@ class Agent:
                     await self.nc.close()
                 except Exception:
                     pass
+        await self.weights.close()
         await self.supervisor.close()
         log.info("agent %s stopped (boot %s)", self.node, self.boot_id)
         if self._lock_fd is not None:
@@ -327,6 +363,7 @@ class Agent:
             gpus=found.gpus,
             fabrics=found.fabrics,
             hcas=found.hcas,
+            model_cache=self.stager.report(),
         )
 
     async def _publish_inventory(self) -> None:
@@ -395,9 +432,33 @@ class Agent:
 
     def _engine_changed(self, fact: EngineFact) -> None:
         self._outbox.put_nowait(fact)
+        if self.stager.cache is not None and (in_use := self.supervisor.weights_in_use()) != self._in_use:
+            self._in_use = in_use  # an engine started from, or stopped reading, a cached model
+            self._cache_dirty.set()
+
+    def _cache_changed(self) -> None:
+        """The cache's report changed (a copy started, moved on, finished; an eviction; a use)."""
+        self._cache_dirty.set()
+        self.weights.progressed()
+
+    async def _publish_cache(self) -> None:
+        """The inventory again, with the cache as it is now: at most once per
+        ``cache.progress_interval``, however often it changes."""
+        every = self.cfg.cache.progress_interval if self.cfg.cache is not None else 1.0
+        while True:
+            await self._cache_dirty.wait()
+            self._cache_dirty.clear()
+            if self.inventory is not None:
+                self.inventory.model_cache = self.stager.report()
+                try:
+                    await self._publish_inventory()
+                except Exception as e:
+                    log.warning("inventory (model cache) not sent: %s", e)
+            await asyncio.sleep(every)
 
     def _full_report(self) -> StatusReport:
-        report = StatusReport(node_id=self.node, boot_id=self.boot_id, full=True, engines=self.supervisor.facts(), sent_at=time.time())
+        engines = self.supervisor.facts() + self.weights.facts()
+        report = StatusReport(node_id=self.node, boot_id=self.boot_id, full=True, engines=engines, sent_at=time.time())
         if len(encode(report)) > REPORT_BUDGET:
             for f in report.engines:
                 f.log_tail = f.log_tail[-SHED_TAIL_LINES:]
@@ -433,6 +494,7 @@ class Agent:
         await nc.subscribe(S.cmd_stop(self.node), cb=self._answering(self._stop_cmd))
         await nc.subscribe(S.cmd_list(self.node), cb=self._answering(self._list))
         await nc.subscribe(S.cmd_inventory(self.node), cb=self._answering(self._inventory_cmd))
+        await nc.subscribe(S.cmd_stage(self.node), cb=self._answering(self._stage_cmd))
         await nc.subscribe(S.traffic(self.node), cb=self._on_traffic)
         await nc.flush()
 
@@ -482,11 +544,18 @@ class Agent:
     async def _launch(self, data: bytes) -> CommandAck:
         cmd = decode(data, LaunchCommand)
         gpus = {g.index for g in self.found.gpus} if self.found else set()
-        return await self.supervisor.launch(cmd, gpus)
+        return await self.weights.launch(cmd, gpus)
 
     async def _stop_cmd(self, data: bytes) -> CommandAck:
         cmd = decode(data, StopCommand)
-        return await self.supervisor.stop(cmd.replica_id, cmd.generation, cmd.reason)
+        waited = await self.weights.stop(cmd.replica_id, cmd.generation)
+        ack = await self.supervisor.stop(cmd.replica_id, cmd.generation, cmd.reason)
+        if waited:
+            ack.reason = f"ended the wait for weights of {', '.join(waited)}; {ack.reason}"
+        return ack
+
+    async def _stage_cmd(self, data: bytes) -> CommandAck:
+        return await self.weights.stage(decode(data, StageCommand))
 
     async def _list(self, data: bytes) -> StatusReport:
         return self._full_report()

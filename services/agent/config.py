@@ -13,7 +13,7 @@ to the default is exactly the kind of surprise this file exists to prevent.
 The structs below are the schema (``shared/structconf.py`` reads the file into
 them and words msgspec's refusals); each checks its own values as it is built.
 
-Relative paths (tls files, ``ib_root``, ``work_dir``, and an ``nvidia_smi`` that
+Relative paths (tls files, ``ib_root``, ``work_dir``, ``cache.dir``, ``cache.mirror``, and an ``nvidia_smi`` that
 contains a ``/``) are resolved against the directory of the configuration file,
 so a configuration and its certificates can be moved together. A bare
 ``nvidia_smi: nvidia-smi`` is looked up on ``PATH`` like an empty one.
@@ -38,6 +38,7 @@ from llmgw.shared.tls import TlsFiles
 
 __all__ = [
     "AgentConfig",
+    "CacheConfig",
     "DiscoveryConfig",
     "FabricConfig",
     "SupervisorConfig",
@@ -133,6 +134,63 @@ class SupervisorConfig(Section, frozen=True):
             )
 
 
+# Sizes in files: a bare number of bytes, or a number with a unit (decimal KB..TB
+# and binary KiB..TiB, as df and disk vendors write them).
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
+_UNITS = {"b": 1, **{f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgt")}, **{f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgt")}}
+
+
+def parse_size(value: int | str, key: str) -> int:
+    """Bytes from ``500GiB``, ``2TB``, ``1073741824``; ``Invalid`` naming ``key`` otherwise."""
+    if isinstance(value, bool):
+        raise Invalid(key, f"must be a size such as 200GiB or a number of bytes, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE.fullmatch(value)
+        if m is None:
+            raise Invalid(key, f"{value!r} is not a size: write a number of bytes or one with a unit (KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 200GiB")
+        n = int(float(m[1]) * _UNITS[(m[2] or "B").lower()])
+    if n <= 0:
+        raise Invalid(key, f"must be greater than 0, got {value!r}")
+    return n
+
+
+class CacheConfig(Section, frozen=True):
+    """The node's model cache (services/agent/modelcache.py, docs/node-onboarding.md)."""
+
+    # Local disk the agent copies weights into; created if missing.
+    dir: str = ""
+    # The most the cache holds, all entries together; least recently used
+    # entries no engine runs from are evicted to make room.
+    budget: Annotated[int | str, msgspec.Meta(description="a size such as 200GiB or a number of bytes")] = "100GiB"
+    # Where a deployment's ``weights_model`` is looked up (<mirror>/<org>/<name>);
+    # "" refuses deployments that name a model id.
+    mirror: str = ""
+    # Progress is reported at most this often while a copy runs.
+    progress_interval: Duration = 1.0
+    # The most a copy reads per second (a size such as 500MiB); unset: as fast
+    # as source and disk allow. A limit leaves the node's disk and network to
+    # the engines that serve while a spare's weights are copied beside them.
+    copy_rate: Annotated[int | str | None, msgspec.Meta(description="a size per second such as 500MiB")] = None
+
+    def __post_init__(self):
+        if not self.dir:
+            raise Invalid("dir", "must not be empty: give a directory on local disk with room for the budget")
+        parse_size(self.budget, "budget")
+        if self.copy_rate is not None:
+            parse_size(self.copy_rate, "copy_rate")
+        _positive(self, "progress_interval")
+
+    @property
+    def copy_rate_bytes(self) -> int | None:
+        return parse_size(self.copy_rate, "copy_rate") if self.copy_rate is not None else None
+
+    @property
+    def budget_bytes(self) -> int:
+        return parse_size(self.budget, "budget")
+
+
 class AgentConfig(Section, frozen=True):
     node_id: str
     servers: Annotated[tuple[str, ...], msgspec.Meta(description="a NATS URL or a list of them")] = msgspec.field(name="server")
@@ -152,6 +210,9 @@ class AgentConfig(Section, frozen=True):
     fabrics: Annotated[tuple[FabricConfig, ...], msgspec.Meta(description="a list of {name, hcas} (or [] for no fabric)")] = ()
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    # None: no model cache; a deployment with a weights source is then launched
+    # with its engine pointed at the source itself.
+    cache: CacheConfig | None = None
     inventory_interval: Duration = 300.0
     source: str = ""  # the file this was loaded from, for messages
 
@@ -225,8 +286,12 @@ def load_agent_config(path: str | os.PathLike) -> AgentConfig:
         raise ConfigError(f"{p}: {e}") from None
     d, s = cfg.discovery, cfg.supervisor
     smi = resolve_path(p.parent, d.nvidia_smi) if "/" in d.nvidia_smi else d.nvidia_smi
+    c = cfg.cache
+    if c is not None:
+        c = msgspec.structs.replace(c, dir=resolve_path(p.parent, c.dir), mirror=resolve_path(p.parent, c.mirror) if c.mirror else "")
     return msgspec.structs.replace(
         cfg,
+        cache=c,
         tls=TlsFiles(**resolve_tls(cfg.tls, p.parent, source)),
         discovery=msgspec.structs.replace(d, nvidia_smi=smi, ib_root=resolve_path(p.parent, d.ib_root)),
         supervisor=msgspec.structs.replace(s, work_dir=resolve_path(p.parent, s.work_dir)),

@@ -77,7 +77,7 @@ import aiohttp
 from llmgw.shared import addresses, procfs, procnet
 from llmgw.shared.durations import format_duration
 from llmgw.shared.errors import LlmgwError, WireError
-from llmgw.shared.schemas import CommandAck, EngineFact, LaunchCommand, TrafficReport
+from llmgw.shared.schemas import CommandAck, EngineFact, LaunchCommand, TrafficReport, weights_source
 from llmgw.shared.states import EngineState
 from llmgw.shared.tasks import cancel_and_wait
 
@@ -420,8 +420,28 @@ class Supervisor:
             self._http = None
 
     # -- launch ----------------------------------------------------------------
-    async def launch(self, cmd: LaunchCommand, node_gpus: set[int]) -> CommandAck:
-        """Start member ``cmd.rank`` of replica ``cmd.replica_id``; idempotent by (replica, generation, rank)."""
+    def has(self, key: EngineKey) -> bool:
+        return key in self._engines
+
+    def weights_in_use(self) -> set[str]:
+        """The weights sources (``schemas.weights_source``) the live engines here were
+        launched with: the model cache never evicts these (an adopted engine counts
+        too, from its recorded launch command)."""
+        out = set()
+        for e in self._engines.values():
+            if e.live and (source := weights_source(e.cmd.weights_path, e.cmd.weights_model)):
+                out.add(source)
+        return out
+
+    def precheck(self, cmd: LaunchCommand, node_gpus: set[int]) -> CommandAck | None:
+        """The refusals a launch would get now (fenced, bad, stale, GPUs): asked
+        before its weights are staged, so a launch that could never start is
+        refused at once rather than after the copy."""
+        return self._fenced(cmd) or self._check_launch(cmd, node_gpus)
+
+    async def launch(self, cmd: LaunchCommand, node_gpus: set[int], weights: adapters.Weights | None = None) -> CommandAck:
+        """Start member ``cmd.rank`` of replica ``cmd.replica_id``; idempotent by (replica, generation, rank).
+        ``weights``: where it reads its weights, for a launch with a weights source."""
         async with self._lock:
             # A member already stopped here is refused even when its record
             # lingers while it stops: the launch is the late one.
@@ -439,7 +459,7 @@ class Supervisor:
                 return refusal
             bind = self.mgmt.bind
             try:
-                built = adapters.build(cmd, mgmt_addr=bind, mgmt_interface=self.mgmt_interface, python=self.python)
+                built = adapters.build(cmd, mgmt_addr=bind, mgmt_interface=self.mgmt_interface, python=self.python, weights=weights)
             except LlmgwError as e:
                 log.warning("launch of %s refused (%s): %s", dir_name(cmd.replica_id, cmd.generation, cmd.rank), e.code, e)
                 return _refuse(e.code if e.code != "error" else BAD_LAUNCH, str(e))

@@ -225,6 +225,8 @@ def explain(args) -> int:
         verdict = "ok" if n.ok else f"{n.reason}: {n.detail}"
         if n.ok and "; out of service: " in n.detail:  # a GPU it fits without
             verdict += " (out of service: " + n.detail.split("; out of service: ", 1)[1] + ")"
+        if n.ok and (cached := n.scores.get("weights_cached", 0.0)):  # placement prefers it
+            verdict += "; weights cached here" if cached >= 1 else f"; weights being copied here (score {cached:g})"
         table.append((n.node_id, ",".join(n.fabrics) or "(none)", f"{n.free_gpus}/{n.total_gpus}", verdict))
     _table(table)
     return 0

@@ -4,7 +4,9 @@ It behaves, as seen from outside, like vLLM/SGLang across nodes, without GPUs:
 
 * rank 0 (the leader) binds the rendezvous port and serves nothing until all
   ``nnodes-1`` workers have joined, then "loads" for ``--load-time``, then
-  serves the OpenAI API on ``--host:--port``;
+  serves the OpenAI API on ``--host:--port``; with ``--weights-cached`` (the
+  agent found the weights in the node's model cache, ``--weights DIR``) it
+  loads for ``--cached-load-time`` instead;
 * ranks >= 1 (workers) join the leader's rendezvous and open no port at all;
 * every decode step is a collective across all ranks (see core.py): a worker
   that is SIGSTOPped, or told to stall, holds the leader's generation for as
@@ -31,6 +33,7 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -87,7 +90,7 @@ class SimConfig:
     rendezvous_port: int
     host: str | None
     port: int | None
-    load_time: float
+    load_time: float  # the weights come from elsewhere (or no cache)
     token_rate: float
     on_peer_loss: str
     ignore_sigterm: bool
@@ -97,6 +100,14 @@ class SimConfig:
     kv_cache_tokens: int = 0  # prefix cache size in tokens; 0: no prefix cache
     block_size: int = 16
     max_model_len: int = MAX_MODEL_LEN
+    cached_load_time: float | None = None  # None: as load_time
+    weights: str = ""  # the directory the agent put the weights in ("": none named)
+    weights_cached: bool = False
+
+    @property
+    def effective_load_time(self) -> float:
+        """What loading takes this time: the cached time when the weights were already on the node."""
+        return self.cached_load_time if self.weights_cached and self.cached_load_time is not None else self.load_time
 
     @property
     def is_leader(self) -> bool:
@@ -133,6 +144,13 @@ class SimConfig:
         max_model_len = opt("max_model_len", MAX_MODEL_LEN)
         if max_model_len < 16:
             raise ConfigError(f"--max-model-len must be at least 16 tokens, got {max_model_len}")
+        cached_load_time = parse_duration(a.cached_load_time, "--cached-load-time") if opt("cached_load_time", None) is not None else None
+        weights = opt("weights", "")
+        if weights and not os.path.isdir(weights):
+            raise ConfigError(f"--weights {weights}: not a directory on this node; the agent stages the weights before it starts the engine")
+        weights_cached = bool(opt("weights_cached", False))
+        if weights_cached and not weights:
+            raise ConfigError("--weights-cached needs --weights, the directory the cached weights are in")
         peer_timeout = parse_duration(a.peer_timeout, "--peer-timeout") if getattr(a, "peer_timeout", None) else PEER_TIMEOUT
         if peer_timeout < 0.2:
             raise ConfigError(f"--peer-timeout must be at least 200ms, got {a.peer_timeout}")
@@ -155,6 +173,9 @@ class SimConfig:
             kv_cache_tokens=kv_cache_tokens,
             block_size=block_size,
             max_model_len=max_model_len,
+            cached_load_time=cached_load_time,
+            weights=weights,
+            weights_cached=weights_cached,
         )
 
 
@@ -264,8 +285,9 @@ class LeaderRole:
         await rendezvous.start()
         await rendezvous.formed.wait()
 
-        self.log.info("loading %s across %d ranks (%s)", cfg.model, cfg.nnodes, format_duration(cfg.load_time))
-        await asyncio.sleep(cfg.load_time)
+        where = f" from {cfg.weights} ({'cached on this node' if cfg.weights_cached else 'not cached before this launch'})" if cfg.weights else ""
+        self.log.info("loading %s%s across %d ranks (%s)", cfg.model, where, cfg.nnodes, format_duration(cfg.effective_load_time))
+        await asyncio.sleep(cfg.effective_load_time)
         if core.broken_because:
             # Loading is collective too; with a rank gone it never completes.
             self.log.error("loading stalls: %s", core.broken_because)

@@ -759,6 +759,8 @@ def launches_for(spec: DeploymentSpec, replica: Replica, nodes: Mapping[str, Nod
             hcas=list(fabric.hcas) if fabric is not None else [],
             engine_args=list(spec.engine_args),
             env=dict(spec.env),
+            weights_path=spec.weights_path,
+            weights_model=spec.weights_model,
         )
         out.append(Launch(m.node_id, replica.id, m, command))
     return out

@@ -27,6 +27,9 @@ class Request:
     deployment: str
     gpus_per_node: int
     nodes_per_replica: int = 1
+    # The deployment's weights source (``schemas.weights_source``), "" for none:
+    # placement prefers nodes whose model cache holds it (``scorers.WeightsCached``).
+    weights: str = ""
 
     def __post_init__(self) -> None:
         if self.nodes_per_replica < 1 or self.gpus_per_node < 0:

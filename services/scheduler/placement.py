@@ -11,7 +11,8 @@ decides to place with ``ClusterView.commit``.
 What decides: the filters (in ``FILTERS``' order) say which nodes can take a
 member; the group scorers (``GROUP_SCORERS``) choose the fabric, or a
 single-node replica's group; inside it ``CapacityIndex.best_fit`` chooses the
-nodes, fullest first. ``scorers.NodeBinPack`` is not part of the pipeline: it
+nodes, fullest first — after the nodes that hold the replica's weights in
+their model cache, for a deployment that names a weights source (``NODE_SCORERS``). ``scorers.NodeBinPack`` is not part of the pipeline: it
 is the oracle the tests hold ``best_fit``'s order to.
 
 Placement's memo of a view is a ``PlacementCache``, kept beside the view (the
@@ -25,7 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from llmgw.shared.schemas import DeploymentSpec, NodeVerdict, ReplicaMember
+from llmgw.shared.schemas import DeploymentSpec, NodeVerdict, ReplicaMember, weights_source
 
 from . import reasons as R
 from .filters import (
@@ -39,7 +40,7 @@ from .filters import (
     Schedulable,
     Verdict,
 )
-from .scorers import FabricBinPack, FabricSpread
+from .scorers import FabricBinPack, FabricSpread, FabricWeightsCached, WeightsCached
 from .view import PORTS_PER_LEADER, CapacityIndex, ClusterView, NodeView
 
 # --------------------------------------------------------------------------
@@ -73,13 +74,19 @@ DYNAMIC_FILTERS = tuple(f for f in FILTERS if not f.static)
 # weighted sum let a deployment's second replica land beside its first when
 # that fabric was small and already half full (the seed cluster), and losing
 # one fabric must not take both. Bin-packing then keeps whole fabrics free.
+# Weights already on a group's nodes come between: the fabric rule first, then
+# a load from local disk over a copy, then packing.
 GROUP_SCORERS = (
     FabricSpread(),
+    FabricWeightsCached(),
     FabricBinPack(),
 )
-# Nodes inside the chosen group are not scored: ``CapacityIndex.best_fit``
-# picks them (fewest GPUs left, then node id), a bucket walk rather than a
-# sort of every node. ``scorers.NodeBinPack`` is its test oracle.
+# Nodes inside the chosen group: ``CapacityIndex.best_fit`` picks them (fewest
+# GPUs left, then node id), a bucket walk rather than a sort of every node.
+# ``scorers.NodeBinPack`` is its test oracle. For a deployment with a weights
+# source, the nodes whose cache holds it go first, in that order among
+# themselves (``NODE_SCORERS``, whose scores ``ctl explain`` shows per node).
+NODE_SCORERS = (WeightsCached(),)
 
 
 @dataclass(frozen=True)
@@ -201,7 +208,7 @@ class Explanation:
 
 
 def request_for(spec: DeploymentSpec) -> Request:
-    return Request(spec.name, spec.gpus_per_node, spec.nodes_per_replica)
+    return Request(spec.name, spec.gpus_per_node, spec.nodes_per_replica, weights_source(spec.weights_path, spec.weights_model))
 
 
 # --------------------------------------------------------------------------
@@ -279,7 +286,7 @@ def place(request: Request, view: ClusterView, memo: PlacementCache | None = Non
     if best is None:
         return _unplaceable(request, view, memo)
     _rank, group, index = best
-    node_ids = index.best_fit(need, n)  # the nodes, fullest first: what decides inside the group
+    node_ids = _choose(index, request, view)
     for node_id in node_ids:
         verdict = check_node(view.nodes[node_id], request, view, memo)
         if not verdict.ok:  # the index and the filters disagree: a bug, never a placement
@@ -288,6 +295,22 @@ def place(request: Request, view: ClusterView, memo: PlacementCache | None = Non
     where = f"on {group}: " if request.multi else ""
     names = ", ".join(f"{m.node_id}{' (leader)' if m.rank == 0 else ''}" for m in members)
     return PlacementResult(members, group if request.multi else None, summary=f"placed {where}{names}")
+
+
+def _choose(index: CapacityIndex, request: Request, view: ClusterView) -> list[str]:
+    """The replica's nodes in its group, leader first: fullest first, and for a
+    deployment with a weights source, the nodes scored higher before the rest
+    (a stable sort keeps fullest-first among equals)."""
+    need, n = request.gpus_per_node, request.nodes_per_replica
+    if not request.weights:
+        return index.best_fit(need, n)
+    fitting = index.best_fit(need, index.count_at_least(need))
+    return sorted(fitting, key=lambda nid: [-s.score(view.nodes[nid], request, view) for s in NODE_SCORERS])[:n]
+
+
+def node_scores(node: NodeView, request: Request, view: ClusterView) -> dict[str, float]:
+    """What the node scorers say of ``node`` for ``request`` (``ctl explain``)."""
+    return {s.name: round(s.score(node, request, view), 3) for s in NODE_SCORERS}
 
 
 def _members(node_ids: list[str], request: Request, view: ClusterView) -> list[ReplicaMember]:
@@ -392,6 +415,7 @@ def explain(deployment: DeploymentSpec, view: ClusterView, memo: PlacementCache 
             fabrics=list(view.nodes[nid].fabrics),
             free_gpus=view.nodes[nid].free_gpu_count(),
             total_gpus=len(view.nodes[nid].gpus),
+            scores=node_scores(view.nodes[nid], request, view),
         )
         for nid, v in verdicts.items()
     ]
