@@ -245,7 +245,7 @@ def deadline(replica: Replica, spec: DeploymentSpec | None, config: ReconcileCon
         return replica.created_at + spec.startup_timeout
     if replica.state == RS.DEGRADED:
         return replica.since + config.hang_timeout
-    if replica.state == RS.REAPING:
+    if replica.state in (RS.REAPING, RS.RESTARTING):
         return replica.since + config.reap_timeout
     return None
 
