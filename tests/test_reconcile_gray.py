@@ -471,7 +471,7 @@ def test_ctl_deployments_shows_the_backoff_and_json_keeps_its_fields():
     table = deployment_table(w.deployments, w.replicas, now=w.now)
     assert table[0][-1] == "BACKOFF"
     at = dt.datetime.fromtimestamp(w.now + 5.0).strftime("%H:%M:%S")
-    assert table[1][3:] == ("0/1", "1 node(s) × 8 GPU(s)", "-", f"1×, next {at}")
+    assert table[1][3:] == ("0/1", "1 node(s) × 8 GPU(s)", "-", "-", f"1×, next {at}")
     assert backoff_line(w.deployments["sim"], w.now).startswith(f"backing off after 1 failure before serving; next attempt at {at}")
     # Past retry_at it still says how many in a row, without a next time.
     assert deployment_table(w.deployments, w.replicas, now=w.now + 6.0)[1][-1] == "1×"

@@ -361,8 +361,22 @@ def test_a_rolling_update_brings_spares_to_the_new_spec():
 
 
 # --------------------------------------------------------------------------
-# The deployment's word
+# The deployment's word, and what ctl shows
 # --------------------------------------------------------------------------
+
+
+def test_ctl_shows_the_standby_spares_and_why_they_stand_by():
+    from llmgw.services.ctl.ops import deployment_table, explain_lines, replica_rows
+    from llmgw.services.scheduler.service import explain_reply
+    from llmgw.services.scheduler.view import ClusterView
+
+    w = spared_seed()
+    table = deployment_table(w.deployments, w.replicas, now=w.now)
+    assert table[0][6] == "STANDBY/SPARES" and table[1][3] == "2/2" and table[1][6] == "1/1"
+    rows = {r["id"]: r for r in replica_rows(w.replicas)}
+    assert rows["sim-g3"]["state"] == "standby" and rows["sim-g1"]["state"] == "ready"
+    ex = explain_reply(w.deployments["sim"], ClusterView.build(w.nodes, w.leases, w.replicas.values()), w.replicas.values(), w.now)
+    assert any(line.startswith("replica sim-g3 standby: leader on node01 loaded; a warm spare") for line in explain_lines(ex))
 
 
 def test_negative_spares_are_refused_by_name():
