@@ -190,7 +190,7 @@ from llmgw.shared.states import (
 from .filters import Request
 from .placement import PlacementCache, PlacementResult, place, request_for
 from .plan import Backoff, Cordon, Launch, NodeFailure, Plan, Stop
-from .spares import PREEMPTED, Roles, preemption_victim, recent_restarts, removal_order
+from .spares import GROUP_BROKEN, PREEMPTED, Roles, broken_group, preemption_victim, recent_restarts, removal_order
 from .view import ClusterView, PortRange
 
 SPEC_CHANGED = "deployment spec changed"
@@ -218,6 +218,10 @@ class ReconcileConfig:
     # Restart in place (case 14): at most this many within the window; 0: always move.
     restart_in_place: int = 2
     restart_window: float = 600.0
+    # A member of a replica that had come up says a peer is gone, every node is
+    # healthy and no engine exit is reported yet: wait this long for the exit
+    # (the two reports race) before moving it. 0: move at once.
+    peer_lost_grace: float = 0.5
 
     @classmethod
     def from_section(cls, sc) -> ReconcileConfig:
@@ -232,6 +236,7 @@ class ReconcileConfig:
             auto_cordon_max_share=sc.auto_cordon_max_share,
             restart_in_place=sc.restart_in_place,
             restart_window=sc.restart_window,
+            peer_lost_grace=sc.peer_lost_grace,
         )
 
     def backoff(self, failures: int) -> float:
@@ -410,6 +415,15 @@ class Cycle:
             self.plan.deletes.append(replica.id)
             self.deleted.add(replica.id)
             return
+        if replica.state in _UP and self.awaiting_exit(replica):
+            if not broken_group(replica) or replica.state != RS.DEGRADED:
+                lost = "; ".join(
+                    f"member rank {m.rank} on {m.node_id} {m.engine_state}: {m.engine_detail}" for m in replica.members if m.engine_state in BROKEN_ENGINE
+                )
+                why = f"{GROUP_BROKEN}: {lost}"
+                detail = f"{why}; every node healthy: waiting {self.config.peer_lost_grace:g}s for an engine exit to restart in place, else it moves"
+                self.transition(replica, RS.DEGRADED, why, detail=detail)
+            return
         if replica.state in ACTIVE_REPLICA:
             why, implicated = self.failure(replica)
             if not why:
@@ -420,7 +434,7 @@ class Cycle:
                 self.restart_in_place(replica, why)  # case 14
                 return
             self.failed(replica, why, implicated)  # cases 3, 9, 10
-            exited = replica.state in _UP and any(m.engine_state == E.EXITED for m in replica.members)
+            exited = replica.state in _UP and (any(m.engine_state == E.EXITED for m in replica.members) or broken_group(replica))
             moved = f"{why}; moved, not restarted in place: {not_in_place}" if exited else why
             replica = self.transition(replica, RS.FAILED, why, detail=moved)
         if replica.state == RS.RESTARTING:
@@ -709,6 +723,23 @@ class Cycle:
                 return
 
     # -- case 14: restart in place -------------------------------------------------
+
+    def awaiting_exit(self, replica: Replica) -> bool:
+        """Case 14's race: a peer says the group broke, no exit is reported yet, and
+        every node is healthy: within ``peer_lost_grace`` the exit may still come."""
+        if not any(m.engine_state in BROKEN_ENGINE for m in replica.members):
+            return False
+        if any(m.engine_state in ENDED_ENGINE for m in replica.members) or self.config.peer_lost_grace <= 0:
+            return False
+        if replica.state == RS.DEGRADED and replica.reason.startswith(GROUP_BROKEN) and self.now - replica.since >= self.config.peer_lost_grace:
+            return False
+        if len(recent_restarts(replica, self.now, self.config.restart_window)) >= self.config.restart_in_place:
+            return False
+        for m in replica.members:
+            lease = self.leases.get(m.node_id)
+            if self.node_down(m.node_id) or lease is None or lease.state != LeaseState.READY or self.nodes[m.node_id].admin != AdminState.ACTIVE:
+                return False
+        return not self.hardware(replica)
 
     def in_place(self, replica: Replica) -> str:
         """Why a failed replica is not restarted in place ("" when it is)."""

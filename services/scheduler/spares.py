@@ -23,6 +23,14 @@ from .filters import Request
 # A standby spare retired for a serving replica's GPUs: its reason starts so
 # (while it reaps, no other spare is taken for the same shortage).
 PREEMPTED = "preempted"
+# A degraded replica whose group a peer says is broken: it waits a moment for
+# an engine exit (restart in place), and serves no one meanwhile.
+GROUP_BROKEN = "group broken"
+
+
+def broken_group(replica: Replica) -> bool:
+    """Degraded because a peer said its group broke: never serving again."""
+    return replica.state == RS.DEGRADED and replica.reason.startswith(GROUP_BROKEN)
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,7 @@ class Roles:
     def of(cls, replicas: Iterable[Replica]) -> Roles:
         serving = standby = coming = pending = 0
         for r in replicas:
-            if r.state in SERVING_REPLICA:
+            if r.state in SERVING_REPLICA and not broken_group(r):
                 serving += 1
             elif r.state == RS.STANDBY:
                 standby += 1
