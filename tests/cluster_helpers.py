@@ -34,6 +34,9 @@ from .waiting import _UNSET, eventually
 HB = 0.3
 HEALTH = dict(heartbeat_interval=HB, suspect_after_missed=3, node_lost_after=1.5, leader_ttl=0.6)
 SCHED = dict(reconcile_interval=0.3, leader_ttl=0.6, command_timeout=2.0)
+# For tests that follow a replica moving after one of its engines is killed:
+# restart in place (which would relaunch it where it was) off.
+MOVE = dict(restart_in_place=0)
 TIMINGS = simcluster.Timings(heartbeat_interval=HB, stop_timeout=1.0, health_interval=0.1, reconnect_base=0.1, reconnect_max=0.5)
 
 
@@ -62,10 +65,11 @@ class Cluster:
         self.services.append(svc)
         return svc
 
-    async def start_control_plane(self, schedulers: int = 1):
+    async def start_control_plane(self, schedulers: int = 1, **scheduler):
+        """Registry, health monitor and ``schedulers`` schedulers (``scheduler``: settings over ``SCHED``)."""
         await self.start_service(Registry, "registry")
         await self.start_service(HealthMonitor, "health", health=HEALTH)
-        scheds = [await self.start_service(Scheduler, "scheduler", f"scheduler-{i}", scheduler=SCHED) for i in range(schedulers)]
+        scheds = [await self.start_service(Scheduler, "scheduler", f"scheduler-{i}", scheduler={**SCHED, **scheduler}) for i in range(schedulers)]
         return scheds
 
     def add_nodes(self, specs: list[simcluster.SimNodeSpec], timings: simcluster.Timings = TIMINGS) -> None:

@@ -22,7 +22,7 @@ from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.tasks import cancel_and_wait
 
-from .cluster_helpers import Cluster
+from .cluster_helpers import MOVE, Cluster
 from .test_control_plane import bring_up, spec
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -66,7 +66,7 @@ async def replica_events(ops, rid: str) -> list[str]:
 
 @pytest.mark.parametrize("when", ["before-event", "after-event"])
 async def test_scheduler_killed_between_record_and_event_loses_no_event(cluster, connector, when):
-    scheds = await bring_up(cluster, connector, nodes=2, schedulers=2)
+    scheds = await bring_up(cluster, connector, nodes=2, schedulers=2, **MOVE)  # the worker's kill below fails the replica
     await cluster.apply(spec())
     (first,) = await cluster.wait(lambda: cluster.ready("demo"), what="replica ready")
     leader = next(s for s in scheds if s.leadership.is_leader)

@@ -234,12 +234,12 @@ def test_rebuild_clock_times_a_failure_to_the_next_replica_ready():
 
 @pytest.mark.timeout(120)
 async def test_rebuild_leader_and_lease_metrics_on_a_real_cluster(nats_server, connector, tmp_path):
-    from .cluster_helpers import Cluster
+    from .cluster_helpers import MOVE, Cluster
     from .test_control_plane import bring_up, spec
 
     cluster = Cluster(nats_server, tmp_path / "cluster")
     try:
-        await bring_up(cluster, connector, nodes=2)
+        await bring_up(cluster, connector, nodes=2, **MOVE)  # the worker's kill below moves the replica
         scheduler = next(s for s in cluster.services if s.role == "scheduler")
         health = next(s for s in cluster.services if s.role == "health")
         dep = f"obs{os.getpid()}"
