@@ -546,6 +546,7 @@ class Bench:
         self.ready_before: set[str] = set()
         self.generations_before: dict[str, int] = {}
         self.standby_before: set[str] = set()
+        self.fault_began = 0.0
 
     def say(self, msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -612,6 +613,7 @@ class Bench:
         self.ready_before = {r.id for r in self.w.ready(self.deployment)}
         self.generations_before = {r.id: r.generation for r in self.w.of(self.deployment)}
         self.standby_before = {r.id for r in self.w.standby(self.deployment)}
+        self.fault_began = time.time()  # before the injection: a verb's own exit may outlast what it caused
         fault = getattr(self, "fault_" + name.replace("-", "_"))
         try:
             await fault(res, before)
@@ -630,9 +632,10 @@ class Bench:
         return res
 
     def restarted(self, rid: str) -> bool:
-        """``rid`` ready again under a newer generation: restarted in place."""
+        """``rid`` up again under a newer generation: restarted in place (standing by, when
+        a spare took its place meanwhile)."""
         r = self.w.replicas.get(rid)
-        return r is not None and r.state == "ready" and r.generation > self.generations_before.get(rid, r.generation)
+        return r is not None and r.state in ("ready", "standby") and r.generation > self.generations_before.get(rid, r.generation)
 
     def measure_recovery(self, res: Result) -> None:
         """Capacity back, the path that brought it, a restart in place, the spare rebuilt
@@ -640,7 +643,9 @@ class Bench:
         t0, want = res.t0, self.w.wanted(self.deployment)
         prefix = self.deployment + "-"
         ready, short = set(self.ready_before), False
-        events = [ev for ev in self.w.events if t0 <= ev.time <= res.end and ev.kind == "replica" and ev.subject.startswith(prefix)]
+        # From the injection's start: 'sim kill-node' returns (t=0) after the scheduler may have acted.
+        began = min(self.fault_began or t0, t0)
+        events = [ev for ev in self.w.events if began <= ev.time <= res.end and ev.kind == "replica" and ev.subject.startswith(prefix)]
         for ev in events:
             if ev.what == "ready":
                 ready.add(ev.subject)
@@ -648,14 +653,16 @@ class Bench:
                 ready.discard(ev.subject)
             short = short or len(ready) < want
             if short and len(ready) >= want and res.capacity_back is None:
-                res.capacity_back = ev.time - t0
+                res.capacity_back = max(0.0, ev.time - t0)
+                if ev.time < t0:
+                    res.note = (res.note + "; " if res.note else "") + f"capacity back {t0 - ev.time:.2f}s before the fault's verb returned (t=0)"
                 if ev.subject in self.standby_before and ev.detail.startswith("promoted"):
                     res.path = "promoted"
                 elif ev.subject == res.sick_replica:
                     res.path = "restarted in place"
                 else:
                     res.path = "moved"
-            if ev.what == "ready" and ev.subject == res.sick_replica and res.restarted is None:
+            if ev.what in ("ready", "standby") and ev.subject == res.sick_replica and res.restarted is None:
                 res.restarted = ev.time - t0
             if ev.what == "standby" and ev.subject not in self.standby_before and res.spare_again is None:
                 res.spare_again = ev.time - t0
