@@ -406,3 +406,23 @@ def test_ctl_shows_the_standby_spares_and_why_they_stand_by():
 def test_negative_spares_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"spares: must be 0 or more .* got -1"):
         validate_spec(seed_deployment(spares=-1))
+
+
+def test_llmgw_up_spares_adds_a_fabric_per_spare_and_refuses_a_negative_count(tmp_path):
+    import argparse
+    import subprocess
+    import sys
+
+    from llmgw.services.devcluster.up import spare_nodes
+
+    args = argparse.Namespace(nodes=4, fabrics=2, spares=1, no_demo=False)
+    spare_nodes(args)
+    assert (args.nodes, args.fabrics) == (6, 3)  # two nodes a fabric, as the seed's
+    args = argparse.Namespace(nodes=4, fabrics=2, spares=0, no_demo=False)
+    spare_nodes(args)
+    assert (args.nodes, args.fabrics) == (4, 2)
+    r = subprocess.run(
+        [sys.executable, "-m", "llmgw.services", "up", "--spares", "-1", "--dir", str(tmp_path / "c")], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "--spares -1: must be 0 or more" in r.stderr
+    assert not (tmp_path / "c").exists(), "refused before touching DIR"
