@@ -17,6 +17,8 @@ import sys
 import uuid
 from pathlib import Path
 
+from nats.errors import TimeoutError as NatsTimeout
+
 from llmgw.services.devcluster import simcluster
 from llmgw.services.health.service import HealthMonitor
 from llmgw.services.registry import Registry
@@ -25,7 +27,7 @@ from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.natsserver import NatsServer
-from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRequest, Replica, decode, encode
+from llmgw.shared.schemas import DeploymentSpec, Event, Lease, NodeRequest, Replica, decode, encode
 from llmgw.shared.tasks import cancel_and_wait
 
 from .conftest import service_config
@@ -215,6 +217,26 @@ async def crash(svc, mirrors=()) -> None:
     for mirror in mirrors:
         await asyncio.wait_for(mirror.stop(), 5)
     await asyncio.wait_for(svc.nc.close(), 5)
+
+
+async def replica_event_records(ops, rid: str) -> list[Event]:
+    """What the stream holds for replica ``rid``, in order, read to the stream's end."""
+    js = ops.jetstream()
+    last = (await js.stream_info(S.EVENT_STREAM)).state.last_seq
+    sub = await js.subscribe(f"llmgw.event.replica.{rid}.>", ordered_consumer=True)
+    out = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=1)
+            except NatsTimeout:  # nothing more for this replica
+                break
+            out.append(decode(msg.data, Event))
+            if msg.metadata.num_pending == 0 or msg.metadata.sequence.stream >= last:
+                break
+    finally:
+        await sub.unsubscribe()
+    return out
 
 
 def sim_spec(name="demo", replicas=1, nodes=2, gpus=2, load="0.2s"):

@@ -21,24 +21,16 @@ import urllib.request
 
 import msgspec
 import pytest
-from nats.errors import TimeoutError as NatsTimeout
 
 from llmgw.services.devcluster import simcluster
-from llmgw.shared import subjects as S
-from llmgw.shared.schemas import Event, decode
+from llmgw.shared.schemas import Event
 
-from .cluster_helpers import TIMINGS, Cluster
+from .cluster_helpers import TIMINGS
+from .cluster_helpers import replica_event_records as replica_events
 from .cluster_helpers import sim_spec as spec
-from .test_control_plane import alive
+from .test_control_plane import alive, cluster  # noqa: F401 (cluster: the fixture)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
-
-
-@pytest.fixture
-async def cluster(nats_server, tmp_path):
-    c = Cluster(nats_server, tmp_path / "cluster")
-    yield c
-    await c.close()
 
 
 async def bring_up(cluster, connector, nodes=4, fabrics=2, timings=TIMINGS):
@@ -56,26 +48,6 @@ def spared(**kw):
 
 def standby(cluster, deployment):
     return [r for r in cluster.live(deployment) if r.state == "standby"]
-
-
-async def replica_events(ops, rid: str) -> list[Event]:
-    """The stream's events for replica ``rid``, in order, to the stream's end."""
-    js = ops.jetstream()
-    last = (await js.stream_info(S.EVENT_STREAM)).state.last_seq
-    sub = await js.subscribe(f"llmgw.event.replica.{rid}.>", ordered_consumer=True)
-    out = []
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=1)
-            except NatsTimeout:
-                break
-            out.append(decode(msg.data, Event))
-            if msg.metadata.num_pending == 0 or msg.metadata.sequence.stream >= last:
-                break
-    finally:
-        await sub.unsubscribe()
-    return out
 
 
 async def event_of(cluster, rid: str, what: str) -> Event:
