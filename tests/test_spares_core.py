@@ -426,3 +426,17 @@ def test_llmgw_up_spares_adds_a_fabric_per_spare_and_refuses_a_negative_count(tm
     )
     assert r.returncode == 2 and "--spares -1: must be 0 or more" in r.stderr
     assert not (tmp_path / "c").exists(), "refused before touching DIR"
+
+
+def test_a_replica_coming_up_beside_a_broken_group_serves_rather_than_stands_by():
+    w = World(*seed_cluster(), seed_deployment(replicas=1, spares=1))
+    w.step()
+    w.engines("sim-g1", all="ready")
+    w.step()
+    assert w.state("sim-g1") == RS.READY and w.state("sim-g2") == RS.LAUNCHING
+    # in one cycle: sim-g1's group breaks (a peer's word, every node healthy) and sim-g2 comes up
+    w.engines("sim-g1", node02="peer-lost")
+    w.engines("sim-g2", all="ready")
+    w.step(0.1)
+    assert w.state("sim-g1") == RS.DEGRADED and w.state("sim-g2") == RS.READY
+    assert w.events("sim-g2") == [("sim-g2", RS.READY)]  # straight to serving, not standby and promoted

@@ -647,7 +647,7 @@ class Cycle:
         if not up:
             return mine
         digest = template_digest(spec) if spec is not None else ""
-        serving = sum(1 for r in mine if r.state in SERVING_REPLICA and not is_outdated(r, digest) and not self.draining(r))
+        serving = sum(1 for r in mine if r.state in SERVING_REPLICA and not broken_group(r) and not is_outdated(r, digest) and not self.draining(r))
         for replica in up:
             leader = replica.members[0]
             endpoint = self.came_up.pop(replica.id)
