@@ -229,6 +229,19 @@ def test_rebuild_clock_times_a_failure_to_the_next_replica_ready():
     assert (after[0] - before[0], after[1] - before[1]) == (1, 12.5)
 
 
+def test_rebuild_clock_counts_a_restart_in_place_and_closes_on_a_promotion_or_a_spare_standing_by():
+    clock = RebuildClock()
+    restarts = _count("llmgw_scheduler_restarts_in_place_total", deployment="clockdep2")
+    timed = (_count("llmgw_scheduler_rebuild_seconds_count", deployment="clockdep2"), _count("llmgw_scheduler_rebuild_seconds_sum", deployment="clockdep2"))
+    clock.events([_ev(200.0, "restarting", "ready", "restart in place: member rank 0 on node01 exited", dep="clockdep2")])
+    clock.events([_ev(200.0, "ready", "standby", "promoted from standby: 1 of 2 serving", dep="clockdep2")])  # capacity back at once
+    clock.events([_ev(210.0, "failed", "ready", "node node02 lost", dep="clockdep2")])
+    clock.events([_ev(226.0, "standby", "waiting-for-workers", "leader on node05 loaded; a warm spare", dep="clockdep2")])
+    assert _count("llmgw_scheduler_restarts_in_place_total", deployment="clockdep2") == restarts + 1
+    after = (_count("llmgw_scheduler_rebuild_seconds_count", deployment="clockdep2"), _count("llmgw_scheduler_rebuild_seconds_sum", deployment="clockdep2"))
+    assert (after[0] - timed[0], after[1] - timed[1]) == (2, 16.0)
+
+
 # -- a real control plane -----------------------------------------------------------------
 
 
