@@ -91,6 +91,22 @@ wrote them, on the same machine):
 * launches: replicas of the deployment launched in the window (1 for a
   replacement; a crash loop or a launch storm shows here);
 * replica events: every transition of the deployment's replicas in the window.
+
+Recovery (its own table, ``recovery_table``): how full ready capacity came
+back, which path was taken, and the background rebuild of a spare apart:
+
+* capacity back: the first time after the fault that the deployment had its
+  full count of ready replicas again, having fallen short ("-": it never did);
+* path: what brought it back: a standby spare ``promoted``, the sick replica
+  ``restarted in place`` (same members, a new generation), or a replica
+  ``moved`` (built elsewhere);
+* restarted: the sick replica ready again after a restart in place;
+* spare again: with ``--spares N``, the first new replica standing by after the
+  fault (the spare rebuilt in the background).
+
+``--spares N`` gives the demo deployment N warm spares (``llmgw up --spares``,
+which adds a fabric of nodes per spare); the heal then also waits for the
+spares to stand by again.
 """
 
 from __future__ import annotations
@@ -392,6 +408,14 @@ class Watch:
         d = self.mirrors["deployments"].items.get(deployment)
         return d.replicas if d else 0
 
+    def spares(self, deployment: str) -> int:
+        """The warm spares the deployment asks for (0 from a build without them)."""
+        d = self.mirrors["deployments"].items.get(deployment)
+        return getattr(d, "spares", 0) if d else 0
+
+    def standby(self, deployment: str) -> list:
+        return [r for r in self.of(deployment) if r.state == "standby"]
+
     def leases_ready(self) -> bool:
         leases = self.mirrors["leases"].items
         return bool(leases) and all(lease.state == "ready" for lease in leases.values())
@@ -567,6 +591,11 @@ class Result:
     note: str = ""
     sick_replica: str = ""  # what the fault made sick (set when it is injected)
     sick_node: str = ""
+    # Recovery (``Bench.measure_recovery``), seconds from the fault.
+    capacity_back: float | None = None
+    path: str = ""
+    restarted: float | None = None
+    spare_again: float | None = None
 
 
 class Bench:
@@ -577,6 +606,11 @@ class Bench:
         self.load = load
         self.deployment = deployment
         self.steady_p99 = float("nan")
+        # The deployment as a fault found it (``run``): for ``measure_recovery`` and ``restarted``.
+        self.ready_before: set[str] = set()
+        self.generations_before: dict[str, int] = {}
+        self.standby_before: set[str] = set()
+        self.fault_began = 0.0
 
     def say(self, msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -612,7 +646,7 @@ class Bench:
         deadline = time.monotonic() + self.args.heal_timeout
         want = self.w.wanted(self.deployment)
         while time.monotonic() < deadline:
-            if len(self.w.ready(self.deployment)) >= want and len(self.w.of(self.deployment)) == want and self.w.leases_ready():
+            if len(self.w.ready(self.deployment)) >= want and self.whole_spares() and self.w.leases_ready():
                 first, since = len(self.load.done), time.time()  # done only grows: look at what came since
 
                 def settled(first: int = first, since: float = since) -> bool | None:  # bound now: the loop moves them on
@@ -624,7 +658,7 @@ class Bench:
                 await self.until(lambda: settled() is not None, self.args.settle + 1)
                 # Whole again at the end of the settle too: a node lost or a replica failed
                 # meanwhile (a restarted agent too slow to heartbeat, say) is not a heal.
-                whole = len(self.w.ready(self.deployment)) >= want and len(self.w.of(self.deployment)) == want and self.w.leases_ready()
+                whole = len(self.w.ready(self.deployment)) >= want and self.whole_spares() and self.w.leases_ready()
                 if settled() and whole and len(self.load.done) - first >= self.load.clients:
                     res.healed = True
                     return
@@ -632,9 +666,18 @@ class Bench:
         states = ", ".join(f"{r.id} {r.state}" for r in self.w.of(self.deployment))
         res.note = (res.note + "; " if res.note else "") + f"not healed in {self.args.heal_timeout:g}s ({states})"
 
+    def whole_spares(self) -> bool:
+        """Every replica the deployment counts is there, its spares standing by."""
+        spares = self.w.spares(self.deployment)
+        return len(self.w.of(self.deployment)) == self.w.wanted(self.deployment) + spares and len(self.w.standby(self.deployment)) >= spares
+
     async def run(self, name: str) -> Result:
         res = Result(fault=name)
         before = {r.id for r in self.w.of(self.deployment)}
+        self.ready_before = {r.id for r in self.w.ready(self.deployment)}
+        self.generations_before = {r.id: r.generation for r in self.w.of(self.deployment)}
+        self.standby_before = {r.id for r in self.w.standby(self.deployment)}
+        self.fault_began = time.time()  # before the injection: a verb's own exit may outlast what it caused
         fault = getattr(self, "fault_" + name.replace("-", "_"))
         try:
             await fault(res, before)
@@ -649,7 +692,46 @@ class Bench:
         await self.heal(res)
         res.end = time.time()
         self.measure(res, before)
+        self.measure_recovery(res)
         return res
+
+    def restarted(self, rid: str) -> bool:
+        """``rid`` up again under a newer generation: restarted in place (standing by, when
+        a spare took its place meanwhile)."""
+        r = self.w.replicas.get(rid)
+        return r is not None and r.state in ("ready", "standby") and r.generation > self.generations_before.get(rid, r.generation)
+
+    def measure_recovery(self, res: Result) -> None:
+        """Capacity back, the path that brought it, a restart in place, the spare rebuilt
+        (the module docstring's "Recovery"), from the event stream after the fault."""
+        t0, want = res.t0, self.w.wanted(self.deployment)
+        prefix = self.deployment + "-"
+        ready, short = set(self.ready_before), False
+        # From the injection's start: 'sim kill-node' returns (t=0) after the scheduler may have acted.
+        began = min(self.fault_began or t0, t0)
+        events = [ev for ev in self.w.events if began <= ev.time <= res.end and ev.kind == "replica" and ev.subject.startswith(prefix)]
+        for ev in events:
+            if ev.what == "ready":
+                ready.add(ev.subject)
+            else:
+                ready.discard(ev.subject)
+            short = short or len(ready) < want
+            if short and len(ready) >= want and res.capacity_back is None:
+                res.capacity_back = max(0.0, ev.time - t0)
+                if ev.time < t0:
+                    res.note = (res.note + "; " if res.note else "") + f"capacity back {t0 - ev.time:.2f}s before the fault's verb returned (t=0)"
+                if ev.subject in self.standby_before and ev.detail.startswith("promoted"):
+                    res.path = "promoted"
+                elif ev.subject == res.sick_replica:
+                    res.path = "restarted in place"
+                else:
+                    res.path = "moved"
+            if ev.what in ("ready", "standby") and ev.subject == res.sick_replica and res.restarted is None:
+                res.restarted = ev.time - t0
+            if ev.what == "standby" and ev.subject not in self.standby_before and res.spare_again is None:
+                res.spare_again = ev.time - t0
+        if res.capacity_back is None and short:
+            res.path = "not back"
 
     def measure(self, res: Result, before: set[str]) -> None:
         t0, sick_replica, sick_node = res.t0, res.sick_replica, res.sick_node
@@ -661,11 +743,17 @@ class Bench:
                 break
         # The replacement: the first new replica to become ready and still be ready at the
         # heal (one that turned ready and failed again is a false start, not a replacement).
-        lasting = {r.id for r in self.w.ready(self.deployment)} - before
+        # A replica restarted in place (its own id, a new generation) is its own replacement.
+        again = {sick_replica} if sick_replica and self.restarted(sick_replica) else set()
+        lasting = {r.id for r in self.w.ready(self.deployment)} - before | again
         readies = [
             ev
             for ev in self.w.events
-            if ev.time >= t0 and ev.kind == "replica" and ev.what == "ready" and ev.subject.startswith(self.deployment + "-") and ev.subject not in before
+            if ev.time >= t0
+            and ev.kind == "replica"
+            and ev.what == "ready"
+            and ev.subject.startswith(self.deployment + "-")
+            and (ev.subject not in before or ev.subject in again)
         ]
         kept = [ev for ev in readies if ev.subject in lasting] or readies
         if kept:
@@ -720,7 +808,12 @@ class Bench:
         self.say(f"{res.fault}: {how} ({victim})")
 
     async def wait_replacement(self, res: Result, before: set[str], sick: str) -> None:
-        if not await self.until(lambda: self.gone(sick) and self.new_ready(before), self.args.fault_timeout):
+        # Moved (a new replica ready), promoted (a spare took its place) or restarted in place.
+        def replaced() -> bool:
+            promoted = len(self.w.ready(self.deployment)) >= self.w.wanted(self.deployment) and bool(self.standby_before)
+            return (self.gone(sick) and (bool(self.new_ready(before)) or promoted)) or self.restarted(sick)
+
+        if not await self.until(replaced, self.args.fault_timeout):
             state = getattr(self.w.replicas.get(sick), "state", "gone")
             missing = "no replacement ready" if self.gone(sick) else f"{sick} still {state}"
             res.note = f"{missing} after {self.args.fault_timeout:g}s"
@@ -1105,6 +1198,7 @@ def parse_args(argv=None):
     )
     ap.add_argument("--up-attempts", type=int, default=3, help="tries of 'llmgw up' before giving up (default 3)")
     ap.add_argument("--up-args", default="", help="further 'llmgw up' arguments, space-separated")
+    ap.add_argument("--spares", type=int, default=0, help="warm spares for the demo deployment ('llmgw up --spares'; default 0)")
     ap.add_argument("--json", help="write the raw figures (and every request) here")
     args = ap.parse_args(argv)
     vllm = args.engine == "vllm"
@@ -1144,6 +1238,25 @@ def parse_args(argv=None):
     return args
 
 
+def spares_argv(args, helptext: str) -> list[str]:
+    """``--spares N`` for 'llmgw up', refused by name when this build has none."""
+    if not args.spares:
+        return []
+    if "--spares" not in helptext:
+        raise RuntimeError("--spares: this build's 'llmgw up' has no --spares")
+    return ["--spares", str(args.spares)]
+
+
+def recovery_table(results: list[Result]) -> None:
+    """How full ready capacity came back after each fault, the spare's rebuild apart."""
+    print("\nrecovery, seconds from the fault: capacity back = the full count of ready replicas again\n")
+    print("| fault | capacity back | path | restarted in place | spare standing by again |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r.fault} | {fmt(r.capacity_back)} | {r.path or '-'} | {fmt(r.restarted)} | {fmt(r.spare_again)} |")
+    print()
+
+
 async def up_cluster(args, d: Path) -> None:
     helptext = await run_cmd(*LLMGW, "up", "--help", check=False)
     argv = [*LLMGW, "--log-level", "warning", "up", "--dir", str(d), "--detach", "--gateway-port", "0",
@@ -1161,6 +1274,7 @@ async def up_cluster(args, d: Path) -> None:
             offered.append(f"{opt} {value}")
     if args.engine != "sim":
         argv += ["--engine", args.engine, *(["--vllm", args.vllm] if args.vllm else [])]
+    argv += spares_argv(args, helptext)
     argv += args.up_args.split()
     print(
         f"starting: llmgw up --dir {d} --detach --heartbeat-interval {args.heartbeat_interval} --node-lost-after {args.node_lost_after} --engine-load-time {args.engine_load_time} {' '.join(offered)} {args.up_args}".rstrip()
@@ -1231,6 +1345,7 @@ async def main(args) -> int:
             stops = await measure_stop(cluster, watch, args.deployment)
         await resources.stop()
         table(results, bench.steady_p99)
+        recovery_table(results)
         print_costs(resources.summary(), stops)
         if args.json:
             data = {

@@ -259,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--routing", choices=("prefix", "least-outstanding"), help="the gateway's routing: prefix-cache aware (default) or least outstanding requests"
     )
     p.add_argument("--gateway-workers", type=int, help="gateway processes on its port (SO_REUSEPORT; default 1 here, 0 = one per core)")
+    p.add_argument(
+        "--spares", type=int, default=0,
+        help="warm spares for the demo deployment (standby replicas, promoted when a serving one fails); "
+        "adds a fabric of nodes per spare, so each spare has a failure domain of its own",
+    )  # fmt: skip
     p.add_argument("--no-demo", action="store_true", help="do not apply the seed's demo deployment")
     p.add_argument("--detach", action="store_true", help="return once ready; stop later with 'llmgw down'")
     p.add_argument("--discovery-interval", help="agents re-read GPUs and HCA ports this often (agent default 10s)")

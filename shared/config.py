@@ -262,8 +262,20 @@ class SchedulerSection(Section, frozen=True):
     # The safety net under the incremental steps: a full pass (every replica and
     # node looked at afresh) this often, beside the loop (scheduler/fullpass.py).
     full_pass_interval: Duration = 60.0
+    # Restart in place: an engine that exits on nodes whose lease and hardware
+    # are healthy is relaunched on the same members (same GPUs and ports) up to
+    # this many times within restart_window; after that its replica moves
+    # (0: always move).
+    restart_in_place: int = 2
+    restart_window: Duration = 600.0
+    # A peer says a ready replica's group broke while every node is healthy:
+    # wait this long for its agent to report the engine's exit (the two reports
+    # race) and restart in place; else it moves. 0: move at once.
+    peer_lost_grace: Duration = 0.5
 
     def __post_init__(self):
+        if self.restart_in_place < 0 or self.restart_window <= 0 or self.peer_lost_grace < 0:
+            raise Invalid("", "restart_in_place and peer_lost_grace must not be negative, and restart_window must be positive")
         if self.full_pass_interval <= 0 or self.full_pass_interval < self.reconcile_interval:
             raise Invalid(
                 "full_pass_interval",

@@ -422,6 +422,10 @@ class DeploymentSpec(Base, kw_only=True):
     # before launching and points the engine at the copy (docs/operations.md).
     weights_path: str = ""
     weights_model: str = ""
+    # Warm spares: this many replicas more than ``replicas``, placed, launched,
+    # loaded and watched, but not routed (state ``standby``); one takes a failed
+    # serving replica's place at once. The first GPUs a shortage takes back.
+    spares: int = 0
     applied_at: float = 0.0
     # Maintained by the scheduler, not the operator: the last replica generation
     # issued for this deployment, so generations only ever grow (fencing).
@@ -498,6 +502,9 @@ class Replica(Base, kw_only=True):
     # env) this replica was made from; a different one means it is outdated
     # and is replaced (rolling update). "" (records from before): never outdated.
     spec_digest: str = ""
+    # When it was restarted in place (scheduler clock), those within the
+    # scheduler's ``restart_window``: what its ``restart_in_place`` budget counts.
+    restarts: list[float] = []
     # The event outbox (no event lost to a crash): the events of the transition that produced this
     # record, written with it. The acting scheduler (or one taking over after a
     # crash between the record and its events) publishes any LLMGW_EVENTS lacks,

@@ -44,6 +44,8 @@ def validate_spec(spec: DeploymentSpec) -> DeploymentSpec:
         raise ConfigError("model: must not be empty")
     if spec.replicas < 0:
         raise ConfigError(f"replicas: must be 0 or more, got {spec.replicas}")
+    if spec.spares < 0:
+        raise ConfigError(f"spares: must be 0 or more (warm spares beside the serving replicas), got {spec.spares}")
     if spec.nodes_per_replica < 1:
         raise ConfigError(f"nodes_per_replica: must be at least 1, got {spec.nodes_per_replica}")
     if spec.gpus_per_node < 0:

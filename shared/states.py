@@ -11,10 +11,26 @@ always were and compare equal to what older records hold.
 Replica states (the scheduler writes them)::
 
     pending ─> launching ─> waiting-for-workers ─> ready <──> degraded
-                  │               │                  │           │
-                  └───────────────┴──────> failed <──┴───────────┘
+                  │               │                  │  ^        │
+                  │               │                  │  │ promoted
+                  │               │                  │  standby (a warm spare)
+                  └───────────────┴──────> failed <──┴──┴────────┘
                                              │
                                            reaping ─> gone
+
+    ready / degraded / standby ─> restarting ─> launching (restart in place)
+
+``standby``: a warm spare (``DeploymentSpec.spares``): launched, loaded and
+watched like a serving replica, not routed. A replica that comes up when its
+deployment already has its serving count becomes ``standby`` instead of
+``ready``; one is promoted to ``ready`` in the cycle a serving one is found
+failed. A standby whose leader makes no progress is failed at once (a spare
+that cannot make a token is no spare).
+
+``restarting``: an engine exited on nodes that are healthy (a software fault):
+its group's old engines are being stopped, and it is launched again on the same
+members, GPUs and ports under a new generation (restart in place), within the
+scheduler's ``restart_in_place`` budget.
 
 ``degraded``: the replica's leader stopped making progress — a canary got no
 token, or real requests in flight got no byte for ``stall_after``, or its
@@ -72,6 +88,8 @@ class ReplicaState(StrEnum):
     WAITING = "waiting-for-workers"
     READY = "ready"
     DEGRADED = "degraded"
+    STANDBY = "standby"
+    RESTARTING = "restarting"
     FAILED = "failed"
     REAPING = "reaping"
     GONE = "gone"
@@ -90,14 +108,19 @@ class EngineState(StrEnum):
 
 
 # -- replica sets --------------------------------------------------------------
-# Up, or on its way up: holds GPUs and counts towards the deployment's replicas.
-ACTIVE_REPLICA = frozenset({ReplicaState.LAUNCHING, ReplicaState.WAITING, ReplicaState.READY, ReplicaState.DEGRADED})
-# What a deployment counts against its replica count.
-WANTED_REPLICA = ACTIVE_REPLICA | {ReplicaState.PENDING}
-# What the gateway may send a new request to.
+# Up, or on its way up: holds GPUs, its members' facts can fail it, and it
+# counts towards the deployment's replicas and spares. A standby spare is up.
+ACTIVE_REPLICA = frozenset({ReplicaState.LAUNCHING, ReplicaState.WAITING, ReplicaState.READY, ReplicaState.DEGRADED, ReplicaState.STANDBY})
+# What a deployment counts against its replicas and spares (a replica restarting
+# in place comes back on what it holds).
+WANTED_REPLICA = ACTIVE_REPLICA | {ReplicaState.PENDING, ReplicaState.RESTARTING}
+# What the gateway may send a new request to (never a standby spare).
 ROUTABLE_REPLICA = frozenset({ReplicaState.READY})
+# Serving: counted against the deployment's ``replicas`` (a degraded one may
+# recover); a standby spare is counted against its ``spares``.
+SERVING_REPLICA = frozenset({ReplicaState.READY, ReplicaState.DEGRADED})
 # Started and not yet settled either way (a rolling update waits for these).
-IN_FLIGHT_REPLICA = frozenset({ReplicaState.LAUNCHING, ReplicaState.WAITING, ReplicaState.FAILED, ReplicaState.REAPING})
+IN_FLIGHT_REPLICA = frozenset({ReplicaState.LAUNCHING, ReplicaState.WAITING, ReplicaState.RESTARTING, ReplicaState.FAILED, ReplicaState.REAPING})
 # On its way out: holds GPUs until its engines are stopped.
 ENDING_REPLICA = frozenset({ReplicaState.FAILED, ReplicaState.REAPING})
 # Every state, in the order a replica passes through them (for tables and gauges).
@@ -124,7 +147,7 @@ HOLDING_REPLICA = WANTED_REPLICA | ENDING_REPLICA
 # counts towards the deployment's crash-loop backoff.
 LAUNCHED_REPLICA = frozenset({ReplicaState.LAUNCHING, ReplicaState.WAITING})
 # Wanted and not yet serving, placed or not: what the console shows as starting.
-COMING_UP_REPLICA = LAUNCHED_REPLICA | {ReplicaState.PENDING}
+COMING_UP_REPLICA = LAUNCHED_REPLICA | {ReplicaState.PENDING, ReplicaState.RESTARTING}
 
 
 # -- nodes -----------------------------------------------------------------------
@@ -240,6 +263,8 @@ class EventWhat(_OpenVocabulary):
     WAITING = "waiting-for-workers"
     READY = "ready"
     DEGRADED = "degraded"
+    STANDBY = "standby"
+    RESTARTING = "restarting"
     FAILED = "failed"
     REAPING = "reaping"
     GONE = "gone"

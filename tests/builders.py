@@ -63,6 +63,7 @@ def make_deployment(
     last_generation: int = 0,
     engine_args: list[str] | None = None,
     env: dict[str, str] | None = None,
+    spares: int = 0,
 ) -> DeploymentSpec:
     return DeploymentSpec(
         name=name,
@@ -75,6 +76,7 @@ def make_deployment(
         last_generation=last_generation,
         engine_args=engine_args or [],
         env=env or {},
+        spares=spares,
     )
 
 

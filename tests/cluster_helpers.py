@@ -17,6 +17,8 @@ import sys
 import uuid
 from pathlib import Path
 
+from nats.errors import TimeoutError as NatsTimeout
+
 from llmgw.services.devcluster import simcluster
 from llmgw.services.health.service import HealthMonitor
 from llmgw.services.registry import Registry
@@ -25,7 +27,7 @@ from llmgw.shared import buckets as B
 from llmgw.shared import subjects as S
 from llmgw.shared.kvmirror import open_mirror
 from llmgw.shared.natsserver import NatsServer
-from llmgw.shared.schemas import DeploymentSpec, Lease, NodeRequest, Replica, decode, encode
+from llmgw.shared.schemas import DeploymentSpec, Event, Lease, NodeRequest, Replica, decode, encode
 from llmgw.shared.tasks import cancel_and_wait
 
 from .conftest import service_config
@@ -34,6 +36,9 @@ from .waiting import _UNSET, eventually
 HB = 0.3
 HEALTH = dict(heartbeat_interval=HB, suspect_after_missed=3, node_lost_after=1.5, leader_ttl=0.6)
 SCHED = dict(reconcile_interval=0.3, leader_ttl=0.6, command_timeout=2.0)
+# For tests that follow a replica moving after one of its engines is killed:
+# restart in place (which would relaunch it where it was) off.
+MOVE = dict(restart_in_place=0)
 TIMINGS = simcluster.Timings(heartbeat_interval=HB, stop_timeout=1.0, health_interval=0.1, reconnect_base=0.1, reconnect_max=0.5)
 
 
@@ -62,10 +67,11 @@ class Cluster:
         self.services.append(svc)
         return svc
 
-    async def start_control_plane(self, schedulers: int = 1):
+    async def start_control_plane(self, schedulers: int = 1, **scheduler):
+        """Registry, health monitor and ``schedulers`` schedulers (``scheduler``: settings over ``SCHED``)."""
         await self.start_service(Registry, "registry")
         await self.start_service(HealthMonitor, "health", health=HEALTH)
-        scheds = [await self.start_service(Scheduler, "scheduler", f"scheduler-{i}", scheduler=SCHED) for i in range(schedulers)]
+        scheds = [await self.start_service(Scheduler, "scheduler", f"scheduler-{i}", scheduler={**SCHED, **scheduler}) for i in range(schedulers)]
         return scheds
 
     def add_nodes(self, specs: list[simcluster.SimNodeSpec], timings: simcluster.Timings = TIMINGS) -> None:
@@ -211,6 +217,26 @@ async def crash(svc, mirrors=()) -> None:
     for mirror in mirrors:
         await asyncio.wait_for(mirror.stop(), 5)
     await asyncio.wait_for(svc.nc.close(), 5)
+
+
+async def replica_event_records(ops, rid: str) -> list[Event]:
+    """What the stream holds for replica ``rid``, in order, read to the stream's end."""
+    js = ops.jetstream()
+    last = (await js.stream_info(S.EVENT_STREAM)).state.last_seq
+    sub = await js.subscribe(f"llmgw.event.replica.{rid}.>", ordered_consumer=True)
+    out = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=1)
+            except NatsTimeout:  # nothing more for this replica
+                break
+            out.append(decode(msg.data, Event))
+            if msg.metadata.num_pending == 0 or msg.metadata.sequence.stream >= last:
+                break
+    finally:
+        await sub.unsubscribe()
+    return out
 
 
 def sim_spec(name="demo", replicas=1, nodes=2, gpus=2, load="0.2s"):

@@ -12,7 +12,7 @@ import pytest
 from llmgw.services.devcluster import simcluster
 from llmgw.shared.schemas import template_digest
 
-from .cluster_helpers import Cluster
+from .cluster_helpers import MOVE, Cluster
 from .cluster_helpers import crash as crash_service
 from .cluster_helpers import sim_spec as spec
 
@@ -26,8 +26,8 @@ async def cluster(nats_server, tmp_path):
     await c.close()
 
 
-async def bring_up(cluster, connector, nodes=2, fabrics=1, schedulers=1):
-    scheds = await cluster.start_control_plane(schedulers=schedulers)
+async def bring_up(cluster, connector, nodes=2, fabrics=1, schedulers=1, **scheduler):
+    scheds = await cluster.start_control_plane(schedulers=schedulers, **scheduler)
     cluster.add_nodes(simcluster.layout(nodes, fabrics, 4))
     for n in cluster.nodes:
         cluster.start_agent(n)
@@ -72,7 +72,7 @@ async def test_launch_sequence_reaches_ready_and_serves(cluster, connector):
 
 
 async def test_member_exit_fails_and_reaps_then_rebuilds(cluster, connector):
-    await bring_up(cluster, connector)
+    await bring_up(cluster, connector, **MOVE)  # restart in place: tests/test_spares_cluster.py
     await cluster.apply(spec())
     (first,) = await cluster.wait(lambda: cluster.ready("demo"), what="replica ready")
     leader_pid, worker_pid = first.members[0].pid, first.members[1].pid

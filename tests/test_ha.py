@@ -16,13 +16,11 @@ import os
 import signal
 
 import pytest
-from nats.errors import TimeoutError as NatsTimeout
 
 from llmgw.shared import buckets as B
-from llmgw.shared import subjects as S
 from llmgw.shared.tasks import cancel_and_wait
 
-from .cluster_helpers import Cluster
+from .cluster_helpers import MOVE, Cluster, replica_event_records
 from .test_control_plane import bring_up, spec
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -45,28 +43,13 @@ async def die(svc):
 
 
 async def replica_events(ops, rid: str) -> list[str]:
-    """What the stream holds for replica ``rid``, in order, read to the stream's end."""
-    js = ops.jetstream()
-    last = (await js.stream_info(S.EVENT_STREAM)).state.last_seq
-    sub = await js.subscribe(f"llmgw.event.replica.{rid}.>", ordered_consumer=True)
-    out = []
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=1)
-            except NatsTimeout:  # nothing more for this replica
-                break
-            out.append(msg.subject.rsplit(".", 1)[1])
-            if msg.metadata.num_pending == 0 or msg.metadata.sequence.stream >= last:
-                break
-    finally:
-        await sub.unsubscribe()
-    return out
+    """What the stream holds for replica ``rid``, in order, read to the stream's end: its words."""
+    return [e.what for e in await replica_event_records(ops, rid)]
 
 
 @pytest.mark.parametrize("when", ["before-event", "after-event"])
 async def test_scheduler_killed_between_record_and_event_loses_no_event(cluster, connector, when):
-    scheds = await bring_up(cluster, connector, nodes=2, schedulers=2)
+    scheds = await bring_up(cluster, connector, nodes=2, schedulers=2, **MOVE)  # the worker's kill below fails the replica
     await cluster.apply(spec())
     (first,) = await cluster.wait(lambda: cluster.ready("demo"), what="replica ready")
     leader = next(s for s in scheds if s.leadership.is_leader)

@@ -146,13 +146,15 @@ def test_incremental_steps_equal_full_reconciles(cluster, specs, rounds, data):
             del replicas[data.draw(st.sampled_from(sorted(replicas)))]
         if data.draw(st.integers(0, 4)) == 0:  # an operator rescales, re-templates, re-times or deletes a deployment
             name = data.draw(st.sampled_from(sorted(deployments)))
-            what = data.draw(st.sampled_from(["scale", "template", "timeout", "delete"]))
+            what = data.draw(st.sampled_from(["scale", "template", "timeout", "delete", "spares"]))
             if what == "delete":
                 deployments.pop(name)
                 if not deployments:
                     deployments[name] = make_deployment(name, replicas=1, gpus_per_node=1, nodes_per_replica=1)
             elif what == "template":
                 deployments[name] = msgspec.structs.replace(deployments[name], engine_args=[f"--rev={now}"])
+            elif what == "spares":  # warm spares: placed after every serving replica, taken back first
+                deployments[name] = msgspec.structs.replace(deployments[name], spares=data.draw(st.integers(0, 2)))
             elif what == "timeout":  # the one field of a spec advancing a replica reads
                 deployments[name] = msgspec.structs.replace(deployments[name], startup_timeout=data.draw(st.sampled_from([1.0, 60.0, 900.0])))
             else:

@@ -229,17 +229,30 @@ def test_rebuild_clock_times_a_failure_to_the_next_replica_ready():
     assert (after[0] - before[0], after[1] - before[1]) == (1, 12.5)
 
 
+def test_rebuild_clock_counts_a_restart_in_place_and_closes_on_a_promotion_or_a_spare_standing_by():
+    clock = RebuildClock()
+    restarts = _count("llmgw_scheduler_restarts_in_place_total", deployment="clockdep2")
+    timed = (_count("llmgw_scheduler_rebuild_seconds_count", deployment="clockdep2"), _count("llmgw_scheduler_rebuild_seconds_sum", deployment="clockdep2"))
+    clock.events([_ev(200.0, "restarting", "ready", "restart in place: member rank 0 on node01 exited", dep="clockdep2")])
+    clock.events([_ev(200.0, "ready", "standby", "promoted from standby: 1 of 2 serving", dep="clockdep2")])  # capacity back at once
+    clock.events([_ev(210.0, "failed", "ready", "node node02 lost", dep="clockdep2")])
+    clock.events([_ev(226.0, "standby", "waiting-for-workers", "leader on node05 loaded; a warm spare", dep="clockdep2")])
+    assert _count("llmgw_scheduler_restarts_in_place_total", deployment="clockdep2") == restarts + 1
+    after = (_count("llmgw_scheduler_rebuild_seconds_count", deployment="clockdep2"), _count("llmgw_scheduler_rebuild_seconds_sum", deployment="clockdep2"))
+    assert (after[0] - timed[0], after[1] - timed[1]) == (2, 16.0)
+
+
 # -- a real control plane -----------------------------------------------------------------
 
 
 @pytest.mark.timeout(120)
 async def test_rebuild_leader_and_lease_metrics_on_a_real_cluster(nats_server, connector, tmp_path):
-    from .cluster_helpers import Cluster
+    from .cluster_helpers import MOVE, Cluster
     from .test_control_plane import bring_up, spec
 
     cluster = Cluster(nats_server, tmp_path / "cluster")
     try:
-        await bring_up(cluster, connector, nodes=2)
+        await bring_up(cluster, connector, nodes=2, **MOVE)  # the worker's kill below moves the replica
         scheduler = next(s for s in cluster.services if s.role == "scheduler")
         health = next(s for s in cluster.services if s.role == "health")
         dep = f"obs{os.getpid()}"

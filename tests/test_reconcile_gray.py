@@ -210,7 +210,13 @@ def _waiting():
     return w
 
 
-@pytest.mark.parametrize("start", [_launching, _waiting, ready_world, degraded_world], ids=["launching", "waiting", "ready", "degraded"])
+# No grace for a late engine exit (restart in place, tests/test_spares_core.py): at once.
+AT_ONCE = ReconcileConfig(peer_lost_grace=0)
+
+
+@pytest.mark.parametrize(
+    "start", [_launching, _waiting, lambda: ready_world(AT_ONCE), lambda: degraded_world(AT_ONCE)], ids=["launching", "waiting", "ready", "degraded"]
+)
 def test_peer_lost_fails_at_once_from_every_active_state(start):
     w = start()
     w.member("sim-g1", "node01", E.PEER_LOST, "log: rank 1 lost")
@@ -228,7 +234,7 @@ def test_peer_lost_fails_at_once_from_every_active_state(start):
 
 
 def test_every_member_peer_lost_implicates_them_all():
-    w = ready_world()
+    w = ready_world(AT_ONCE)
     w.all_members("sim-g1", E.PEER_LOST)
     plan = w.step()
     assert w.state("sim-g1") == RS.REAPING
@@ -471,7 +477,7 @@ def test_ctl_deployments_shows_the_backoff_and_json_keeps_its_fields():
     table = deployment_table(w.deployments, w.replicas, now=w.now)
     assert table[0][-1] == "BACKOFF"
     at = dt.datetime.fromtimestamp(w.now + 5.0).strftime("%H:%M:%S")
-    assert table[1][3:] == ("0/1", "1 node(s) × 8 GPU(s)", "-", f"1×, next {at}")
+    assert table[1][3:] == ("0/1", "1 node(s) × 8 GPU(s)", "-", "-", f"1×, next {at}")
     assert backoff_line(w.deployments["sim"], w.now).startswith(f"backing off after 1 failure before serving; next attempt at {at}")
     # Past retry_at it still says how many in a row, without a next time.
     assert deployment_table(w.deployments, w.replicas, now=w.now + 6.0)[1][-1] == "1×"
@@ -606,7 +612,10 @@ def test_the_replacement_keeps_off_the_node_a_peer_reported_lost_until_it_is_hea
     node02's lease can run out. The replacement goes to ib-b, not back onto node02."""
     w = ready_world()
     w.member("sim-g1", "node01", E.PEER_LOST, "log: rank 1 lost (127.0.1.2 closed the connection)")
-    plan = w.step()
+    w.step()
+    # every lease is still ready: a moment for node02's agent to report an exit (restart in place)
+    assert w.state("sim-g1") == RS.DEGRADED and w.replicas["sim-g1"].reason.startswith("group broken")
+    plan = w.step(0.5)  # none came: it moves
     assert w.state("sim-g1") == RS.REAPING
     (new,) = [r for r in w.replicas.values() if r.id != "sim-g1"]
     assert new.fabric == "ib-b" and {launch.node_id for launch in plan.launches} == {"node03", "node04"}

@@ -159,9 +159,10 @@ def test_random_histories_keep_the_invariants(cluster, specs, rounds, data):
         now += data.draw(st.sampled_from([1.0, 30.0, 700.0]))
         perturb(data.draw, nodes, leases, now)
         replicas = report_engines(data.draw, replicas)
-        if data.draw(st.integers(0, 4)) == 0:  # an operator rescales one deployment
+        if data.draw(st.integers(0, 4)) == 0:  # an operator rescales one deployment, or asks for spares
             name = data.draw(st.sampled_from(sorted(deployments)))
-            deployments[name] = msgspec.structs.replace(deployments[name], replicas=data.draw(st.integers(0, 4)))
+            field = data.draw(st.sampled_from(["replicas", "spares"]))
+            deployments[name] = msgspec.structs.replace(deployments[name], **{field: data.draw(st.integers(0, 4 if field == "replicas" else 2))})
 
         plan = reconcile(deployments, replicas, nodes, leases, now)
 
@@ -173,11 +174,20 @@ def test_random_histories_keep_the_invariants(cluster, specs, rounds, data):
                 assert rid == f"{r.deployment}-g{r.generation}"
             if r.state == "launching" and (rid not in replicas or replicas[rid].state == "pending"):
                 assert_placed_soundly(r, deployments[r.deployment], nodes, leases)
+            if r.state == "launching" and rid in replicas and r.generation != replicas[rid].generation:
+                # restarted in place: the same members, GPUs and ports, a generation never issued before
+                was = replicas[rid]
+                assert was.state in ("ready", "degraded", "standby", "restarting")
+                assert [(m.node_id, m.gpus, m.http_port, m.rendezvous_port) for m in r.members] == [
+                    (m.node_id, m.gpus, m.http_port, m.rendezvous_port) for m in was.members
+                ]
+                assert r.generation > last_gen[r.deployment]
+                last_gen[r.deployment] = r.generation
         launched = {(launch.node_id, launch.replica_id, launch.member.rank) for launch in plan.launches}
         expected = {
             (m.node_id, rid, m.rank)
             for rid, r in plan.writes.items()
-            if r.state == "launching" and (rid not in replicas or replicas[rid].state == "pending")
+            if r.state == "launching" and (rid not in replicas or replicas[rid].state == "pending" or replicas[rid].generation != r.generation)
             for m in r.members
         }
         assert launched == expected
@@ -202,10 +212,12 @@ def test_random_histories_keep_the_invariants(cluster, specs, rounds, data):
                 r
                 for r in replicas.values()
                 if r.deployment == name
-                and r.state in ("pending", "launching", "waiting-for-workers", "ready")
+                and r.state in ("pending", "launching", "waiting-for-workers", "ready", "standby", "restarting")
                 and not any(m.node_id in draining for m in r.members)
             ]
-            assert len(counted) <= spec.replicas
+            assert len(counted) <= spec.replicas + spec.spares
+            # a spare is never routed in place of a serving replica, nor beside enough of them
+            assert sum(1 for r in counted if r.state == "ready") <= spec.replicas
         for rid in plan.writes:
             assert replicas[rid].since == now or replicas[rid].state == "pending"
 

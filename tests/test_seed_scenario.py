@@ -39,6 +39,15 @@ def llmgw(*args, timeout=180, cwd=None):
 
 @pytest.fixture
 def cluster(tmp_path):
+    yield from _running(tmp_path)
+
+
+@pytest.fixture
+def spared_cluster(tmp_path):
+    yield from _running(tmp_path, "--spares", "1")
+
+
+def _running(tmp_path, *extra):
     d = tmp_path / "llmgw"
     # A relative --dir, as a person types it: everything it starts runs elsewhere.
     r = llmgw(
@@ -54,6 +63,7 @@ def cluster(tmp_path):
         f"{LOAD}s",
         "--gateway-port",
         "0",
+        *extra,
         cwd=tmp_path,
     )
     info = json.loads((d / "cluster.json").read_text()) if (d / "cluster.json").exists() else None
@@ -68,13 +78,13 @@ def cluster(tmp_path):
             assert not any(leftovers.values()), f"processes left behind: {leftovers}"
 
 
-async def _observe(d, info):
+async def _observe(d, info, timeout=60):
     cfg = load_service_config(d / "operator.yaml")
     nc = await bus.connect(cfg.server, cfg.tls_files(), name="test", initial_attempts=5)
     try:
         addresses = {n["node_id"]: n["mgmt_addr"] for n in info["nodes"]}
         return await observe_seed_story(
-            nc.jetstream(), gateway_url=info["gateway_url"], model="sim-70b", addresses=addresses, cluster_dir=d, timeout=60, say=lambda *_: None
+            nc.jetstream(), gateway_url=info["gateway_url"], model="sim-70b", addresses=addresses, cluster_dir=d, timeout=timeout, say=lambda *_: None
         )
     finally:
         await nc.close()
@@ -141,3 +151,33 @@ def test_seed_failover_story(cluster):
     assert streams.differ == [] and all(streams.references.values())
     moved = [what for _, what in story.timeline if what.startswith("stream ") and "-> migrated to" in what]
     assert moved and all(story.failed.id in what for what in moved), story.timeline
+
+
+def test_seed_story_with_a_spare_is_back_at_full_capacity_in_the_failures_cycle(spared_cluster):
+    """``--spares 1``: a fabric of two nodes more, the spare standing by there; node02's
+    kill has it promoted in the cycle the ib-a replica leaves ready (before that replica
+    is even failed), and a new spare stands by later, built in the background."""
+    d, info, up_output = spared_cluster
+    assert "and 1 warm spare" in up_output
+    nodes = {n["node_id"]: n for n in info["nodes"]}
+    assert {n: v["fabric"] for n, v in nodes.items()} == {
+        "node01": "ib-a", "node02": "ib-a", "node03": "ib-b", "node04": "ib-b", "node05": "ib-c", "node06": "ib-c",
+    }  # fmt: skip
+    story = asyncio.run(_observe(d, info, timeout=90))
+    report(story, {n: v["mgmt_addr"] for n, v in nodes.items()})
+
+    assert sorted(r.fabric for r in story.before.values()) != [] and len(story.before) == 2
+    (spare,) = story.spares_before.values()
+    assert not {m.node_id for m in spare.members} & {"node02"}, "the spare must not share the victim's node"
+    # promoted: the spare itself, ready, in the cycle the doomed replica left ready
+    assert story.promoted is not None and story.promoted.id == spare.id
+    assert story.left_ready_at is not None and story.capacity_back_at is not None
+    assert story.capacity_back_at == story.promoted.since
+    assert story.failed_at is not None and story.capacity_back_at <= story.failed_at
+    # the background rebuild: a new spare, of a new generation, standing by after
+    assert story.new_spare is not None and story.new_spare.generation > max(r.generation for r in [*story.before.values(), spare])
+    assert story.new_spare_at > story.capacity_back_at
+    assert [r.state for r in story.after.values()].count("ready") == 2
+    assert not story.second_reply.startswith(("HTTP", "failed")), story.second_reply
+    # and the clients streaming all along saw no error
+    assert story.streams is not None and story.streams.runs and [r.error for r in story.streams.errors] == []

@@ -31,8 +31,9 @@ def tls(tmp_path):
         ("server: tls://127.0.0.1:4222\ntls: {{ca: ca.pem, cert: missing.pem, key: svc-key.pem}}\n", "tls.cert: file"),
         ("{tls}", "server: required key is missing"),
         ("server: [tls://127.0.0.1:4222\n", "YAML syntax error"),
+        ("server: tls://127.0.0.1:4222\n{tls}scheduler: {{restart_in_place: -1}}\n", "restart_in_place and peer_lost_grace must not be negative"),
     ],
-    ids=["typo", "https", "duplicate", "duration", "type", "lost-before-suspect", "missing-file", "missing-key", "yaml"],
+    ids=["typo", "https", "duplicate", "duration", "type", "lost-before-suspect", "missing-file", "missing-key", "yaml", "restart-budget"],
 )
 def test_bad_service_configs_are_refused_clearly(tmp_path, tls, body, message):
     path = tmp_path / "svc.yaml"

@@ -25,9 +25,15 @@ def test_the_replica_sets():
     assert set(R) - S.HOLDING_REPLICA == {R.GONE}
     # "starting": launched and not yet serving; the console adds pending
     assert S.LAUNCHED_REPLICA == {R.LAUNCHING, R.WAITING}
-    assert S.COMING_UP_REPLICA == S.LAUNCHED_REPLICA | {R.PENDING}
+    assert S.COMING_UP_REPLICA == S.LAUNCHED_REPLICA | {R.PENDING, R.RESTARTING}
     assert not S.COMING_UP_REPLICA & (S.ROUTABLE_REPLICA | S.ENDING_REPLICA)
     assert S.LAUNCHED_REPLICA <= S.ACTIVE_REPLICA and S.LAUNCHED_REPLICA <= S.IN_FLIGHT_REPLICA
+    # a standby spare is up and watched (active, wanted, holding) but never routed, and settled
+    assert R.STANDBY in S.ACTIVE_REPLICA and R.STANDBY in S.WANTED_REPLICA
+    assert R.STANDBY not in S.ROUTABLE_REPLICA | S.SERVING_REPLICA | S.IN_FLIGHT_REPLICA | S.COMING_UP_REPLICA
+    # restarting in place: wanted (it comes back on what it holds), not yet settled, not active
+    assert R.RESTARTING in S.WANTED_REPLICA & S.IN_FLIGHT_REPLICA and R.RESTARTING not in S.ACTIVE_REPLICA | S.ROUTABLE_REPLICA
+    assert S.ROUTABLE_REPLICA <= S.SERVING_REPLICA <= S.ACTIVE_REPLICA
 
 
 def test_the_engine_sets():

@@ -327,6 +327,30 @@ def test_the_seed_story_is_told_between_the_events():
     assert [k for k, _ in event_lines(tl, "rebuild")] == [] and [k for k, _ in event_lines(tl, "reaped")] == ["story"]
 
 
+def test_a_promoted_spare_and_its_rebuild_are_one_story_and_a_restart_in_place_another():
+    from .tui_builders import replica_ev
+
+    tl = Timeline()
+    told = tl.extend(
+        [
+            replica_ev(0.0, "demo-g1", "degraded", "group broken: member rank 0 on node01 peer-lost: rank 1 lost", "ready"),
+            replica_ev(0.0, "demo-g3", "ready", "promoted from standby: 1 of 2 serving", "standby"),
+            replica_ev(0.5, "demo-g1", "failed", "member rank 0 on node01 peer-lost; moved", "degraded"),
+            replica_ev(0.5, "demo-g1", "reaping", "stopping node01", "failed"),
+            replica_ev(0.5, "demo-g4", "launching", "placed on ib-b: node03 (leader), node04", ""),
+            replica_ev(16.0, "demo-g4", "standby", "leader on node03 loaded; a warm spare (2 of 2 serving)", "waiting-for-workers"),
+            replica_ev(20.0, "demo-g2", "restarting", "restart in place: member rank 0 on node03 exited", "ready"),
+            replica_ev(21.0, "demo-g2", "launching", "restarted in place on node03, node04 as generation 5", "restarting"),
+            replica_ev(35.0, "demo-g2", "standby", "leader on node03 loaded; a warm spare (2 of 2 serving)", "waiting-for-workers"),
+        ]
+    )
+    assert [s.text() for s in told] == [
+        "demo-g1 degraded → demo-g1 failed → demo-g3 promoted → reaping → demo-g4 placed on ib-b → standing by (16.0 s)",
+        "demo-g2 restarting in place → standing by (15.0 s)",
+    ]
+    assert tl.rebuilding == frozenset()
+
+
 def test_a_nodes_events_are_found_without_walking_the_log():
     model = model_of(seed_state())
     tl = Timeline(nodes=model.nodes)

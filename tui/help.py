@@ -41,7 +41,7 @@ def help_table(connection: str) -> Table:
     t.add_row("node states", Text(" ").join(Text(s, style=st) for s, st in NODE_STATE_STYLE.items()))
     cells = Text()
     for tone, label in (
-        (Tone.READY, "A ready"), (Tone.DEGRADED, "D degraded"), (Tone.STARTING, "B starting"), (Tone.FAILING, "C failed/reaping"), (Tone.FREE, "· free"),
+        (Tone.READY, "A ready"), (Tone.STANDBY, "S standby spare"), (Tone.DEGRADED, "D degraded"), (Tone.STARTING, "B starting"), (Tone.FAILING, "C failed/reaping"), (Tone.FREE, "· free"),
         (Tone.BROKEN, "✗ GPU unhealthy"), (Tone.FOREIGN, "f GPU busy, not llmgw's"),
     ):  # fmt: skip
         cells.append(label[0], style=GPU_CELL_STYLE[tone])

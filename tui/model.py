@@ -42,6 +42,7 @@ class Tone(StrEnum):
 
     READY = "ready"
     DEGRADED = "degraded"
+    STANDBY = "standby"  # a warm spare: up, loaded, not routed
     STARTING = "starting"  # states.COMING_UP_REPLICA
     FAILING = "failing"  # states.ENDING_REPLICA
     GONE = "gone"
@@ -56,7 +57,12 @@ class Tone(StrEnum):
 # replicas table, where its replacement would be.
 BACKOFF = "backing-off"
 # The tones that are a replica state's own word.
-_OWN_TONE: dict[str, Tone] = {ReplicaState.READY: Tone.READY, ReplicaState.DEGRADED: Tone.DEGRADED, ReplicaState.GONE: Tone.GONE}
+_OWN_TONE: dict[str, Tone] = {
+    ReplicaState.READY: Tone.READY,
+    ReplicaState.DEGRADED: Tone.DEGRADED,
+    ReplicaState.STANDBY: Tone.STANDBY,
+    ReplicaState.GONE: Tone.GONE,
+}
 
 
 def replica_tone(state: str) -> Tone:
@@ -117,10 +123,12 @@ REPLICA_URGENCY: tuple[str, ...] = (
     ReplicaState.FAILED,
     ReplicaState.REAPING,
     ReplicaState.DEGRADED,
+    ReplicaState.RESTARTING,
     ReplicaState.PENDING,
     ReplicaState.LAUNCHING,
     ReplicaState.WAITING,
     ReplicaState.READY,
+    ReplicaState.STANDBY,
     ReplicaState.GONE,
 )
 
@@ -344,7 +352,7 @@ def replica_summary(model: ClusterModel, rebuilding: frozenset[str], backoffs: i
             counts["rebuilding"] = counts.get("rebuilding", 0) + 1
     if backoffs:
         counts[Tone.BACKOFF] = backoffs
-    order = (Tone.READY, Tone.DEGRADED, "rebuilding", Tone.STARTING, ReplicaState.FAILED, Tone.BACKOFF, Tone.GONE)
+    order = (Tone.READY, Tone.STANDBY, Tone.DEGRADED, "rebuilding", Tone.STARTING, ReplicaState.FAILED, Tone.BACKOFF, Tone.GONE)
     return " · ".join(f"{counts[k]:,} {k}" for k in order if counts.get(k))
 
 

@@ -22,6 +22,8 @@ REPLICA_TONE_STYLE: dict[str, str] = {
     Tone.READY: "green",
     # Up, but its leader makes no progress: no new requests go to it.
     Tone.DEGRADED: "bold black on dark_orange",
+    # A warm spare: up and loaded, routed nothing until promoted.
+    Tone.STANDBY: "cyan",
     Tone.STARTING: "bold yellow",
     Tone.BACKOFF: "bold magenta",
     Tone.FAILING: "bold white on red",
@@ -33,6 +35,7 @@ GPU_CELL_STYLE: dict[str, str] = {
     Tone.FREE: "grey50",
     Tone.READY: "black on green",
     Tone.DEGRADED: "black on dark_orange",
+    Tone.STANDBY: "black on cyan",
     Tone.STARTING: "black on yellow",
     Tone.FAILING: "white on red",
     Tone.BROKEN: "bold white on dark_red",  # ✗: the GPU is unhealthy (XID, ECC, lost)
@@ -53,6 +56,8 @@ EVENT_STYLE: dict[str, str] = {
     EventWhat.LAUNCHING: "cyan",
     EventWhat.PENDING: "yellow",
     EventWhat.DEGRADED: "bold dark_orange",
+    EventWhat.STANDBY: "cyan",
+    EventWhat.RESTARTING: "yellow",
     EventWhat.RECOVERED: "green",
     EventWhat.BACKOFF: "magenta",
     EventWhat.AUTO_CORDON_WITHHELD: "magenta",

@@ -11,7 +11,10 @@ before, when the failure names that node (the scheduler's reason is
 (its leader stopped making progress) until it failed; otherwise the failure's
 own reason. The first replica of
 the same deployment created after the failure is its replacement. The story
-ends when the replacement is ready; its duration counts from the cause.
+ends when the replacement is ready, or stands by (a warm spare rebuilt); its
+duration counts from the cause. A standby spare promoted in the failure's
+cycle is a step of it ("demo-g3 promoted"). A replica restarting in place is
+its own story, ended when that replica is up again.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ import re
 from dataclasses import dataclass, field
 
 from llmgw.shared.schemas import Event
-from llmgw.shared.states import EventKind, EventWhat
+from llmgw.shared.states import EventKind, EventWhat, ReplicaState
 
 # A lost node explains a failure only if the failure follows soon after.
 CAUSE_WINDOW = 300.0
+# A spare promoted this shortly before a failure of its deployment took that
+# replica's place (it is promoted when the replica leaves ready, which may be a
+# moment before the replica is failed).
+PROMOTION_WINDOW = 60.0
 
 _PLACED_ON_FABRIC = re.compile(r"^placed on ([^\s:]+):")
 _PLACED_ON_NODE = re.compile(r"^placed (\S+)")
@@ -69,6 +76,7 @@ class StoryBook:
     def __init__(self, keep: int = 50) -> None:
         self.lost: dict[str, float] = {}  # node -> when it was declared lost
         self.degraded: dict[str, float] = {}  # replica -> when it became degraded
+        self.promoted: dict[str, tuple[str, float]] = {}  # deployment -> (spare promoted with no story open, when)
         self.open: list[Rebuild] = []
         self.told: list[Rebuild] = []
         self.keep = keep
@@ -104,7 +112,12 @@ class StoryBook:
             return None
         if ev.what in (EventWhat.READY, EventWhat.GONE) and ev.data.get("from") != "":
             self.degraded.pop(ev.subject, None)
-        if ev.what == EventWhat.FAILED:
+        if ev.what == EventWhat.RESTARTING:
+            steps = [f"{ev.subject} restarting in place"]
+            self.open.append(Rebuild(deployment=_deployment(ev), failed=ev.subject, started=ev.time, steps=steps, replacement=ev.subject))
+        elif ev.what == EventWhat.READY and ev.data.get("from") == ReplicaState.STANDBY:
+            self._promoted(ev)
+        elif ev.what == EventWhat.FAILED:
             self._failed(ev)
         elif ev.what == EventWhat.REAPING:
             self._reaping(ev)
@@ -114,9 +127,17 @@ class StoryBook:
                     s.steps[s.reaping_step] = "reaped"
         elif ev.data.get("from", "x") == "" or ev.what == EventWhat.LAUNCHING:
             self._placed(ev)
-        if ev.what == EventWhat.READY:
+        if ev.what in (EventWhat.READY, EventWhat.STANDBY):
             return self._ready(ev)
         return None
+
+    def _promoted(self, ev: Event) -> None:
+        dep = _deployment(ev)
+        stories = [s for s in self.open if s.deployment == dep and s.replacement != ev.subject]
+        if stories:
+            stories[-1].steps.append(f"{ev.subject} promoted")
+        else:
+            self.promoted[dep] = (ev.subject, ev.time)
 
     def _reaping(self, ev: Event) -> None:
         for s in self.open:
@@ -138,6 +159,9 @@ class StoryBook:
         if not cause and ev.subject in self.degraded:
             cause, started = f"{ev.subject} degraded", self.degraded.pop(ev.subject)
         steps = [cause, f"{ev.subject} failed"] if cause else [f"{ev.subject} failed ({ev.detail})" if ev.detail else f"{ev.subject} failed"]
+        spare, at = self.promoted.pop(_deployment(ev), ("", 0.0))
+        if spare and 0 <= ev.time - at <= PROMOTION_WINDOW:
+            steps.append(f"{spare} promoted")
         self.open.append(Rebuild(deployment=_deployment(ev), failed=ev.subject, started=started, steps=steps))
 
     def _placed(self, ev: Event) -> None:
@@ -158,7 +182,7 @@ class StoryBook:
         for s in self.open:
             if s.replacement == ev.subject:
                 s.ready_at = ev.time
-                s.steps.append(f"ready ({s.seconds:.1f} s)")
+                s.steps.append(f"{'standing by' if ev.what == EventWhat.STANDBY else 'ready'} ({s.seconds:.1f} s)")
                 self.open.remove(s)
                 self.told = [*self.told, s][-self.keep :]
                 return s

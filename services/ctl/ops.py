@@ -174,12 +174,13 @@ def deployments(args) -> int:
 def deployment_table(deps: dict[str, DeploymentSpec], reps: dict[str, Replica], now: float | None = None) -> list[tuple]:
     """``ctl deployments``: a header, then a row per deployment."""
     now = time.time() if now is None else now
-    table = [("DEPLOYMENT", "MODEL", "ENGINE", "READY/WANTED", "SHAPE", "OUTDATED", "BACKOFF")]
+    table = [("DEPLOYMENT", "MODEL", "ENGINE", "READY/WANTED", "SHAPE", "OUTDATED", "STANDBY/SPARES", "BACKOFF")]
     for d in sorted(deps.values(), key=lambda d: d.name):
         status = deployment_status(d, reps.values())
         shape = f"{d.nodes_per_replica} node(s) × {d.gpus_per_node} GPU(s)"
         outdated = str(status.outdated) if status.outdated else "-"
-        table.append((d.name, d.model, d.engine, f"{status.ready}/{status.wanted}", shape, outdated, backoff_cell(d, now)))
+        spares = f"{sum(1 for r in reps.values() if r.deployment == d.name and r.state == ReplicaState.STANDBY)}/{d.spares}" if d.spares else "-"
+        table.append((d.name, d.model, d.engine, f"{status.ready}/{status.wanted}", shape, outdated, spares, backoff_cell(d, now)))
     return table
 
 
@@ -197,7 +198,8 @@ def deploy(args) -> int:
                 return [await s.call(api.APPLY, spec) for spec in specs]
 
         for d in _run(go()):
-            print(f"deployment {d.name} applied: {d.replicas} × {d.nodes_per_replica} node(s) × {d.gpus_per_node} GPU(s) of {d.model} on {d.engine}")
+            spares = f" and {d.spares} warm spare(s)" if d.spares else ""
+            print(f"deployment {d.name} applied: {d.replicas} × {d.nodes_per_replica} node(s) × {d.gpus_per_node} GPU(s) of {d.model} on {d.engine}{spares}")
         return 0
 
     async def go_delete():

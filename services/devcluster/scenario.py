@@ -48,6 +48,13 @@ class Story:
     second_reply: str = ""
     streams: StreamClients | None = None  # clients streaming through the gateway all along
     timeline: list[tuple[float, str]] = field(default_factory=list)
+    # --spares: the standby spares before, and what became of them (``_follow_spares``)
+    spares_before: dict[str, Replica] = field(default_factory=dict)
+    left_ready_at: float | None = None  # the doomed replica's record left ready (scheduler clock)
+    promoted: Replica | None = None
+    capacity_back_at: float | None = None  # as many ready as before again (scheduler clock)
+    new_spare: Replica | None = None
+    new_spare_at: float | None = None
 
     def mark(self, at: float, what: str) -> None:
         self.timeline.append((at, what))
@@ -199,6 +206,7 @@ async def observe_seed_story(
     leases = await open_mirror(js, B.LEASES)
     try:
         story.before = {k: v for k, v in replicas.items.items() if v.state == ReplicaState.READY}
+        story.spares_before = {k: v for k, v in replicas.items.items() if v.state == ReplicaState.STANDBY}
         story.listening_before = {n: listening_on(a) for n, a in addresses.items()}
         story.first_reply = await asyncio.to_thread(chat, gateway_url, model, "hello from the seed scenario")
         doomed = {k for k, r in story.before.items() if any(m.node_id == victim for m in r.members)}
@@ -222,9 +230,12 @@ async def observe_seed_story(
                 story.lost_at = lease.since
                 story.mark(lease.since, f"{victim} declared lost")
                 say(f"{victim} lost at t+{lease.since - story.killed_at:.1f}s")
-            if _follow_rebuild(story, replicas.items, doomed, story.killed_at, say, say_failed=False):
+            rebuilt = _follow_rebuild(story, replicas.items, doomed, story.killed_at, say, say_failed=False)
+            if rebuilt and (not story.spares_before or _follow_spares(story, replicas.items, doomed, story.killed_at, say)):
                 break
-            await asyncio.sleep(0.1)
+            if story.spares_before:
+                _follow_spares(story, replicas.items, doomed, story.killed_at, say)
+            await asyncio.sleep(0.05)
         story.after = {k: v for k, v in replicas.items.items() if v.state != ReplicaState.GONE}
         story.listening_after = {n: listening_on(a) for n, a in addresses.items()}
         story.second_reply = await asyncio.to_thread(chat, gateway_url, model, "hello again, after the rebuild")
@@ -236,7 +247,7 @@ async def observe_seed_story(
             await story.streams.stop()
         await replicas.stop()
         await leases.stop()
-    story.timeline.sort()
+    story.timeline.sort(key=lambda t: t[0])  # same time: in the order seen (what left ready, then what replaced it)
     return story
 
 
@@ -297,8 +308,54 @@ def report(story: Story, addresses: dict[str, str], say=print) -> None:
         )
         for run in c.errors[:5]:
             say(f"    error: stream {run.id or '?'} on {run.replica}: {run.error}")
-    if story.lost_at and story.replacement_ready_at:
+    if story.spares_before:
+        report_spares(story, say)
+    elif story.lost_at and story.replacement_ready_at:
         say(f"  measured: lost at t+{story.lost_at - t0:.1f}s, replacement ready at t+{story.replacement_ready_at - t0:.1f}s")
+
+
+def _follow_spares(story: Story, replicas: dict, doomed, t0: float, say) -> bool:
+    """One look for ``--spares``: when a doomed replica left ready, when a spare was
+    promoted and the ready count was back, when a new spare stood by. True once
+    a new spare stands by (the background rebuild is done)."""
+    for rid in sorted(doomed):
+        r = replicas.get(rid)
+        if story.left_ready_at is None and (r is None or r.state != ReplicaState.READY):
+            story.left_ready_at = r.since if r is not None else time.time()
+            story.mark(story.left_ready_at, f"{rid} leaves ready: {r.state} ({r.reason})" if r is not None else f"{rid} gone")
+    if story.promoted is None:
+        for rid in sorted(story.spares_before):
+            r = replicas.get(rid)
+            if r is not None and r.state == ReplicaState.READY:
+                story.promoted = r
+                story.mark(r.since, f"spare {rid} promoted: ready on {r.fabric} ({r.reason})")
+                say(f"spare {rid} promoted at t+{r.since - t0:.1f}s")
+    ready = [r for r in replicas.values() if r.state == ReplicaState.READY and r.deployment in {b.deployment for b in story.before.values()}]
+    if story.capacity_back_at is None and story.left_ready_at is not None and len(ready) >= len(story.before):
+        story.capacity_back_at = max(r.since for r in ready)
+        story.mark(story.capacity_back_at, f"capacity back: {len(ready)} replicas ready ({', '.join(sorted(r.id for r in ready))})")
+        say(f"capacity back at t+{story.capacity_back_at - t0:.1f}s")
+    if story.new_spare is None and story.promoted is not None:
+        for r in replicas.values():
+            if r.state == ReplicaState.STANDBY and r.id not in story.spares_before:
+                story.new_spare, story.new_spare_at = r, r.since
+                story.mark(r.since, f"new spare {r.id} standing by on {r.fabric} (built in the background)")
+                say(f"new spare {r.id} standing by at t+{r.since - t0:.1f}s")
+    return story.new_spare is not None
+
+
+def report_spares(story: Story, say=print) -> None:
+    """The ``--spares`` lines of the seed report: capacity back, apart from the spare's rebuild."""
+    t0 = story.killed_at
+    if story.left_ready_at is None or story.capacity_back_at is None:
+        say("  measured: capacity did not come back within the scenario's wait")
+        return
+    say(
+        f"  measured: the ib-a replica left ready at t+{story.left_ready_at - t0:.1f}s; two ready again at "
+        f"t+{story.capacity_back_at - t0:.1f}s ({story.capacity_back_at - story.left_ready_at:.2f}s after it, spare promoted)"
+    )
+    if story.new_spare_at is not None:
+        say(f"  new spare standing by at t+{story.new_spare_at - t0:.1f}s (rebuilt in the background: the engine's load)")
 
 
 def _start_allowance(cluster, args) -> float:
@@ -432,7 +489,7 @@ async def observe_fabric_story(
         await replicas.stop()
         await leases.stop()
         await nodes.stop()
-    story.timeline.sort()
+    story.timeline.sort(key=lambda t: t[0])  # same time: in the order seen (what left ready, then what replaced it)
     return story
 
 

@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from llmgw.shared import api, bus, pki, procfs
 from llmgw.shared import buckets as B
 from llmgw.shared.api import ApiFailed
@@ -409,7 +411,8 @@ class Cluster:
             await nodes.stop()
             await leases.stop()
 
-    async def wait_replicas(self, js, deployment: str, count: int, timeout: float) -> dict[str, Replica]:
+    async def wait_replicas(self, js, deployment: str, count: int, timeout: float, spares: int = 0) -> dict[str, Replica]:
+        """Wait until ``count`` replicas of ``deployment`` are ready and ``spares`` stand by; the ready ones."""
         replicas = await open_mirror(js, B.REPLICAS, wait=timeout)
         started = time.monotonic()
         deadline = started + timeout
@@ -429,7 +432,7 @@ class Cluster:
                     self.say(f"replicas: {summary or 'none yet'} (still waiting, {now - started:.0f}s)")
                     said = now
                 ready = {k: r for k, r in mine.items() if r.state == ReplicaState.READY}
-                if len(ready) >= count:
+                if len(ready) >= count and sum(1 for r in mine.values() if r.state == ReplicaState.STANDBY) >= spares:
                     return ready
                 if time.monotonic() > deadline:
                     raise UpError(
@@ -459,9 +462,12 @@ class Cluster:
                 await asyncio.sleep(0.2)
         self.say(f"recorded the addresses of {len(self.nodes)} nodes with the registry")
 
-    def demo_specs(self, load_time: float, peer_timeout: float | None = None) -> list[DeploymentSpec]:
+    def demo_specs(self, load_time: float, peer_timeout: float | None = None, spares: int = 0) -> list[DeploymentSpec]:
         """The demo's deployments: two 2 × 4-GPU replicas of the sim, or on real vLLM
-        what this machine holds (``realvllm.demo_deployments``)."""
+        what this machine holds (``realvllm.demo_deployments``); ``spares`` warm spares each."""
+        return [msgspec.structs.replace(s, spares=spares) for s in self._demo_specs(load_time, peer_timeout)]
+
+    def _demo_specs(self, load_time: float, peer_timeout: float | None) -> list[DeploymentSpec]:
         if self.engine == "vllm":
             return realvllm.demo_deployments()
         return [
@@ -481,8 +487,8 @@ class Cluster:
     def demo_model(self) -> str:
         return realvllm.MODEL if self.engine == "vllm" else DEMO_MODEL
 
-    async def apply_demo(self, nc, load_time: float, peer_timeout: float | None = None) -> list[DeploymentSpec]:
-        specs = self.demo_specs(load_time, peer_timeout)
+    async def apply_demo(self, nc, load_time: float, peer_timeout: float | None = None, spares: int = 0) -> list[DeploymentSpec]:
+        specs = self.demo_specs(load_time, peer_timeout, spares)
         for spec in specs:
             for _ in range(100):
                 try:
@@ -497,7 +503,8 @@ class Cluster:
                 raise UpError(f"the scheduler did not accept the demo deployment {spec.name}; see its log")
             shape = f"{spec.replicas} replica{'s' if spec.replicas != 1 else ''} × {spec.nodes_per_replica} node{'s' if spec.nodes_per_replica != 1 else ''} × {spec.gpus_per_node} GPU{'s' if spec.gpus_per_node != 1 else ''}"
             how = f"load time {format_duration(load_time)}" if spec.engine == "sim" else " ".join(spec.engine_args)
-            self.say(f"applied deployment {spec.name}: {shape} of {spec.model} on {spec.engine} ({how})")
+            spared = f", and {spec.spares} warm spare{'s' if spec.spares != 1 else ''}" if spec.spares else ""
+            self.say(f"applied deployment {spec.name}: {shape} of {spec.model} on {spec.engine} ({how}){spared}")
         return specs
 
     # -- teardown -------------------------------------------------------------------
@@ -606,6 +613,22 @@ def _durations(args) -> None:
         )
 
 
+def spare_nodes(args) -> None:
+    """``--spares N``: the demo deployment keeps N warm spares, and the cluster
+    gains N fabrics of as many nodes as each of its fabrics has. The seed's four
+    nodes have the GPUs for a spare, but only beside a serving replica, on the
+    same two nodes: the node kill that fails that replica would take the spare
+    with it. A fabric of its own gives each spare a failure domain of its own."""
+    spares = getattr(args, "spares", 0) or 0
+    if spares < 0:
+        raise ConfigError(f"--spares {spares}: must be 0 or more")
+    if not spares or args.fabrics <= 0 or args.no_demo:
+        return
+    per = -(-args.nodes // args.fabrics)
+    args.nodes += spares * per
+    args.fabrics += spares
+
+
 async def _bring_up(cluster: Cluster, args) -> None:
     cluster.prepare(args)
     cluster.start_nats()
@@ -620,12 +643,12 @@ async def _bring_up(cluster: Cluster, args) -> None:
         cluster.say(f"started {len(cluster.nodes)} agents")
         await cluster.wait_nodes(js, timeout=max(60.0, args.heartbeat_interval * 6))
         if not args.no_demo:
-            specs = await cluster.apply_demo(nc, args.engine_load_time, getattr(args, "engine_peer_timeout", None))
+            specs = await cluster.apply_demo(nc, args.engine_load_time, getattr(args, "engine_peer_timeout", None), getattr(args, "spares", 0))
             if cluster.engine == "vllm":
                 cluster.say(f"real vLLM engines take a minute or two to start here (up to {format_duration(realvllm.STARTUP_TIMEOUT)})")
             for spec in specs:
                 timeout = spec.startup_timeout + 30 if spec.engine != "sim" else max(120.0, args.engine_load_time * 4 + 30)
-                await cluster.wait_replicas(js, spec.name, spec.replicas, timeout=timeout)
+                await cluster.wait_replicas(js, spec.name, spec.replicas, timeout=timeout, spares=spec.spares)
     finally:
         await nc.close()
 
@@ -660,6 +683,7 @@ def up(args) -> int:
         raise ConfigError(f"--vllm {args.vllm} names the vllm command for --engine vllm; this cluster's engine is {args.engine}")
     if getattr(args, "engine", "sim") == "vllm":
         realvllm.find_vllm(getattr(args, "vllm", None))  # no vLLM to run: say so before touching DIR
+    spare_nodes(args)
     simcluster.layout(args.nodes, args.fabrics, args.gpus_per_node)  # refuse bad sizes before touching DIR
     check_cluster_size(getattr(args, "nats_servers", 1))
     d = Path(args.dir).resolve()  # children run elsewhere (cwd=DIR): every path they get is absolute

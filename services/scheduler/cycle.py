@@ -111,6 +111,35 @@ The cases (after LWS' numbered case analysis):
    GPU (``gpu_unhealthy``); a GPU busy with a foreign process is not offered
    either (``gpu_foreign``), though what already runs on it is left alone.
 
+12. Warm spares (``DeploymentSpec.spares``): a deployment counts its
+   ``replicas`` serving (ready, degraded) and its ``spares`` standby, and
+   places ``replicas + spares``. A replica whose leader comes up becomes
+   ``ready`` while its deployment has fewer serving than ``replicas``, else
+   ``standby`` (decided in converge, which sees the deployment whole). When a
+   serving replica is found failed, the deployment is short in the same
+   cycle, and a standby becomes ``ready`` at once (promoted, oldest first);
+   case 1 then builds a new spare. Too many serving while spares are short
+   (a scale-down): the newest ready becomes ``standby``. A standby whose
+   leader makes no progress (the agent's canary got no token) is failed at
+   once. Draining or outdated (case 7) spares are retired at once: their
+   replacements are built as spares, of the new spec.
+13. Spares yield: replicas that must be placed to serve are placed first, in
+   every deployment, before any spare; no spare is placed in a cycle in which
+   a serving replica fits nowhere. Such a serving replica takes a standby
+   spare of another deployment whose members cover its shape (``spares.covers``:
+   the freed members share one fabric): the spare is reaped, and the
+   replica is placed on what it frees. One spare at a time.
+14. Restart in place: a ready, degraded or standby replica one of whose
+   engines *exited* (its agent said so), on nodes whose lease is ready, whose
+   hardware is healthy and which are active, is not failed: it goes
+   ``restarting`` (its group's old engines are stopped) and, once every old
+   engine has ended, ``launching`` again on the same members, GPUs and ports
+   under a new generation. At most ``restart_in_place`` times within
+   ``restart_window`` (``Replica.restarts``); past that, or for any other
+   failure, it fails and moves, and its ``failed`` event says why it was not
+   restarted in place. A node lost (or its old engines not ended within
+   ``reap_timeout``) while restarting fails it.
+
 Every state transition is a ``replica`` event whose ``what`` is the new state.
 """
 
@@ -142,6 +171,7 @@ from llmgw.shared.states import (
     IN_FLIGHT_REPLICA,
     LAUNCHED_REPLICA,
     RUNNING_ENGINE,
+    SERVING_REPLICA,
     UP_ENGINE,
     WANTED_REPLICA,
     AdminBy,
@@ -157,11 +187,15 @@ from llmgw.shared.states import (
     ReplicaState as RS,
 )
 
+from .filters import Request
 from .placement import PlacementCache, PlacementResult, place, request_for
 from .plan import Backoff, Cordon, Launch, NodeFailure, Plan, Stop
+from .spares import GROUP_BROKEN, PREEMPTED, Roles, broken_group, preemption_victim, recent_restarts, removal_order
 from .view import ClusterView, PortRange
 
 SPEC_CHANGED = "deployment spec changed"
+# A replica that had come up: one of its engines exiting may restart it in place (case 14).
+_UP = SERVING_REPLICA | {RS.STANDBY}
 
 
 @dataclass(frozen=True)
@@ -181,6 +215,13 @@ class ReconcileConfig:
     auto_cordon_after: int = 3
     auto_cordon_window: float = 600.0
     auto_cordon_max_share: float = 0.25
+    # Restart in place (case 14): at most this many within the window; 0: always move.
+    restart_in_place: int = 2
+    restart_window: float = 600.0
+    # A member of a replica that had come up says a peer is gone, every node is
+    # healthy and no engine exit is reported yet: wait this long for the exit
+    # (the two reports race) before moving it. 0: move at once.
+    peer_lost_grace: float = 0.5
 
     @classmethod
     def from_section(cls, sc) -> ReconcileConfig:
@@ -193,6 +234,9 @@ class ReconcileConfig:
             auto_cordon_after=sc.auto_cordon_after,
             auto_cordon_window=sc.auto_cordon_window,
             auto_cordon_max_share=sc.auto_cordon_max_share,
+            restart_in_place=sc.restart_in_place,
+            restart_window=sc.restart_window,
+            peer_lost_grace=sc.peer_lost_grace,
         )
 
     def backoff(self, failures: int) -> float:
@@ -233,7 +277,7 @@ def run(cycle: Cycle, scope: Scope, failures: Mapping[str, Sequence[NodeFailure]
     cycle.advance_all(scope.replicas)
     cycle.judge(failures)  # before placing: a node cordoned now takes nothing new, a suspect is avoided
     cycle.view, cycle.memo = sight(cycle, cycle.suspects)
-    return cycle.converge_all(scope)
+    return cycle.converge_all(scope) | cycle.place_spares()
 
 
 def replica_order(replica: Replica) -> tuple[int, str]:
@@ -275,6 +319,13 @@ class Cycle:
         # write its record and then delete it, after launching it)
         self.deleted: set[str] = set()
         self._draining: frozenset[str] | None = None  # nodes draining, once asked (``draining``)
+        # replica id -> its leader's endpoint: came up this cycle, ready or standby decided in converge (case 12)
+        self.came_up: dict[str, str] = {}
+        self.placed_new = 0  # of the last ``create``: how many it placed
+        # deployment -> its serving replicas that fit nowhere this cycle (case 13), with the request
+        self.serving_short: dict[str, tuple[Request, int]] = {}
+        # (spec, pending spares to retry, spares to make, its replicas) placed after every serving one (case 13)
+        self.spare_work: list[tuple[DeploymentSpec, list[Replica], int, list[Replica]]] = []
 
     # -- recording ----------------------------------------------------------
 
@@ -364,13 +415,31 @@ class Cycle:
             self.plan.deletes.append(replica.id)
             self.deleted.add(replica.id)
             return
+        if replica.state in _UP and self.awaiting_exit(replica):
+            if not broken_group(replica) or replica.state != RS.DEGRADED:
+                lost = "; ".join(
+                    f"member rank {m.rank} on {m.node_id} {m.engine_state}: {m.engine_detail}" for m in replica.members if m.engine_state in BROKEN_ENGINE
+                )
+                why = f"{GROUP_BROKEN}: {lost}"
+                detail = f"{why}; every node healthy: waiting {self.config.peer_lost_grace:g}s for an engine exit to restart in place, else it moves"
+                self.transition(replica, RS.DEGRADED, why, detail=detail)
+            return
         if replica.state in ACTIVE_REPLICA:
             why, implicated = self.failure(replica)
-            if why:
-                self.failed(replica, why, implicated)  # cases 3, 9, 10
-                replica = self.transition(replica, RS.FAILED, why)
-            else:
+            if not why:
                 self.progress(replica)  # cases 2, 8
+                return
+            not_in_place = self.in_place(replica)
+            if not not_in_place:
+                self.restart_in_place(replica, why)  # case 14
+                return
+            self.failed(replica, why, implicated)  # cases 3, 9, 10
+            exited = replica.state in _UP and (any(m.engine_state == E.EXITED for m in replica.members) or broken_group(replica))
+            moved = f"{why}; moved, not restarted in place: {not_in_place}" if exited else why
+            replica = self.transition(replica, RS.FAILED, why, detail=moved)
+        if replica.state == RS.RESTARTING:
+            replica = self.restarting(replica)  # case 14
+            if replica.state != RS.FAILED:
                 return
         if replica.state == RS.FAILED:
             replica = self.start_reaping(replica, replica.reason)  # case 4
@@ -405,6 +474,9 @@ class Cycle:
             states = ", ".join(f"{m.node_id}: {m.engine_state or 'unreported'}" for m in replica.members)
             laggards = [m.node_id for m in replica.members if m.engine_state not in (E.READY, E.JOINED, E.STALLED)]
             return f"not ready within {spec.startup_timeout:g}s of launch ({states})", _unique(laggards)
+        if replica.state == RS.STANDBY and leader.engine_state == E.STALLED:  # case 12: no spare
+            detail = leader.engine_detail or "no detail from its agent"
+            return f"standby spare's leader on {leader.node_id} makes no progress: {detail}", [leader.node_id]
         hung_for = self.now - replica.since
         if replica.state == RS.DEGRADED and hung_for >= self.config.hang_timeout:
             detail = leader.engine_detail or replica.reason
@@ -480,14 +552,12 @@ class Cycle:
                 self.transition(replica, RS.READY, f"leader on {leader.node_id} making progress again")
                 self.became_ready[replica.deployment] = replica.id
             return
+        if replica.state == RS.STANDBY:
+            return
         if leader.engine_state in UP_ENGINE:
+            # Serving or standby: converge decides, seeing the whole deployment (case 12).
             addr = self.nodes[leader.node_id].mgmt_addr
-            endpoint = f"http://{_hostport(addr, leader.http_port)}"
-            if leader.engine_state == E.READY:
-                self.transition(replica, RS.READY, f"leader on {leader.node_id} serving", endpoint=endpoint)
-                self.became_ready[replica.deployment] = replica.id
-            else:  # it came up and stopped making progress before we saw it serve
-                self.transition(replica, RS.DEGRADED, f"leader on {leader.node_id} stalled: {stalled_why}", detail=stalled_why, endpoint=endpoint)
+            self.came_up[replica.id] = f"http://{_hostport(addr, leader.http_port)}"
         elif replica.state == RS.LAUNCHING and all(m.engine_state in RUNNING_ENGINE for m in replica.members):
             self.transition(replica, RS.WAITING, "all engines started; leader waiting for workers")
 
@@ -512,6 +582,8 @@ class Cycle:
 
     def converge(self, name: str, spec: DeploymentSpec | None, mine: list[Replica]) -> None:
         want = spec.replicas if spec is not None else 0
+        spares = spec.spares if spec is not None else 0
+        mine = self.settle_up(mine, want, spec)  # case 12: came up, serving or standby
         digest = template_digest(spec) if spec is not None else ""
         # One pass, each replica in the first list it belongs to (in ``mine``'s
         # order): a deployment of thousands is partitioned on every step that
@@ -529,20 +601,26 @@ class Cycle:
             else:
                 counted.append(r)
 
-        # case 5: too many — pending first, then not ready, then the newest.
-        extra = len(counted) - want
+        # case 5: too many — pending first, then not up, then the role there is
+        # too much of (serving or standby), then the newest.
+        extra = len(counted) - want - spares
         if extra > 0:
-            why = "deployment deleted" if spec is None else f"scaled down to {want}"
-            counted.sort(key=_removal_order)
+            why = "deployment deleted" if spec is None else f"scaled down to {want}" + (f" and {spares} spare(s)" if spares else "")
+            serving_excess = Roles.of(counted).serving > want
+            counted.sort(key=lambda r: removal_order(r, serving_excess))
             for replica in counted[:extra]:
                 self.retire(replica, why)
-            counted = counted[extra:]
+            counted = sorted(counted[extra:], key=replica_order)
+        counted = self.promote(counted, want, spares)  # case 12
 
-        # case 6: a draining replica stays until ready replicas elsewhere cover it.
+        # case 6: a draining replica stays until ready replicas elsewhere cover it;
+        # a draining spare serves no one: its replacement is built elsewhere.
         ready = sum(1 for r in counted if r.state == RS.READY)
         keep = max(0, want - ready)
         draining.sort(key=lambda r: (r.state != RS.READY, r.generation))
-        for replica in draining[keep:]:
+        spare_draining = [r for r in draining if r.state == RS.STANDBY]
+        draining = [r for r in draining if r.state != RS.STANDBY]
+        for replica in draining[keep:] + spare_draining:
             nodes = ", ".join(self.draining(replica))
             self.retire(replica, "deployment deleted" if spec is None else f"node {nodes} draining; replaced")
 
@@ -556,13 +634,204 @@ class Cycle:
             if want > len(counted) or any(r.state == RS.PENDING for r in counted):
                 self.plan.pending[name] = backoff_text(backoff)
             return
-        # case 1: retry pending replicas, then make the missing ones.
-        for replica in sorted((r for r in counted if r.state == RS.PENDING), key=lambda r: r.generation):
-            self.retry(spec, replica)
-        if want > len(counted):
-            self.create(spec, want - len(counted), mine)
+        self.fill(spec, counted, mine)  # case 1
         if serving_old:
             self.make_room(name, serving_old)
+
+    # -- case 12: warm spares ----------------------------------------------------
+
+    def settle_up(self, mine: list[Replica], want: int, spec: DeploymentSpec | None) -> list[Replica]:
+        """The replicas of ``mine`` that came up this cycle become ready while the
+        deployment serves fewer than ``want``, else standby; ``mine`` as it is after."""
+        up = [r for r in mine if r.id in self.came_up]
+        if not up:
+            return mine
+        digest = template_digest(spec) if spec is not None else ""
+        serving = sum(1 for r in mine if r.state in SERVING_REPLICA and not broken_group(r) and not is_outdated(r, digest) and not self.draining(r))
+        for replica in up:
+            leader = replica.members[0]
+            endpoint = self.came_up.pop(replica.id)
+            # An outdated or draining replica (or one of a deleted deployment) is
+            # judged by cases 5-7 as it always was; only a current one may stand by.
+            counts = spec is not None and not is_outdated(replica, digest) and not self.draining(replica)
+            if counts and serving >= want and leader.engine_state == E.READY:
+                self.transition(replica, RS.STANDBY, f"leader on {leader.node_id} loaded; a warm spare ({serving} of {want} serving)", endpoint=endpoint)
+                self.became_ready[replica.deployment] = replica.id
+                continue
+            if leader.engine_state == E.READY:
+                self.transition(replica, RS.READY, f"leader on {leader.node_id} serving", endpoint=endpoint)
+                self.became_ready[replica.deployment] = replica.id
+            else:  # it came up and stopped making progress before we saw it serve
+                why = leader.engine_detail or "no detail from its agent"
+                self.transition(replica, RS.DEGRADED, f"leader on {leader.node_id} stalled: {why}", detail=why, endpoint=endpoint)
+            serving += counts
+        return [self.replicas.get(r.id, r) for r in mine]
+
+    def promote(self, counted: list[Replica], want: int, spares: int) -> list[Replica]:
+        """Short of serving replicas: standby spares become ready, oldest first.
+        Too many serving while spares are short: the newest ready stand by."""
+        roles = Roles.of(counted)
+        short = want - roles.serving
+        if short > 0 and roles.standby:
+            for replica in [r for r in counted if r.state == RS.STANDBY][:short]:
+                why = f"promoted from standby: {roles.serving} of {want} serving"
+                self.transition(replica, RS.READY, why, detail=f"{why}; a new spare is built in the background")
+        elif short < 0 and roles.standby < spares:
+            ready = [r for r in counted if r.state == RS.READY][::-1]
+            for replica in ready[: min(-short, spares - roles.standby)]:
+                self.transition(replica, RS.STANDBY, f"{roles.serving} serving of {want}: kept as a warm spare")
+        else:
+            return counted
+        return [self.replicas[r.id] for r in counted]
+
+    # -- case 13: spares yield to serving replicas ------------------------------
+
+    def place_spares(self) -> set[str]:
+        """After every deployment in scope has placed what must serve: take a spare
+        for a serving replica that fits nowhere, else place the spares. Returns
+        the deployments with spares still to place (unsettled)."""
+        unsettled = {spec.name for spec, *_ in self.spare_work}
+        if self.serving_short:
+            self.preempt()
+            for spec, pending, _count, _ in self.spare_work:
+                short = ", ".join(sorted(self.serving_short))
+                why = f"spares wait: serving replicas of {short} fit nowhere"
+                self.plan.pending.setdefault(spec.name, why)
+                for replica in pending:
+                    if replica.reason != why:
+                        new = msgspec.structs.replace(replica, reason=why)
+                        self.replicas[new.id] = self.plan.writes[new.id] = new
+            return unsettled
+        for spec, pending, count, mine in self.spare_work:
+            for replica in pending:
+                self.retry(spec, replica)
+            if count:
+                self.create(spec, count, mine)
+        return unsettled
+
+    def preempt(self) -> None:
+        """Case 13: a standby spare of another deployment reaped for each serving
+        replica that fits nowhere, one spare at a time."""
+        if any(r.state == RS.REAPING and r.reason.startswith(PREEMPTED) for r in self.replicas.values()):
+            return  # its GPUs are on their way
+        standby = sorted((r for r in self.replicas.values() if r.state == RS.STANDBY), key=lambda r: r.id)
+        for name in sorted(self.serving_short):
+            request, _ = self.serving_short[name]
+            victim = preemption_victim(standby, request)
+            if victim is not None:
+                self.retire(victim, f"{PREEMPTED}: deployment {name} has a serving replica that fits nowhere ({request.describe()}); a spare yields first")
+                return
+
+    # -- case 14: restart in place -------------------------------------------------
+
+    def awaiting_exit(self, replica: Replica) -> bool:
+        """Case 14's race: a peer says the group broke, no exit is reported yet, and
+        every node is healthy: within ``peer_lost_grace`` the exit may still come."""
+        if not any(m.engine_state in BROKEN_ENGINE for m in replica.members):
+            return False
+        if any(m.engine_state in ENDED_ENGINE for m in replica.members) or self.config.peer_lost_grace <= 0:
+            return False
+        if replica.state == RS.DEGRADED and replica.reason.startswith(GROUP_BROKEN) and self.now - replica.since >= self.config.peer_lost_grace:
+            return False
+        if len(recent_restarts(replica, self.now, self.config.restart_window)) >= self.config.restart_in_place:
+            return False
+        for m in replica.members:
+            lease = self.leases.get(m.node_id)
+            if self.node_down(m.node_id) or lease is None or lease.state != LeaseState.READY or self.nodes[m.node_id].admin != AdminState.ACTIVE:
+                return False
+        return not self.hardware(replica)
+
+    def in_place(self, replica: Replica) -> str:
+        """Why a failed replica is not restarted in place ("" when it is)."""
+        if replica.state not in _UP:
+            return "it never came up"
+        if not any(m.engine_state == E.EXITED for m in replica.members):
+            return "no engine exit was reported (a node or its agent may be gone)"
+        for m in replica.members:
+            if why := self.node_down(m.node_id):
+                return why
+            lease = self.leases.get(m.node_id)
+            if lease is None or lease.state != LeaseState.READY:
+                return f"node {m.node_id}'s lease is {lease.state if lease else 'missing'}"
+            if self.nodes[m.node_id].admin != AdminState.ACTIVE:
+                return f"node {m.node_id} is {self.nodes[m.node_id].admin}"
+        if broken := self.hardware(replica):
+            return broken[0][1]
+        spec = self.deployments.get(replica.deployment)
+        if spec is None:
+            return "its deployment is deleted"
+        if is_outdated(replica, template_digest(spec)):
+            return SPEC_CHANGED
+        budget, window = self.config.restart_in_place, self.config.restart_window
+        recent = recent_restarts(replica, self.now, window)
+        if len(recent) >= budget:
+            return f"restarted in place {len(recent)} time(s) within {format_duration(window)} (restart_in_place {budget})"
+        return ""
+
+    def restart_in_place(self, replica: Replica, why: str) -> None:
+        """Stop the group's old engines; ``restarting`` relaunches once all ended."""
+        restarts = [*recent_restarts(replica, self.now, self.config.restart_window), self.now]
+        for m in replica.members:  # an exited engine gets one too: the agent keeps its record until told
+            self.plan.stops.append(Stop(m.node_id, replica.id, replica.generation, f"restart in place: {why}"))
+        nodes = ", ".join(_unique(m.node_id for m in replica.members))
+        detail = (
+            f"restart in place: {why}; nodes {nodes} healthy, relaunching on the same members "
+            f"(restart {len(restarts)} of {self.config.restart_in_place} within {format_duration(self.config.restart_window)})"
+        )
+        after = self.transition(replica, RS.RESTARTING, f"restart in place: {why}", detail=detail, restarts=restarts, endpoint="")
+        self.restarting(after)
+
+    def restarting(self, replica: Replica) -> Replica:
+        """Case 14: relaunch once every old engine ended; fail if a node goes or they never end."""
+        down = [why for m in replica.members if (why := self.node_down(m.node_id))] + [why for _, why in self.hardware(replica)]
+        if down:
+            why = "; ".join(down)
+            self.failed(replica, why, _unique(m.node_id for m in replica.members if self.node_down(m.node_id)))
+            return self.transition(replica, RS.FAILED, why, detail=f"{why}; moved, not restarted in place: a node went while restarting")
+        spec = self.deployments.get(replica.deployment)
+        if spec is None or is_outdated(replica, template_digest(spec)):
+            return replica  # converge retires it
+        if all(m.engine_state in ENDED_ENGINE for m in replica.members):
+            return self.relaunch(spec, replica)
+        if self.now - replica.since >= self.config.reap_timeout:
+            why = f"old engines not reported exited within {self.config.reap_timeout:g}s of a restart in place"
+            return self.transition(replica, RS.FAILED, why, detail=f"{why}; moved")
+        return replica
+
+    def relaunch(self, spec: DeploymentSpec, replica: Replica) -> Replica:
+        """The same members, GPUs and ports, a new generation (the agents fence the old one)."""
+        generation = max(spec.last_generation, self.plan.generations.get(spec.name, 0), replica.generation) + 1
+        self.plan.generations[spec.name] = generation
+        members = [msgspec.structs.replace(m, engine_state=E.UNREPORTED, engine_detail="", pid=0) for m in replica.members]
+        nodes = ", ".join(_unique(m.node_id for m in members))
+        placed = self.transition(
+            replica,
+            RS.LAUNCHING,
+            f"restarted in place on {nodes} as generation {generation}",
+            generation=generation,
+            members=members,
+            created_at=self.now,
+        )
+        self.plan.launches.extend(launches_for(spec, placed, self.nodes))
+        return placed
+
+    def fill(self, spec: DeploymentSpec, counted: list[Replica], mine: list[Replica]) -> None:
+        """Case 1: retry pending replicas, then make the missing ones — those that
+        are to serve now, the spares after every deployment's (case 13)."""
+        pending = sorted((r for r in counted if r.state == RS.PENDING), key=lambda r: r.generation)
+        missing = max(0, spec.replicas + spec.spares - len(counted))
+        gap = Roles.of(counted).serving_gap(spec.replicas)
+        retry_now, create_now = pending[:gap], min(missing, max(0, gap - len(pending)))
+        for replica in retry_now:
+            self.retry(spec, replica)
+        self.placed_new = 0
+        if create_now:
+            self.create(spec, create_now, mine)
+        short = sum(1 for r in retry_now if self.replicas.get(r.id, r).state == RS.PENDING) + max(0, create_now - self.placed_new)
+        if short > 0:
+            self.serving_short[spec.name] = (request_for(spec), short)
+        if len(pending) > len(retry_now) or missing > create_now:
+            self.spare_work.append((spec, pending[len(retry_now) :], missing - create_now, mine))
 
     def backoff(self, spec: DeploymentSpec) -> Backoff:
         """Case 9: the deployment's backoff after this cycle's failures and recoveries."""
@@ -683,8 +952,9 @@ class Cycle:
     def create(self, spec: DeploymentSpec, count: int, mine: list[Replica]) -> None:
         # Never behind a generation already in use, even if the spec's counter
         # lags (a write of it was lost): generations only grow, ids never repeat.
-        generation = max([spec.last_generation, *(r.generation for r in mine)])
+        generation = max([spec.last_generation, *(r.generation for r in mine), self.plan.generations.get(spec.name, 0)])
         digest = template_digest(spec)
+        self.placed_new = 0
         for _ in range(count):
             generation += 1
             while f"{spec.name}-g{generation}" in self.replicas or f"{spec.name}-g{generation}" in self.deleted:
@@ -704,6 +974,7 @@ class Cycle:
             result = place(request_for(spec), *self.placing())
             if result.placed:
                 self.launch(spec, replica, result, new=True)
+                self.placed_new += 1
             else:
                 self.plan.pending[spec.name] = result.summary
                 self.transition(replica, RS.PENDING, result.summary, new=True)
@@ -775,11 +1046,6 @@ def remember_failures(history: Mapping[str, Sequence[NodeFailure]], plan: Plan, 
     for node_id in plan.settled:
         out.pop(node_id, None)
     return {n: fs for n, fs in out.items() if fs}
-
-
-def _removal_order(replica: Replica) -> tuple[int, int]:
-    rank = 0 if replica.state == RS.PENDING else 1 if replica.state != RS.READY else 2
-    return (rank, -replica.generation)
 
 
 def backoff_text(backoff: Backoff) -> str:

@@ -66,6 +66,7 @@ from llmgw.shared.states import ReplicaState as RS
 from .cycle import Cycle, ReconcileConfig, Scope, run
 from .placement import PlacementCache
 from .plan import NodeFailure, Plan
+from .spares import broken_group
 from .view import LIVE, ClusterView, NodeView, PortRange, node_view
 
 # A clock is treated as due this much early: ``now - t > timeout`` and
@@ -244,8 +245,8 @@ def deadline(replica: Replica, spec: DeploymentSpec | None, config: ReconcileCon
     if replica.state in LAUNCHED_REPLICA and replica.members and spec is not None and replica.members[0].engine_state not in UP_ENGINE:
         return replica.created_at + spec.startup_timeout
     if replica.state == RS.DEGRADED:
-        return replica.since + config.hang_timeout
-    if replica.state == RS.REAPING:
+        return replica.since + (config.peer_lost_grace if broken_group(replica) else config.hang_timeout)
+    if replica.state in (RS.REAPING, RS.RESTARTING):
         return replica.since + config.reap_timeout
     return None
 

@@ -49,6 +49,11 @@ REPLICA_FAILURES = Counter(
     ["deployment", "reason"],
 )
 REBUILD_BUCKETS = (1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600, 1200, 1800, 3600)
+RESTARTS_IN_PLACE = Counter(
+    "llmgw_scheduler_restarts_in_place_total",
+    "Replicas relaunched on the same members after an engine exited on healthy nodes, by deployment",
+    ["deployment"],
+)
 REBUILD_SECONDS = Histogram(
     "llmgw_scheduler_rebuild_seconds", "Time from a replica failing (or being replaced) to its replacement being ready", ["deployment"], buckets=REBUILD_BUCKETS
 )
@@ -148,7 +153,11 @@ class RebuildClock:
                 REPLICA_FAILURES.labels(dep, why).inc()
                 if ev.what == ReplicaState.FAILED:  # a replacement replica is rolled in first, not rebuilt after
                     self.open[dep] = (self.open[dep] + [ev.time])[-64:]
-            elif ev.what == ReplicaState.READY and prior != ReplicaState.DEGRADED and self.open.get(dep):
+            elif ev.what == ReplicaState.RESTARTING:  # timed like a failure, to the next replica up
+                RESTARTS_IN_PLACE.labels(dep).inc()
+                self.open[dep] = (self.open[dep] + [ev.time])[-64:]
+            elif ev.what in (ReplicaState.READY, ReplicaState.STANDBY) and prior != ReplicaState.DEGRADED and self.open.get(dep):
+                # Ready, a spare promoted, or a rebuilt spare standing by: capacity is whole again.
                 REBUILD_SECONDS.labels(dep).observe(max(0.0, ev.time - self.open[dep].pop(0)))
 
     def deployments(self, specs, replicas, since: float) -> None:

@@ -755,6 +755,8 @@ class Scheduler(ServiceRuntime):
         stored = msgspec.structs.replace(spec, applied_at=now(), last_generation=max(spec.last_generation, floor), failures=0, retry_at=0.0, last_failure="")
         await self.deployments_kv.put(spec.name, encode(stored))
         shape = f"{spec.replicas} × {spec.nodes_per_replica} node(s) × {spec.gpus_per_node} GPU(s) of {spec.model} on {spec.engine}"
+        if spec.spares:
+            shape += f", and {spec.spares} warm spare(s)"
         if old is not None and template_digest(old) != template_digest(stored):
             shape += "; the engine template changed: replicas are replaced as new ones become ready"
         await self.events.emit(EventKind.DEPLOYMENT, spec.name, EventWhat.APPLIED, shape)

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from llmgw.shared.errors import ConfigError
 from llmgw.shared.readmodel import gpu_blocks  # the operator tools read the same facts
 from llmgw.shared.schemas import FabricMembership, Lease, NodeRecord, Replica
-from llmgw.shared.states import ACTIVE_REPLICA, HOLDING_REPLICA, AdminState
+from llmgw.shared.states import ACTIVE_REPLICA, HOLDING_REPLICA, AdminState, ReplicaState
 
 # Replicas that count for spreading: the ones meant to keep serving.
-LIVE = ACTIVE_REPLICA
+LIVE = ACTIVE_REPLICA | {ReplicaState.RESTARTING}  # comes back on what it holds
 # A leader binds a rendezvous port and an HTTP port; workers bind none.
 PORTS_PER_LEADER = 2
 
