@@ -35,13 +35,19 @@ class Sim:
         """``workers``: ranks beyond the leader, each its own process (a multi-node replica's group)."""
         self.name = name
         self.model = model
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self._args = (Path(log_dir), token_rate, extra, workers)
+        self.workers: list[subprocess.Popen] = []
+        self._start()
+
+    def _start(self) -> None:
+        log_dir, token_rate, extra, workers = self._args
         self.port = free_port(HOST)
         rdv = free_port(HOST)
-        self.log_path = Path(log_dir) / f"{name}.log"
 
         def argv(rank: int) -> list[str]:
             return [
-                sys.executable, "-m", "llmgw.services", "engine", "sim", "--model", model, "--nnodes", str(workers + 1), "--rank", str(rank),
+                sys.executable, "-m", "llmgw.services", "engine", "sim", "--model", self.model, "--nnodes", str(workers + 1), "--rank", str(rank),
                 "--leader-addr", HOST, "--rendezvous-port", str(rdv), "--host", HOST, "--port", str(self.port),
                 "--load-time", "0", "--token-rate", str(token_rate), *extra,
             ]  # fmt: skip
@@ -50,7 +56,7 @@ class Sim:
             self.proc = subprocess.Popen(argv(0), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.workers = []
         for rank in range(1, workers + 1):
-            with open(Path(log_dir) / f"{name}-rank{rank}.log", "wb") as out:
+            with open(log_dir / f"{self.name}-rank{rank}.log", "wb") as out:
                 self.workers.append(subprocess.Popen(argv(rank), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
 
     @property
@@ -62,8 +68,16 @@ class Sim:
 
     async def wait_serving(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
+        restarts = 0
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # A free port can be taken between free_port() and the engine's bind (another
+                # test's connection, say): that is the harness's race, not the engine's fault.
+                if "address already in use" in self.log() and restarts < 3:
+                    restarts += 1
+                    self.kill()
+                    self._start()
+                    continue
                 raise AssertionError(f"sim {self.name} exited {self.proc.returncode}:\n{self.log()}")
             if "serving" in self.log():
                 return

@@ -34,6 +34,8 @@ from .binding import explain_bind_error, reserve
 PROTO = 1
 PING_INTERVAL = 0.4
 PEER_TIMEOUT = 1.6
+# The longest pause between a worker's tries to reach its leader's rendezvous.
+RETRY_MAX = 0.25
 # A step held this long by a worker that has not acked is worth a log line.
 STEP_NOTICE = 1.0
 HELLO_TIMEOUT = 5.0
@@ -333,7 +335,9 @@ async def join(
                 log.info("waiting for the leader's rendezvous at %s:%d (%s)", leader_addr, port, e.strerror or e)
                 told = True
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            # A refused connect to a local leader costs next to nothing; waiting a second
+            # after it listens delays the group's start (a restart in place's whole margin).
+            delay = min(delay * 2, RETRY_MAX)
 
     _nodelay(writer)
     link = Link(reader, writer, f"leader {leader_addr}:{port}", peer_timeout)
