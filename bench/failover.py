@@ -72,7 +72,8 @@ this process sent the signal; events carry the clock of the service that
 wrote them, on the same machine):
 
 * detected: the first event about the sick replica or its node;
-* last to sick: the start of the last request that began after the fault and
+* last to sick: the start of the last request that began after the fault (and
+  before the replica was back: restarted in place, it keeps its id) and
   was answered by the sick replica (``x-llmgw-replica``); "-" when none did;
 * replacement: the ``ready`` event of the first new replica of the
   deployment that is still ready at the heal (one that was ready and failed
@@ -796,7 +797,9 @@ class Bench:
         res.slow = sum(1 for r in window if not r.error and not r.stream and r.seconds > 2 * self.steady_p99)
         res.longest = max((r.seconds for r in window), default=0.0)
         if sick_replica:
-            to_sick = [r.start - t0 for r in window if r.start >= t0 and r.replica == sick_replica]
+            # Before it is back: a replica restarted in place keeps its id, and serves again.
+            back = res.replacement if res.replacement is not None else float("inf")
+            to_sick = [r.start - t0 for r in window if r.start >= t0 and r.replica == sick_replica and r.start - t0 < back]
             res.last_to_sick = max(to_sick) if to_sick else None
 
     # -- the faults: each injects, waits for its own end, undoes what it must ----
