@@ -310,12 +310,16 @@ class Forwarder:
             resp = Response(upstream.status, data, b.head, upstream.content_type or "application/json")
             return resp, upstream.status, None
         finally:
-            self.router.release(b)
-            if upstream is not None:
-                b.flights.discard(upstream)
-                # Close rather than pool a connection whose answer was not read to
-                # the end: that is what tells the engine to stop (client left, broke).
-                upstream.release() if finished else upstream.close()
+            self._let_go(b, upstream, finished)
+
+    def _let_go(self, b: Backend, upstream: Connection | None, finished: bool) -> None:
+        """An attempt on ``b`` is over: its count released, its connection pooled if its
+        answer was read to the end, else closed — which is what tells the engine to stop
+        (the client left, the stream broke)."""
+        self.router.release(b)
+        if upstream is not None:
+            b.flights.discard(upstream)
+            upstream.release() if finished else upstream.close()
 
     def _unanswered(self, b: Backend, model: str, e: BaseException) -> Response:
         """What a failure before the replica's answer came means: raises _Retryable when
@@ -504,10 +508,7 @@ class Forwarder:
                 finished = True
             return broke
         finally:
-            self.router.release(b)
-            if upstream is not None:
-                b.flights.discard(upstream)
-                upstream.release() if finished else upstream.close()
+            self._let_go(b, upstream, finished)
 
     def _refused_continuation(self, b: Backend, status: int, answer: bytes) -> _Break:
         """A continuation answered with an error: a 5xx is the replica's trouble (another
