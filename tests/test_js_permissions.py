@@ -105,6 +105,15 @@ async def test_gateway_cannot_touch_streams(connector, idents):
     )
 
 
+async def test_the_gateway_publishes_request_events_only(connector, idents):
+    """Its one kind of event (a stream moved between replicas); never a replica's or a node's."""
+    gw = idents["gw1"]
+    ack = await gw.jetstream(timeout=5).publish(f"{S.EVENT_SPACE}.request.chatcmpl-1.migrated", b"{}")
+    assert ack.stream == S.EVENT_STREAM
+    for subject in (f"{S.EVENT_SPACE}.replica.r1.failed", f"{S.EVENT_SPACE}.node.node01.lost"):
+        await refused(connector, gw, "gw1", subject, b"{}")
+
+
 async def test_operator_read_paths_work(idents):
     """What ctl, the console and `nats kv/stream` use: info, list, get, keys, watch, an event feed."""
     kv = await idents["scheduler"].jetstream().key_value(S.BUCKET_REPLICAS)

@@ -70,6 +70,13 @@ REFUSALS = [
     ("missing-required", "{tls}", "server: required key is missing"),
     ("missing-required-nested", S + "tls: {{ca: ca.pem, cert: svc.pem}}\n", "tls.key: required key is missing"),
     ("not-one-of-the-choices", S + "{tls}gateway: {{routing: random}}\n", "gateway.routing: 'random' is not one of prefix, least-outstanding"),
+    (
+        "max-migrations-range",
+        S + "{tls}gateway: {{max_migrations: 17}}\n",
+        "gateway.max_migrations: must be a whole number from 0 (never move a request) to 16, got 17",
+    ),
+    ("migration-text-positive", S + "{tls}gateway: {{stream_migration_max_text: 0}}\n", "gateway.stream_migration_max_text: must be at least 1 character"),
+    ("stream-migration-bool", S + "{tls}gateway: {{stream_migration: maybe}}\n", "gateway.stream_migration: expected true or false, got a string 'maybe'"),
     ("value-of-a-key", S + "{tls}scheduler: {{auto_cordon_max_share: 2}}\n", "scheduler.auto_cordon_max_share: a share between 0 and 1, got 2.0"),
     ("values-of-a-section", S + "{tls}gateway: {{tls_cert: gw.pem}}\n", "gateway: tls_cert and tls_key go together (HTTPS needs both)"),
     ("values-across-sections", S + "{tls}reconnect_base: 1m\n", "reconnect_base: 60s is longer than reconnect_max (30s)"),

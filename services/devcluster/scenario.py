@@ -137,6 +137,10 @@ class StreamClients:
         now = time.time()
         return next((r for r in self.in_flight.values() if r.replica in replicas and now - r.start >= since), None)
 
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
     async def stop(self) -> None:
         """No new stream; the ones under way finish."""
         self._stop.set()
@@ -243,7 +247,7 @@ async def observe_seed_story(
             await story.streams.stop()
             await _note_moves(story, moved)
     finally:
-        if story.streams is not None and not story.streams._stop.is_set():
+        if story.streams is not None and not story.streams.stopped:
             await story.streams.stop()
         await replicas.stop()
         await leases.stop()
